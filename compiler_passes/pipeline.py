@@ -1,0 +1,23 @@
+"""The one list of passes that turns an exported model into a library for a target."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+
+def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None) -> tvm.transform.Pass:
+    """Our model-level passes, then TVM's default lowering for `target`.
+
+    `extra_passes` run first, on the exported module, while linears are still
+    `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
+    """
+    passes = list(extra_passes or [])
+    # permute_dims + matmul -> one NT_matmul kernel; no separate transpose of the weights.
+    passes.append(relax.transform.FuseTransposeMatmul())
+    if "gpu" in target.keys:
+        passes.append(relax.get_default_pipeline(target))
+    else:
+        # The generic CPU pipeline: no FuseOps, which may drop packed calls kept for side effects.
+        passes.append(relax.get_pipeline("default"))
+    return tvm.transform.Sequential(passes, name="mlc_lora_pipeline")

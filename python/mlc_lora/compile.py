@@ -1,0 +1,248 @@
+"""`mlc_lora compile`: a model source -> compiled library + converted weights + one JSON config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .errors import CompileError, ModelConfigError
+from .loader import ModelSource, resolve_model
+from .models import MODELS
+
+CONFIG_FILE = "mlc-lora-config.json"
+PARAMS_FILE = "params.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass
+class CompileOptions:  # pylint: disable=too-many-instance-attributes
+    """Everything the user can choose at compile time."""
+
+    target: str = "llvm"  # "llvm" or "cuda"
+    dtype: str | None = None  # default: float32 on llvm, float16 on cuda
+    cuda_arch: str = "sm_90a"
+    context_window_size: int | None = None
+    prefill_chunk_size: int = 2048
+    max_batch_size: int = 64
+
+    def resolved_dtype(self) -> str:
+        dtype = self.dtype or ("float32" if self.target == "llvm" else "float16")
+        if dtype not in DTYPES:
+            raise CompileError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return dtype
+
+
+def make_target(options: CompileOptions):
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    if options.target == "llvm":
+        return tvm.target.Target("llvm")
+    if options.target == "cuda":
+        return tvm.target.Target({"kind": "cuda", "arch": options.cuda_arch}, host="llvm")
+    raise CompileError(f"unsupported target {options.target!r}; choose llvm or cuda")
+
+
+def compile_model(model: str | Path, output: str | Path, options: CompileOptions | None = None,
+                  progress: bool = True) -> Path:
+    """Compile `model` (embedded name, HF folder or .gguf) into the folder `output`."""
+    options = options or CompileOptions()
+    output = Path(output)
+    dtype = options.resolved_dtype()
+    steps = tqdm(total=4, desc="compile", unit="step", disable=not progress)
+
+    steps.set_postfix_str("reading model")
+    source = resolve_model(model)
+    cfg, arch_module = _model_config(source, options)
+    steps.update()
+
+    output.mkdir(parents=True, exist_ok=True)
+    steps.set_postfix_str(f"building library ({options.target})")
+    lib_name = f"lib.{options.target}.so"
+    param_names = build_library(arch_module, cfg, dtype, options, output / lib_name)
+    steps.update()
+
+    steps.set_postfix_str("converting weights")
+    convert_weights(source, arch_module, cfg, dtype, output / PARAMS_FILE, progress=progress)
+    steps.update()
+
+    steps.set_postfix_str("writing config and tokenizer")
+    tokenizer = _write_tokenizer(source, output)
+    config = {
+        "mlc_lora_version": _version(),
+        "model_name": source.name,
+        "architecture": arch_module.__name__.rsplit(".", 1)[-1],
+        "model_config": dataclasses.asdict(cfg),
+        "dtype": dtype,
+        "target": {"kind": options.target, "arch": options.cuda_arch if options.target == "cuda" else None},
+        "library": lib_name,
+        "params_file": PARAMS_FILE,
+        "param_names": param_names,
+        "tokenizer": tokenizer,
+        "compile_options": dataclasses.asdict(options),
+        "compiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (output / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    steps.update()
+    steps.close()
+    return output
+
+
+def _model_config(source: ModelSource, options: CompileOptions):
+    archs = source.config.get("architectures") or []
+    module = next((MODELS[a] for a in archs if a in MODELS), None)
+    if module is None:
+        if source.config.get("model_type") in ("llama", "mistral"):
+            module = MODELS["LlamaForCausalLM"]
+        else:
+            raise ModelConfigError(
+                f"unsupported architecture {archs or source.config.get('model_type')!r} in "
+                f"{source.name}: mlc-lora supports {', '.join(sorted(MODELS))}"
+            )
+    cfg = module.LlamaConfig.from_dict(
+        source.config,
+        context_window_size=options.context_window_size,
+        prefill_chunk_size=options.prefill_chunk_size,
+        max_batch_size=options.max_batch_size,
+    )
+    return cfg, module
+
+
+def export_model(arch_module, cfg, dtype: str, target):
+    """Export the nn.Module to a Relax IRModule; returns (mod, ordered param names)."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    with target:
+        model = arch_module.LlamaForCausalLM(cfg)
+        model.to(dtype)
+        mod, named_params = model.export_tvm(spec=model.get_default_spec())
+    del tvm
+    return mod, [name for name, _ in named_params]
+
+
+def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_path: Path,
+                  extra_passes: list | None = None) -> list[str]:
+    """Export, run our pipeline and build the library at `lib_path`; returns the param order."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from .compiler_passes import get_pipeline  # pylint: disable=import-outside-toplevel
+
+    if options.target == "cuda":
+        prepare_cuda_build()
+    target = make_target(options)
+    mod, param_names = export_model(arch_module, cfg, dtype, target)
+    with target:
+        ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target, extra_passes=extra_passes))
+        ex.export_library(str(lib_path))
+    if options.target == "cuda":
+        _check_cubin(lib_path)
+    return param_names
+
+
+def convert_weights(source: ModelSource, arch_module, cfg, dtype: str, path: Path,
+                    progress: bool = True) -> None:
+    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+    out: dict[str, np.ndarray] = {}
+    it = tqdm(source.weights(), total=source.num_weights, desc="weights", unit="tensor",
+              disable=not progress, leave=False)
+    for name, arr in arch_module.convert_hf_weights(cfg, it, dtype):
+        out[name] = arr
+    save_file(out, str(path), metadata={"dtype": dtype})
+
+
+def _write_tokenizer(source: ModelSource, output: Path) -> dict[str, Any]:
+    info = {k: v for k, v in source.tokenizer_config.items() if _jsonable(v)}
+    if source.tokenizer_json is not None:
+        (output / TOKENIZER_FILE).write_text(source.tokenizer_json)
+        info["file"] = TOKENIZER_FILE
+    return info
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+def _version() -> str:
+    from . import __version__  # pylint: disable=import-outside-toplevel
+
+    return __version__
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA on a machine without a GPU: TVM builds cubin only if libtvm_runtime_cuda.so loads, and that
+# needs libcuda.so.1 (the driver) and libcudart.so.13. We give it a stub driver and the toolkit's
+# cudart, and make TVM call nvcc instead of NVRTC.
+
+
+def prepare_cuda_build() -> None:
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+    if tvm.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
+        return
+    if shutil.which("nvcc") is None:
+        raise CompileError("--target cuda needs nvcc (the CUDA toolkit) on PATH to build cubin")
+    cuda_home = Path(shutil.which("nvcc")).resolve().parent.parent
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        ctypes.CDLL(str(_cuda_stub()), mode=ctypes.RTLD_GLOBAL)
+    for cand in [cuda_home / "lib64" / "libcudart.so.13", cuda_home / "lib" / "libcudart.so.13"]:
+        if cand.exists():
+            ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+            break
+    tvm_lib = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_cuda.so"
+    try:
+        ctypes.CDLL(str(tvm_lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise CompileError(f"cannot load {tvm_lib} to build CUDA code: {e}") from e
+    if tvm.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is None:
+        raise CompileError("TVM's CUDA runtime did not register; cannot emit cubin")
+
+
+def _cuda_stub() -> Path:
+    """Build (once) the stand-in libcuda.so.1 from src/cuda_stub/cuda_stub.c."""
+    cache = Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora"))
+    out = cache / "cuda_stub" / "libcuda.so.1"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    src = out.parent / "cuda_stub.c"
+    src.write_text(_CUDA_STUB_C)
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out), str(src)],
+                   check=True, capture_output=True)
+    return out
+
+
+# libtvm_runtime_cuda.so imports these driver symbols; TVM never calls them while it builds, so
+# each reports CUDA_ERROR_NO_DEVICE (100).
+_CUDA_STUB_C = "\n".join(
+    f"int {name}(void) {{ return 100; }}"
+    for name in ("cuDeviceGetName", "cuFuncSetAttribute", "cuGetErrorName", "cuGetErrorString",
+                 "cuLaunchKernelEx", "cuModuleGetFunction", "cuModuleLoadData", "cuModuleUnload",
+                 "cuTensorMapEncodeTiled")
+) + "\n"
+
+
+def _check_cubin(lib_path: Path) -> None:
+    """A cuda build that fell back to CUDA source cannot load on a runtime-only TVM: refuse it."""
+    data = lib_path.read_bytes()
+    if b"__nv_" not in data and b".nv.info" not in data and b"cubin" not in data:
+        raise CompileError(f"{lib_path} holds no cubin; the CUDA build fell back to source code")

@@ -1,0 +1,17 @@
+"""Errors that name the problem; every user-facing failure of mlc-lora raises one of these."""
+
+
+class MLCLoraError(Exception):
+    """Base class of mlc-lora's errors."""
+
+
+class ModelConfigError(MLCLoraError, ValueError):
+    """config.json (or GGUF metadata) is missing, malformed, or describes an unsupported model."""
+
+
+class WeightError(MLCLoraError, ValueError):
+    """A weight is missing, unexpected, or has the wrong shape."""
+
+
+class CompileError(MLCLoraError, RuntimeError):
+    """The model could not be compiled for the requested target."""

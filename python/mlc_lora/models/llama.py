@@ -1,0 +1,381 @@
+"""Llama-architecture models (Llama 2/3, SmolLM2, Mistral-style configs) as one Relax nn.Module family.
+
+The file holds the config dataclass, the modules, the export spec and the map from Hugging Face
+weight names to ours. q/k/v and gate/up are fused into one linear each (``qkv_proj``,
+``gate_up_proj``) so that a layer runs four GEMMs; the LoRA passes know the fused row ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+from tvm import relax
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
+
+from ..errors import ModelConfigError, WeightError
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+@dataclasses.dataclass
+class LlamaConfig:  # pylint: disable=too-many-instance-attributes
+    """The subset of a Hugging Face Llama config.json that defines the computation."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None
+    # Compile-time sizes, not from the HF config.
+    context_window_size: int = 0
+    prefill_chunk_size: int = 2048
+    max_batch_size: int = 64
+
+    def __post_init__(self):
+        if self.num_key_value_heads == 0:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                raise ModelConfigError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{self.num_attention_heads} and config.json gives no head_dim"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.context_window_size == 0:
+            self.context_window_size = self.max_position_embeddings
+        self.prefill_chunk_size = min(self.prefill_chunk_size, self.context_window_size)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], **overrides) -> "LlamaConfig":
+        """Build from a config.json dict; refuses other architectures and features we lack."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        if not any(a in ARCHITECTURES for a in archs) and cfg.get("model_type") not in ("llama", "mistral"):
+            raise ModelConfigError(
+                f"unsupported architecture {archs}: mlc-lora supports {', '.join(ARCHITECTURES)}"
+            )
+        if cfg.get("sliding_window") and cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
+            # Mistral-v0.1-style sliding window: refuse rather than silently attend to everything.
+            raise ModelConfigError(
+                f"sliding_window={cfg['sliding_window']} is not supported (set it to null or raise "
+                "max_position_embeddings to run without it)"
+            )
+        for key in ("attention_bias", "mlp_bias"):
+            if cfg.get(key):
+                raise ModelConfigError(f"{key}=true is not supported by the Llama model of mlc-lora")
+        missing = [f for f in ("hidden_size", "intermediate_size", "num_attention_heads",
+                               "num_hidden_layers", "vocab_size") if f not in cfg]
+        if missing:
+            raise ModelConfigError(f"config.json lacks required fields: {', '.join(missing)}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kwargs)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        rs = dict(self.rope_scaling or {})
+        if "type" in rs and "rope_type" not in rs:
+            rs["rope_type"] = rs.pop("type")
+        if rs.get("rope_type") in (None, "default"):
+            return {}
+        if rs["rope_type"] != "llama3":
+            raise ModelConfigError(f"unsupported rope_scaling type {rs['rope_type']!r} (supported: llama3)")
+        return rs
+
+    @property
+    def qkv_out(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.num_q = cfg.num_attention_heads
+        self.num_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.qkv_out, bias=False)
+        self.o_proj = nn.Linear(self.num_q * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
+        b, s, _ = x.shape
+        qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
+        # RoPE, the KV append and paged attention all happen inside the cache call.
+        o = kv.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5)
+        return self.o_proj(op.reshape(o, (b, s, self.num_q * self.head_dim)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+
+    def forward(self, h: Tensor, kv: PagedKVCache, layer_id: int) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), kv, layer_id)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False)
+
+    def forward(self, h: Tensor, kv: PagedKVCache) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            h = layer(h, kv, i)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attributes
+    """Embed / ragged prefill / batched decode over a paged KV cache; logits in float32."""
+
+    def __init__(self, cfg: LlamaConfig):
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.tie_word_embeddings = cfg.tie_word_embeddings
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.dtype = "float32"
+
+    def to(self, dtype: str | None = None):
+        super().to(dtype=dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    def _logits(self, h: Tensor) -> Tensor:
+        if self.tie_word_embeddings:
+            logits = op.matmul(h, op.permute_dims(self.model.embed_tokens.weight))
+        else:
+            logits = self.lm_head(h)
+        return logits.astype("float32") if logits.dtype != "float32" else logits
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)  # (n,) -> (n, H)
+
+    def prefill(self, input_embed: Tensor, logit_positions: Tensor, paged_kv_cache: PagedKVCache):
+        """input_embed (1, n, H): the tokens of every sequence, concatenated in begin_forward order;
+        logit_positions (b,): index of each sequence's last token. Returns logits (1, b, V)."""
+        h = self.model(input_embed, paged_kv_cache)
+        h = op.take(h, logit_positions, axis=1)
+        return self._logits(h), paged_kv_cache
+
+    def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache):
+        """input_embed (b, 1, H), one token per sequence. Returns logits (b, 1, V)."""
+        h = self.model(input_embed, paged_kv_cache)
+        return self._logits(h), paged_kv_cache
+
+    def create_paged_kv_cache(  # pylint: disable=too-many-arguments
+        self, max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window
+    ) -> PagedKVCache:
+        cfg = self.cfg
+        return TIRPagedKVCache(
+            attn_kind="mha",
+            max_batch_size=max_batch_size,
+            max_total_seq_len=max_total_seq_len,
+            prefill_chunk_size=prefill_chunk_size,
+            page_size=page_size,
+            support_sliding_window=support_sliding_window,
+            layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            qk_head_dim=cfg.head_dim,
+            v_head_dim=cfg.head_dim,
+            mla_original_qk_head_dim=0,
+            mla_original_v_head_dim=0,
+            rope_mode=RopeMode.NORMAL,
+            rope_scale=1,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling_dict,
+            rope_ext_factors=relax.prim_value(0),
+            rotary_dim=cfg.head_dim,
+            enable_disaggregation=False,
+            dtype=self.dtype,
+            target=_current_target(),
+        )
+
+    def get_default_spec(self) -> nn.spec.ModuleSpec:
+        h, dt = self.cfg.hidden_size, self.dtype
+        packed = {"param_mode": "packed", "effect_mode": "none"}
+        spec = {
+            "embed": {"input_ids": nn.spec.Tensor(["seq_len"], "int32"), "$": packed},
+            "prefill": {
+                "input_embed": nn.spec.Tensor([1, "seq_len", h], dt),
+                "logit_positions": nn.spec.Tensor(["batch_size"], "int32"),
+                "paged_kv_cache": nn.spec.Object(object_type=PagedKVCache),
+                "$": packed,
+            },
+            "decode": {
+                "input_embed": nn.spec.Tensor(["batch_size", 1, h], dt),
+                "paged_kv_cache": nn.spec.Object(object_type=PagedKVCache),
+                "$": packed,
+            },
+            "create_paged_kv_cache": {
+                "max_batch_size": int,
+                "max_total_seq_len": int,
+                "prefill_chunk_size": int,
+                "page_size": int,
+                "support_sliding_window": int,
+                "$": {"param_mode": "none", "effect_mode": "none"},
+            },
+        }
+        return nn.spec.ModuleSpec.from_raw(spec, self)
+
+
+def _current_target():
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    target = tvm.target.Target.current(allow_none=True)
+    return target if target is not None else tvm.target.Target("llvm")
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: Hugging Face names and layouts -> our parameters.
+
+
+def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of LlamaForCausalLM with its shape, in export order."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}"
+        shapes[f"{p}.self_attn.qkv_proj.weight"] = (cfg.qkv_out, h)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
+        shapes[f"{p}.mlp.gate_up_proj.weight"] = (2 * i, h)
+        shapes[f"{p}.mlp.down_proj.weight"] = (h, i)
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+# Our fused parameters and the HF tensors they concatenate (along the output rows).
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def hf_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape every Hugging Face tensor must have."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}"
+        out.update({
+            f"{p}.self_attn.q_proj.weight": (cfg.num_attention_heads * d, h),
+            f"{p}.self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
+            f"{p}.self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
+            f"{p}.self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+            f"{p}.mlp.gate_proj.weight": (i, h),
+            f"{p}.mlp.up_proj.weight": (i, h),
+            f"{p}.mlp.down_proj.weight": (h, i),
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+        })
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def convert_hf_weights(
+    cfg: LlamaConfig, hf: Iterable[tuple[str, np.ndarray]], dtype: str
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Check every HF tensor's shape (naming the offender) and yield our parameters in `dtype`.
+
+    `hf` yields (name, array) in any order; fused parameters are emitted once all their parts
+    have arrived, so at most one layer's q/k/v or gate/up is held at a time.
+    """
+    want = hf_param_shapes(cfg)
+    pending: dict[str, np.ndarray] = {}
+    seen: set[str] = set()
+    part_of = {}
+    for l in range(cfg.num_hidden_layers):
+        for fused, parts in _FUSED.items():
+            for part in parts:
+                part_of[f"model.layers.{l}.{part}"] = (f"model.layers.{l}.{fused}",
+                                                       [f"model.layers.{l}.{p}" for p in parts])
+    np_dtype = _np_dtype(dtype)
+    for name, arr in hf:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name not in want:
+            raise WeightError(f"unexpected weight {name!r} (shape {tuple(arr.shape)}) for a Llama model")
+        if tuple(arr.shape) != want[name]:
+            raise WeightError(
+                f"weight {name!r} has shape {tuple(arr.shape)}, expected {want[name]} from config.json"
+            )
+        seen.add(name)
+        if name in part_of:
+            fused, parts = part_of[name]
+            pending[name] = arr
+            if all(p in pending for p in parts):
+                yield fused, np.concatenate([pending.pop(p) for p in parts], axis=0).astype(np_dtype)
+            continue
+        yield name, np.ascontiguousarray(arr).astype(np_dtype)
+    missing = sorted(set(want) - seen)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise WeightError(f"missing weights: {', '.join(missing[:5])}{more}")
+    if pending:
+        raise WeightError(f"incomplete fused weights: {', '.join(sorted(pending))}")
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+# The Hugging Face names of the linear layers inside our fused parameters, with their row ranges,
+# so that LoRA targets (q_proj, gate_proj, ...) can be located in the fused outputs.
+def fused_linear_parts(cfg: LlamaConfig) -> dict[str, list[tuple[str, int, int]]]:
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    i = cfg.intermediate_size
+    return {
+        "qkv_proj": [("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)],
+        "gate_up_proj": [("gate_proj", 0, i), ("up_proj", i, 2 * i)],
+        "o_proj": [("o_proj", 0, cfg.hidden_size)],
+        "down_proj": [("down_proj", 0, cfg.hidden_size)],
+    }
+
+
+def kv_bytes_per_token(cfg: LlamaConfig, dtype: str) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * np.dtype(
+        "float16" if dtype == "bfloat16" else dtype).itemsize
+

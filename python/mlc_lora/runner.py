@@ -1,0 +1,142 @@
+"""Load a compiled model folder and run its functions: the thin layer under the engine.
+
+Needs only TVM's runtime (it works with the runtime-only bundle used on the GPU machine).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import MLCLoraError
+
+CONFIG_FILE = "mlc-lora-config.json"
+
+
+def _tvm():
+    import tvm  # pylint: disable=import-outside-toplevel
+    import tvm.runtime.vm  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+
+    return tvm
+
+
+def load_cuda_runtime() -> None:
+    """Runtime-only TVM does not autoload its CUDA device API; load it once."""
+    tvm = _tvm()
+    if tvm.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
+        return
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    tvm_ffi.libinfo.load_lib_ctypes("tvm", "tvm_runtime_cuda", "RTLD_GLOBAL",
+                                    extra_lib_paths=tvm.libinfo.package_lib_paths())
+
+
+def device_of(name: str):
+    tvm = _tvm()
+    if name == "cpu":
+        return tvm.cpu(0)
+    if name.startswith("cuda"):
+        load_cuda_runtime()
+        idx = int(name.split(":", 1)[1]) if ":" in name else 0
+        dev = tvm.cuda(idx)
+        if not dev.exist:
+            raise MLCLoraError(f"device {name!r} requested but no CUDA GPU is visible")
+        return dev
+    raise MLCLoraError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+
+
+class ModelRunner:  # pylint: disable=too-many-instance-attributes
+    """A compiled model on one device: weights, VM functions and KV-cache builtins."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu"):
+        model_dir = Path(model_dir)
+        cfg_path = model_dir / CONFIG_FILE
+        if not cfg_path.is_file():
+            raise MLCLoraError(f"{model_dir} is not a compiled mlc-lora model (no {CONFIG_FILE})")
+        self.config = json.loads(cfg_path.read_text())
+        self.model_dir = model_dir
+        self.model_config = self.config["model_config"]
+        want = self.config["target"]["kind"]
+        if (want == "llvm") != (device == "cpu"):
+            raise MLCLoraError(
+                f"{model_dir} was compiled for target {want!r} and cannot run on device {device!r}"
+            )
+        tvm = _tvm()
+        self.device = device_of(device)
+        lib = tvm.runtime.load_module(str(model_dir / self.config["library"]))
+        self.vm = tvm.runtime.vm.VirtualMachine(lib, self.device)
+        self.params = self._load_params(model_dir / self.config["params_file"])
+        self._embed = self.vm["embed"]
+        self._prefill = self.vm["prefill"]
+        self._decode = self.vm["decode"]
+        g = tvm.get_global_func
+        self.kv_add = g("vm.builtin.kv_state_add_sequence")
+        self.kv_remove = g("vm.builtin.kv_state_remove_sequence")
+        self.kv_fork = g("vm.builtin.kv_state_fork_sequence")
+        self.kv_popn = g("vm.builtin.kv_state_popn")
+        self._kv_begin = g("vm.builtin.kv_state_begin_forward")
+        self._kv_end = g("vm.builtin.kv_state_end_forward")
+        self.kv_available_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self.kv_seq_length = g("vm.builtin.attention_kv_cache_get_sequence_length")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config["vocab_size"]
+
+    @property
+    def dtype(self) -> str:
+        return self.config["dtype"]
+
+    def _load_params(self, path: Path):
+        from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+        tvm = _tvm()
+        out = []
+        with safe_open(str(path), framework="numpy") as st:
+            for name in self.config["param_names"]:
+                out.append(tvm.runtime.tensor(st.get_tensor(name), self.device))
+        return out
+
+    def create_kv_cache(self, max_batch_size: int, max_total_seq_len: int,
+                        prefill_chunk_size: int | None = None, page_size: int = 16):
+        s = _tvm().runtime.ShapeTuple
+        chunk = prefill_chunk_size or self.model_config["prefill_chunk_size"]
+        return self.vm["create_paged_kv_cache"](
+            s([max_batch_size]), s([max_total_seq_len]), s([chunk]), s([page_size]), s([0])
+        )
+
+    # --- forward passes -----------------------------------------------------------------------
+
+    def embed(self, token_ids: np.ndarray):
+        tvm = _tvm()
+        ids = tvm.runtime.tensor(np.asarray(token_ids, dtype=np.int32), self.device)
+        return self._embed(ids, self.params)
+
+    def prefill(self, kv, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]):
+        """One ragged prefill over several sequences; returns last-token logits (b, V) on device."""
+        tvm = _tvm()
+        lengths = [len(t) for t in tokens]
+        if min(lengths) < 1:
+            raise MLCLoraError("every sequence in a prefill needs at least one token")
+        flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
+        emb = self.embed(flat)
+        emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access
+        last = tvm.runtime.tensor(np.cumsum(lengths).astype(np.int32) - 1, self.device)
+        self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple(lengths))
+        logits, _ = self._prefill(emb, last, kv, self.params)
+        self._kv_end(kv)
+        return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
+
+    def decode(self, kv, seq_ids: Sequence[int], tokens: Sequence[int]):
+        """One decode step, one token per sequence; returns logits (b, V) on device."""
+        tvm = _tvm()
+        b = len(seq_ids)
+        emb = self.embed(np.asarray(tokens, dtype=np.int32))
+        emb = emb._create_view((b, 1, emb.shape[-1]))  # pylint: disable=protected-access
+        self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple([1] * b))
+        logits, _ = self._decode(emb, kv, self.params)
+        self._kv_end(kv)
+        return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access
