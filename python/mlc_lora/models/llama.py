@@ -83,6 +83,14 @@ class LlamaConfig:  # pylint: disable=too-many-instance-attributes
                                "num_hidden_layers", "vocab_size") if f not in cfg]
         if missing:
             raise ModelConfigError(f"config.json lacks required fields: {', '.join(missing)}")
+        cfg = dict(cfg)
+        # transformers >= 5 writes RoPE settings as one `rope_parameters` dict.
+        rope = cfg.pop("rope_parameters", None)
+        if rope:
+            rope = dict(rope)
+            cfg.setdefault("rope_theta", rope.pop("rope_theta", 10000.0))
+            if rope.get("rope_type", "default") != "default":
+                cfg["rope_scaling"] = rope
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in cfg.items() if k in names and v is not None}
         kwargs.update({k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random Llama models saved as Hugging Face folders and compiled once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_CONFIGS = {
+    # GQA, untied lm_head
+    "gqa": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, vocab_size=128, tie_word_embeddings=False),
+    # multi-head attention, tied embeddings, another RoPE theta
+    "mha_tied": dict(hidden_size=48, intermediate_size=96, num_attention_heads=3, num_key_value_heads=3,
+                     num_hidden_layers=3, vocab_size=96, tie_word_embeddings=True, rope_theta=100000.0),
+    # Llama-3 RoPE scaling, GQA 4:1, explicit head_dim
+    "llama3": dict(hidden_size=64, intermediate_size=160, num_attention_heads=8, num_key_value_heads=2,
+                   num_hidden_layers=2, vocab_size=112, tie_word_embeddings=True, rope_theta=500000.0,
+                   head_dim=16, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64}),
+}
+
+
+def make_tiny_hf_model(folder: Path, name: str, seed: int = 0):
+    """Save a seeded random HF LlamaForCausalLM to `folder`; returns the torch model (eval mode)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, **TINY_CONFIGS[name])
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    # Random-init norms are all ones; perturb them so that a mixed-up norm weight shows.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """name -> (hf_model, compiled_dir) for every tiny config, compiled for llvm once per session."""
+    from mlc_lora.compile import CompileOptions, compile_model
+
+    out = {}
+    root = tmp_path_factory.mktemp("tiny")
+    for name in TINY_CONFIGS:
+        hf_dir = root / f"{name}-hf"
+        model = make_tiny_hf_model(hf_dir, name)
+        compiled = compile_model(hf_dir, root / f"{name}-llvm",
+                                 CompileOptions(prefill_chunk_size=256, max_batch_size=16), progress=False)
+        out[name] = (model, compiled)
+    return out
