@@ -1,0 +1,27 @@
+"""`mlc_lora compile MODEL -o OUT_DIR [...]`."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..compile import DTYPES, CompileOptions, compile_model
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mlc_lora compile", description=__doc__)
+    p.add_argument("model", help="embedded name (smollm2-135m), Hugging Face folder, or .gguf file")
+    p.add_argument("-o", "--output", required=True, help="output folder")
+    p.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="default: float32 for llvm, float16 for cuda")
+    p.add_argument("--cuda-arch", default="sm_90a")
+    p.add_argument("--context-window-size", type=int, default=None)
+    p.add_argument("--prefill-chunk-size", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    a = p.parse_args(argv)
+    opts = CompileOptions(target=a.target, dtype=a.dtype, cuda_arch=a.cuda_arch,
+                          context_window_size=a.context_window_size,
+                          prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size)
+    out = compile_model(a.model, a.output, opts)
+    print(f"compiled {a.model} -> {out}")
+    return 0
