@@ -5,6 +5,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from .attach_sampler import AttachSampler
+
 
 def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None) -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
@@ -13,6 +15,7 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None)
     `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
     """
     passes = list(extra_passes or [])
+    passes.append(AttachSampler(target))
     # permute_dims + matmul -> one NT_matmul kernel; no separate transpose of the weights.
     passes.append(relax.transform.FuseTransposeMatmul())
     if "gpu" in target.keys:
