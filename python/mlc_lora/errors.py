@@ -15,3 +15,7 @@ class WeightError(MLCLoraError, ValueError):
 
 class CompileError(MLCLoraError, RuntimeError):
     """The model could not be compiled for the requested target."""
+
+
+class RequestError(MLCLoraError, ValueError):
+    """A request is malformed: messages, sampling parameters, lengths or an unknown adapter."""
