@@ -329,7 +329,8 @@ class _Request:
         model = self.engine.model_name
         if self.chat:
             return P.ChatCompletion(self.id, self.created, model, [P.ChatCompletionChoice(
-                0, P.ChatCompletionMessage("assistant", text), last.finish_reason, lp)], usage)
+                0, P.ChatCompletionMessage("assistant", text), last.finish_reason, lp,
+                [s.token for s in tokens])], usage)
         if lp is not None:  # text offsets of each token in the returned text
             pos, offs = 0, []
             for o in outs:
@@ -337,7 +338,8 @@ class _Request:
                 pos += len(o.text)
             lp.text_offset = offs
         return P.Completion(self.id, self.created, model,
-                            [P.CompletionChoice(0, text, last.finish_reason, lp)], usage)
+                            [P.CompletionChoice(0, text, last.finish_reason, lp, [s.token for s in tokens])],
+                            usage)
 
 
 class MLCEngine:
