@@ -100,25 +100,22 @@ def test_ids_match_transformers_gguf_tokenizer(tokenizer, hf_gguf_tokenizer):
         assert ours == ref, text[:200]
 
 
-def test_config_and_weights_match_transformers_gguf_loading(smollm2):
-    """Config, dequantization, tensor names and the q/k un-permutation, against transformers' GGUF reader."""
-    import torch
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+def test_weights_match_gguf_py_names_and_transformers_unpermute(smollm2):
+    """Independent references for each step: gguf-py's own HF->GGUF name map and dequantizer, and
+    transformers' GGUF tensor processor for the q/k row order."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    path = smollm2_gguf_path()
-    hf_cfg = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "num_hidden_layers", "vocab_size", "max_position_embeddings", "tie_word_embeddings"):
-        assert smollm2.config[key] == getattr(hf_cfg, key), key
-    assert smollm2.config["rms_norm_eps"] == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
-    assert smollm2.config["rope_theta"] == hf_cfg.rope_parameters["rope_theta"]
-    with torch.device("meta"):
-        skeleton = transformers.LlamaForCausalLM(hf_cfg)
-    ref = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    reader = gguf.GGUFReader(str(smollm2_gguf_path()))
+    tensors = {t.name: t for t in reader.tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, smollm2.config["num_hidden_layers"])
+    processor = LlamaTensorProcessor(config=smollm2.config)
     checked = 0
     for name, arr in smollm2.weights():
         if ".layers.7." in name or ".layers." not in name:
-            np.testing.assert_array_equal(arr, ref[name].float().numpy(), err_msg=name)
+            gname = names.get_name(name.removesuffix(".weight")) + ".weight"
+            t = tensors[gname]
+            want = processor.process(gguf.dequantize(t.data, t.tensor_type), gname).weights
+            np.testing.assert_array_equal(arr, want, err_msg=name)
             checked += 1
     assert checked == 11  # the 9 tensors of layer 7, embed_tokens, norm
