@@ -146,6 +146,8 @@ class _Rewriter(relax.PyExprMutator):
         dtype = y.ty.dtype
         n = self.n_tok
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([n, in_f])))
+        if self.opts.kernel == "single":
+            x2 = bb.emit(relax.op.multiply(x2, self._mask(dtype)))  # base-model tokens get no delta
         deltas = []
         for name, lo, hi in parts:
             if name in self.opts.module_index:
@@ -166,13 +168,12 @@ class _Rewriter(relax.PyExprMutator):
         if self.opts.kernel == "gather":
             return bb.emit(relax.call_tir(gv, [x2, t["lora_arena"], t["lora_token_slot"], *tables, lay],
                                           relax.TensorType([n, out_f], dtype)))
-        # single: dense A (R, in) and scale*B^T (R, out) of slot 0, two GEMMs, base tokens masked.
+        # single: dense A (R, in) and scale*B^T (R, out) of slot 0, then two GEMMs (x2 is masked).
         ab = bb.emit(relax.call_tir(gv, [t["lora_arena"], *tables, lay],
                                     [relax.TensorType([R, in_f], dtype), relax.TensorType([R, out_f], dtype)]))
         a = bb.emit(relax.TupleGetItem(ab, 0))
         b = bb.emit(relax.TupleGetItem(ab, 1))
         h = bb.emit(relax.op.matmul(x2, relax.op.permute_dims(a)))
-        h = bb.emit(relax.op.multiply(h, self._mask(dtype)))
         return bb.emit(relax.op.matmul(h, b))
 
     def _mask(self, dtype: str) -> relax.Var:
