@@ -5,14 +5,21 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from .lora_rewrite import LoraRewrite
 
-def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None) -> tvm.transform.Pass:
+
+def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
+                 lora: dict | None = None) -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
-    `extra_passes` run first, on the exported module, while linears are still
-    `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
+    `lora` (LoraRewrite's keyword arguments) and `extra_passes` run first, on the exported module,
+    while linears are still `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
     """
-    passes = list(extra_passes or [])
+    passes = []
+    if lora is not None:
+        # Paged-adapter tables on prefill/decode, base + delta on every target linear.
+        passes.append(LoraRewrite(target=target, **lora))
+    passes += list(extra_passes or [])
     # permute_dims + matmul -> one NT_matmul kernel; no separate transpose of the weights.
     passes.append(relax.transform.FuseTransposeMatmul())
     if "gpu" in target.keys:

@@ -15,3 +15,7 @@ class WeightError(MLCLoraError, ValueError):
 
 class CompileError(MLCLoraError, RuntimeError):
     """The model could not be compiled for the requested target."""
+
+
+class LoraError(MLCLoraError, ValueError):
+    """A LoRA adapter or LoRA compile option is malformed, unsupported, or does not fit the model."""
