@@ -5,14 +5,21 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from .dispatch_kv_cache import DispatchKVCache
 
-def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None) -> tvm.transform.Pass:
+
+def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
+                 stock_kv_cache: bool = False) -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
     `extra_passes` run first, on the exported module, while linears are still
     `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
+    `stock_kv_cache` keeps TVM's own paged KV cache (tests compare the two).
     """
     passes = list(extra_passes or [])
+    if not stock_kv_cache:
+        # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
+        passes.append(DispatchKVCache())
     # permute_dims + matmul -> one NT_matmul kernel; no separate transpose of the weights.
     passes.append(relax.transform.FuseTransposeMatmul())
     if "gpu" in target.keys:

@@ -15,3 +15,7 @@ class WeightError(MLCLoraError, ValueError):
 
 class CompileError(MLCLoraError, RuntimeError):
     """The model could not be compiled for the requested target."""
+
+
+class PoolExhaustedError(MLCLoraError, RuntimeError):
+    """The unified page pool has no page left for KV or an adapter, even after evicting idle ones."""
