@@ -5,6 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from .attach_sampler import AttachSampler
 from .dispatch_kv_cache import DispatchKVCache
 from .lora_rewrite import LoraRewrite
 
@@ -25,6 +26,7 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
     if not stock_kv_cache:
         # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
         passes.append(DispatchKVCache())
+    passes.append(AttachSampler(target))
     # permute_dims + matmul -> one NT_matmul kernel; no separate transpose of the weights.
     passes.append(relax.transform.FuseTransposeMatmul())
     if "gpu" in target.keys:

@@ -23,3 +23,7 @@ class LoraError(MLCLoraError, ValueError):
 
 class PoolExhaustedError(MLCLoraError, RuntimeError):
     """The unified page pool has no page left for KV or an adapter, even after evicting idle ones."""
+
+
+class RequestError(MLCLoraError, ValueError):
+    """A request is malformed: messages, sampling parameters, lengths or an unknown adapter."""
