@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .errors import MLCLoraError  # noqa: E402
+from . import _ffi_api  # noqa: E402,F401  (loads the C++ runtime: mlc_lora.runtime.*)
 
 
 def __getattr__(name):
