@@ -230,3 +230,26 @@ def test_64_concurrent_streams_then_every_page_is_free(server):
         before['mlc_lora_requests_total{endpoint="completions",outcome="ok"}'] == 64
     assert m["mlc_lora_generation_tokens_total"] - before["mlc_lora_generation_tokens_total"] == \
         sum(8 + i % 9 for i in range(64))
+
+
+def test_bench_serving_drives_the_server(server, tiny_chat, tmp_path, capsys):
+    """scripts/bench_serving.py end to end over HTTP (a small ShareGPT-shaped file, cut mid-record)."""
+    from .test_bench_serving import load_bench
+
+    recs = [{"conversations": [{"from": "human", "value": f"Hello, how are you today? {i} " * (1 + i % 3)},
+                               {"from": "gpt", "value": "The quick brown fox jumps over the lazy dog. " * 2}]}
+            for i in range(10)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(recs)[:-30])
+    before = scrape(server)['mlc_lora_requests_total{endpoint="completions",outcome="ok"}']
+    rc = load_bench().main(["--base-url", server, "--api-key", API_KEY, "--tokenizer", str(tiny_chat[1]),
+                            "--dataset-path", str(data), "--num-prompts", "6", "--request-rate", "50",
+                            "--max-output-len", "8", "--popularity", "power", "--alpha", "0.5",
+                            "--no-progress", "--save-result", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "Successful requests:                     6" in out and "Mean TTFT (ms):" in out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["models"] == ["tiny"] and saved["metrics"]["total_output"] == 6 * 8
+    after = scrape(server)['mlc_lora_requests_total{endpoint="completions",outcome="ok"}']
+    assert after - before == 6
