@@ -8,7 +8,7 @@ import torch
 from mlc_lora.compile import compile_model
 from mlc_lora.errors import ModelConfigError, WeightError
 from mlc_lora.loader import resolve_model
-from mlc_lora.models import llama
+from mlc_lora.models import llama, llama_loader
 
 from ..conftest import make_tiny_hf_model
 
@@ -39,7 +39,7 @@ def test_weight_with_wrong_shape_is_named(tmp_path):
     src = resolve_model(tmp_path / "m")
     cfg = llama.LlamaConfig.from_dict(src.config)
     with pytest.raises(WeightError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*\(64, 100\)"):
-        list(llama.convert_hf_weights(cfg, src.weights(), "float32"))
+        list(llama_loader.convert_hf_weights(cfg, src.weights(), "float32"))
 
 
 def test_unknown_model_name(tmp_path):

@@ -141,7 +141,7 @@ def test_gguf_of_other_architecture_is_refused(tmp_path):
 
 def test_gguf_tensor_with_wrong_shape_is_named(tmp_path):
     """A GGUF whose q_proj is too short: compile's conversion names the weight."""
-    from mlc_lora.models import llama
+    from mlc_lora.models import llama, llama_loader
 
     hf = make_tiny_hf_model(tmp_path / "hf", "gqa")
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_gguf_tensor_with_wrong_shape_is_named(tmp_path):
     src = load_gguf(write_llama_gguf(tmp_path / "tiny.gguf", hf))
     cfg = llama.LlamaConfig.from_dict(src.config)
     with pytest.raises(WeightError, match=r"model\.layers\.1\.self_attn\.q_proj\.weight.*\(32, 64\)"):
-        list(llama.convert_hf_weights(cfg, src.weights(), "float32"))
+        list(llama_loader.convert_hf_weights(cfg, src.weights(), "float32"))
 
 
 def test_truncated_or_garbage_gguf(tmp_path):
