@@ -79,10 +79,12 @@ def load_gguf(path: str | Path) -> ModelSource:
     def weights() -> Iterator[tuple[str, np.ndarray]]:
         for gname, hname in names.items():
             arr = dequantize_tensor(tensors[gname])
-            if hname.endswith("q_proj.weight"):
-                arr = unpermute_qk(arr, n_head)
-            elif hname.endswith("k_proj.weight"):
-                arr = unpermute_qk(arr, n_kv)
+            heads = n_head if hname.endswith("q_proj.weight") else n_kv if hname.endswith("k_proj.weight") else 0
+            if heads:
+                if arr.ndim != 2 or arr.shape[0] % (2 * heads):
+                    raise WeightError(f"weight {hname!r} (GGUF {gname!r}) has shape {arr.shape}: its rows "
+                                      f"are not {heads} heads of an even head_dim")
+                arr = unpermute_qk(arr, heads)
             yield hname, arr
 
     tokenizer_json, tokenizer_config = gguf_tokenizer(meta)

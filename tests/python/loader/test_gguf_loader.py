@@ -152,6 +152,15 @@ def test_gguf_tensor_with_wrong_shape_is_named(tmp_path):
         list(llama_loader.convert_hf_weights(cfg, src.weights(), "float32"))
 
 
+def test_gguf_q_proj_that_is_not_whole_heads_is_named(tmp_path):
+    hf = make_tiny_hf_model(tmp_path / "hf", "gqa")
+    with torch.no_grad():  # 6 rows are not 2 kv heads of an even head_dim
+        hf.model.layers[0].self_attn.k_proj.weight = torch.nn.Parameter(torch.zeros(6, 64))
+    path = write_llama_gguf(tmp_path / "tiny.gguf", hf, permute=False)
+    with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*blk\.0\.attn_k"):
+        list(load_gguf(path).weights())
+
+
 def test_truncated_or_garbage_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"PK\x03\x04" + b"\x00" * 10)
