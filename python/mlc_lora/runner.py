@@ -142,6 +142,10 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
             lora = {"lora_arena": self._base_arena, "lora_token_slot": np.full((n_tok,), -1, np.int32),
                     "lora_rank": np.zeros((0,), np.int32), "lora_scale": np.zeros((0, M), np.float32),
                     "lora_a_off": np.zeros((0, M, R), np.int32), "lora_b_off": np.zeros((0, M, R), np.int32)}
+        if self.lora["kernel"] == "single" and lora["lora_rank"].shape[0] > 1:
+            # Stage 1 applies slot 0 to every adapter token; a second slot would be silently wrong.
+            raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
+                               f"use one adapter, got {lora['lora_rank'].shape[0]}")
         tvm = _tvm()
         return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self.device)
                 if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_INPUTS]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mlc_lora.compile import CompileOptions, compile_model
+from mlc_lora.errors import MLCLoraError
 from mlc_lora.lora.layout import LoraSpec, NumpyArena, pack_adapter
 from mlc_lora.lora.peft import load_peft_adapter
 from mlc_lora.models.llama import LlamaConfig
@@ -141,6 +142,8 @@ def test_single_adapter_batches_match_peft_and_gather(lora_setup):
     batches = _one_adapter_batches()
     out1, seqs = _run_batches(single, _arena(single, cfg, root), batches)
     print(f"single, one adapter per batch: max abs error vs PEFT {_check_against_peft(refs, out1, seqs):.2e}")
+    with pytest.raises(MLCLoraError, match="compiled with --lora-kernel single: a batch may use one adapter"):
+        _run_batches(single, _arena(single, cfg, root), [[0, 2]])
     gather = ModelRunner(compiled["gather"])
     out2, _ = _run_batches(gather, _arena(gather, cfg, root), batches)
     for i in out1:
@@ -166,7 +169,6 @@ def test_base_only_batch_and_config_record(lora_setup):
 @pytest.mark.parametrize("kernel", ["gather", "single"])
 def test_mixed_adapter_batch_matches_peft_cuda(lora_setup, kernel):
     """The same on a GPU (float32; hand-scheduled kernels). Skipped where no GPU is visible."""
-    from mlc_lora.errors import MLCLoraError
     from mlc_lora.runner import device_of
 
     try:
