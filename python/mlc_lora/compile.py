@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .errors import CompileError, ModelConfigError
 from .loader import ModelSource, resolve_model
-from .models import MODELS
+from .models import ARCHITECTURES, loader_module, model_module
 
 CONFIG_FILE = "mlc-lora-config.json"
 PARAMS_FILE = "params.safetensors"
@@ -67,7 +67,8 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
 
     steps.set_postfix_str("reading model")
     source = resolve_model(model)
-    cfg, arch_module = _model_config(source, options)
+    cfg, arch = _model_config(source, options)
+    arch_module = model_module(arch)
     steps.update()
 
     lora = lora_spec(cfg, options)
@@ -78,7 +79,7 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
     steps.update()
 
     steps.set_postfix_str("converting weights")
-    convert_weights(source, arch_module, cfg, dtype, output / PARAMS_FILE, progress=progress)
+    convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress)
     steps.update()
 
     steps.set_postfix_str("writing config and tokenizer")
@@ -86,7 +87,7 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
     config = {
         "mlc_lora_version": _version(),
         "model_name": source.name,
-        "architecture": arch_module.__name__.rsplit(".", 1)[-1],
+        "architecture": arch,
         "model_config": dataclasses.asdict(cfg),
         "dtype": dtype,
         "target": {"kind": options.target, "arch": options.cuda_arch if options.target == "cuda" else None},
@@ -106,22 +107,22 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
 
 def _model_config(source: ModelSource, options: CompileOptions):
     archs = source.config.get("architectures") or []
-    module = next((MODELS[a] for a in archs if a in MODELS), None)
-    if module is None:
-        if source.config.get("model_type") in ("llama", "mistral"):
-            module = MODELS["LlamaForCausalLM"]
-        else:
-            raise ModelConfigError(
-                f"unsupported architecture {archs or source.config.get('model_type')!r} in "
-                f"{source.name}: mlc-lora supports {', '.join(sorted(MODELS))}"
-            )
-    cfg = module.LlamaConfig.from_dict(
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None and source.config.get("model_type") in ("llama", "mistral"):
+        arch = "LlamaForCausalLM"
+    if arch is None:
+        raise ModelConfigError(
+            f"unsupported architecture {archs or source.config.get('model_type')!r} in "
+            f"{source.name}: mlc-lora supports {', '.join(sorted(ARCHITECTURES))}"
+        )
+    module = model_module(arch)
+    cfg = module.Config.from_dict(
         source.config,
         context_window_size=options.context_window_size,
         prefill_chunk_size=options.prefill_chunk_size,
         max_batch_size=options.max_batch_size,
     )
-    return cfg, module
+    return cfg, arch
 
 
 def export_model(arch_module, cfg, dtype: str, target):
@@ -129,7 +130,7 @@ def export_model(arch_module, cfg, dtype: str, target):
     import tvm  # pylint: disable=import-outside-toplevel
 
     with target:
-        model = arch_module.LlamaForCausalLM(cfg)
+        model = arch_module.Model(cfg)
         model.to(dtype)
         mod, named_params = model.export_tvm(spec=model.get_default_spec())
     del tvm
@@ -182,14 +183,14 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     return param_names
 
 
-def convert_weights(source: ModelSource, arch_module, cfg, dtype: str, path: Path,
+def convert_weights(source: ModelSource, weight_map, cfg, dtype: str, path: Path,
                     progress: bool = True) -> None:
     from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
     out: dict[str, np.ndarray] = {}
     it = tqdm(source.weights(), total=source.num_weights, desc="weights", unit="tensor",
               disable=not progress, leave=False)
-    for name, arr in arch_module.convert_hf_weights(cfg, it, dtype):
+    for name, arr in weight_map.convert_hf_weights(cfg, it, dtype):
         out[name] = arr
     save_file(out, str(path), metadata={"dtype": dtype})
 
@@ -278,5 +279,5 @@ _CUDA_STUB_C = "\n".join(
 def _check_cubin(lib_path: Path) -> None:
     """A cuda build that fell back to CUDA source cannot load on a runtime-only TVM: refuse it."""
     data = lib_path.read_bytes()
-    if b"__nv_" not in data and b".nv.info" not in data and b"cubin" not in data:
+    if b".nv.info" not in data or b"__global__" in data:
         raise CompileError(f"{lib_path} holds no cubin; the CUDA build fell back to source code")
