@@ -18,10 +18,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context-window-size", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--gemm", choices=["cublas", "tvm"], default="cublas",
+                   help="cuda: base linears on cuBLAS (needs mlc-lora[cuda] where it runs) or TVM kernels")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="cuda: do not capture decode in CUDA graphs")
     a = p.parse_args(argv)
     opts = CompileOptions(target=a.target, dtype=a.dtype, cuda_arch=a.cuda_arch,
                           context_window_size=a.context_window_size,
-                          prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size)
+                          prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,
+                          gemm=a.gemm, cuda_graph=a.cuda_graph)
     out = compile_model(a.model, a.output, opts)
     print(f"compiled {a.model} -> {out}")
     return 0
