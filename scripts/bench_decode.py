@@ -31,7 +31,7 @@ def compile_variants(out: Path, layers: int) -> None:
     import dataclasses  # pylint: disable=import-outside-toplevel
 
     from mlc_lora import compile as C  # pylint: disable=import-outside-toplevel
-    from mlc_lora.models import llama  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models import llama, llama_loader  # pylint: disable=import-outside-toplevel
 
     cfg_dict = dict(LLAMA2_7B, num_hidden_layers=layers)
     for name, graph in (("graph", True), ("nograph", False)):
@@ -45,7 +45,7 @@ def compile_variants(out: Path, layers: int) -> None:
         t0 = time.time()
         names = C.build_library(llama, cfg, "float16", opts, d / "lib.cuda.so")
         print(f"{name}: built in {time.time() - t0:.0f} s, {(d / 'lib.cuda.so').stat().st_size >> 10} KiB")
-        shapes = llama.param_shapes(cfg)
+        shapes = llama_loader.param_shapes(cfg)
         (d / C.CONFIG_FILE).write_text(json.dumps({
             "model_name": "llama-2-7b-shape-random", "architecture": "llama",
             "model_config": dataclasses.asdict(cfg), "dtype": "float16",

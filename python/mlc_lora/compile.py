@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from .errors import CompileError, ModelConfigError
 from .loader import ModelSource, resolve_model
-from .models import MODELS
+from .models import ARCHITECTURES, loader_module, model_module
 
 CONFIG_FILE = "mlc-lora-config.json"
 PARAMS_FILE = "params.safetensors"
@@ -36,6 +36,11 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     max_batch_size: int = 64
     gemm: str = "cublas"  # cuda only: base linears on cuBLAS ("cublas") or TVM's kernels ("tvm")
     cuda_graph: bool = True  # cuda only: capture decode in CUDA graphs
+    # LoRA (off unless max_lora_rank > 0): pages of the unified pool, max rank, targets, kernel stage.
+    lora_pool_pages: int = 0
+    max_lora_rank: int = 0
+    lora_target_modules: list[str] | None = None
+    lora_kernel: str = "gather"
 
     def resolved_dtype(self) -> str:
         dtype = self.dtype or ("float32" if self.target == "llvm" else "float16")
@@ -64,17 +69,19 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
 
     steps.set_postfix_str("reading model")
     source = resolve_model(model)
-    cfg, arch_module = _model_config(source, options)
+    cfg, arch = _model_config(source, options)
+    arch_module = model_module(arch)
     steps.update()
 
+    lora = lora_spec(cfg, options)
     output.mkdir(parents=True, exist_ok=True)
     steps.set_postfix_str(f"building library ({options.target})")
     lib_name = f"lib.{options.target}.so"
-    param_names = build_library(arch_module, cfg, dtype, options, output / lib_name)
+    param_names = build_library(arch_module, cfg, dtype, options, output / lib_name, lora=lora)
     steps.update()
 
     steps.set_postfix_str("converting weights")
-    convert_weights(source, arch_module, cfg, dtype, output / PARAMS_FILE, progress=progress)
+    convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress)
     steps.update()
 
     steps.set_postfix_str("writing config and tokenizer")
@@ -82,7 +89,7 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
     config = {
         "mlc_lora_version": _version(),
         "model_name": source.name,
-        "architecture": arch_module.__name__.rsplit(".", 1)[-1],
+        "architecture": arch,
         "model_config": dataclasses.asdict(cfg),
         "dtype": dtype,
         "target": {"kind": options.target, "arch": options.cuda_arch if options.target == "cuda" else None},
@@ -91,6 +98,7 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
         "param_names": param_names,
         "tokenizer": tokenizer,
         "compile_options": dataclasses.asdict(options),
+        "lora": lora.to_json() if lora is not None else None,
         "compiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (output / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -101,22 +109,22 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
 
 def _model_config(source: ModelSource, options: CompileOptions):
     archs = source.config.get("architectures") or []
-    module = next((MODELS[a] for a in archs if a in MODELS), None)
-    if module is None:
-        if source.config.get("model_type") in ("llama", "mistral"):
-            module = MODELS["LlamaForCausalLM"]
-        else:
-            raise ModelConfigError(
-                f"unsupported architecture {archs or source.config.get('model_type')!r} in "
-                f"{source.name}: mlc-lora supports {', '.join(sorted(MODELS))}"
-            )
-    cfg = module.LlamaConfig.from_dict(
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None and source.config.get("model_type") in ("llama", "mistral"):
+        arch = "LlamaForCausalLM"
+    if arch is None:
+        raise ModelConfigError(
+            f"unsupported architecture {archs or source.config.get('model_type')!r} in "
+            f"{source.name}: mlc-lora supports {', '.join(sorted(ARCHITECTURES))}"
+        )
+    module = model_module(arch)
+    cfg = module.Config.from_dict(
         source.config,
         context_window_size=options.context_window_size,
         prefill_chunk_size=options.prefill_chunk_size,
         max_batch_size=options.max_batch_size,
     )
-    return cfg, module
+    return cfg, arch
 
 
 def export_model(arch_module, cfg, dtype: str, target):
@@ -124,15 +132,40 @@ def export_model(arch_module, cfg, dtype: str, target):
     import tvm  # pylint: disable=import-outside-toplevel
 
     with target:
-        model = arch_module.LlamaForCausalLM(cfg)
+        model = arch_module.Model(cfg)
         model.to(dtype)
         mod, named_params = model.export_tvm(spec=model.get_default_spec())
     del tvm
     return mod, [name for name, _ in named_params]
 
 
+def lora_spec(cfg, options: CompileOptions):
+    """The LoRA part of the compile (a `LoraSpec`), or None when LoRA is off."""
+    from .lora.layout import make_spec  # pylint: disable=import-outside-toplevel
+
+    if not options.max_lora_rank and not options.lora_pool_pages:
+        return None
+    if not options.max_lora_rank or not options.lora_pool_pages:
+        raise CompileError("LoRA needs both --max-lora-rank and --lora-pool-pages")
+    return make_spec(cfg, options.max_lora_rank, options.lora_pool_pages,
+                     options.lora_target_modules, options.lora_kernel)
+
+
+def lora_pass_options(spec, cfg, arch_module, param_names: list[str]) -> dict:
+    """Keyword arguments of compiler_passes.LoraRewrite for a model compiled with `spec`."""
+    return {
+        "param_names": param_names,
+        "modules": [(m.name, m.in_features, m.out_features) for m in spec.modules],
+        "linears": arch_module.fused_linear_parts(cfg),
+        "num_layers": spec.num_layers,
+        "max_rank": spec.max_rank,
+        "kernel": spec.kernel,
+        "arena_elems": spec.arena_elems,
+    }
+
+
 def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_path: Path,
-                  extra_passes: list | None = None) -> list[str]:
+                  extra_passes: list | None = None, lora=None) -> list[str]:
     """Export, run our pipeline and build the library at `lib_path`; returns the param order."""
     import tvm  # pylint: disable=import-outside-toplevel
 
@@ -144,10 +177,11 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
         prepare_cuda_build()
     target = make_target(options)
     mod, param_names = export_model(arch_module, cfg, dtype, target)
+    lora_opts = lora_pass_options(lora, cfg, arch_module, param_names) if lora is not None else None
     use_graph = options.target == "cuda" and options.cuda_graph
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)
-    pipeline = get_pipeline(target, extra_passes=extra_passes, gemm=options.gemm)
+    pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, gemm=options.gemm)
     with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": use_graph}):
         ex = tvm.compile(mod, target, relax_pipeline=pipeline)
         ex.export_library(str(lib_path))
@@ -167,14 +201,14 @@ def _decode_graph_attrs(mod, max_batch_size: int):
     return mod
 
 
-def convert_weights(source: ModelSource, arch_module, cfg, dtype: str, path: Path,
+def convert_weights(source: ModelSource, weight_map, cfg, dtype: str, path: Path,
                     progress: bool = True) -> None:
     from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
     out: dict[str, np.ndarray] = {}
     it = tqdm(source.weights(), total=source.num_weights, desc="weights", unit="tensor",
               disable=not progress, leave=False)
-    for name, arr in arch_module.convert_hf_weights(cfg, it, dtype):
+    for name, arr in weight_map.convert_hf_weights(cfg, it, dtype):
         out[name] = arr
     save_file(out, str(path), metadata={"dtype": dtype})
 

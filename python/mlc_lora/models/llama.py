@@ -8,7 +8,7 @@ weight names to ours. q/k/v and gate/up are fused into one linear each (``qkv_pr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 from tvm import relax
@@ -16,7 +16,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from ..errors import ModelConfigError, WeightError
+from ..errors import ModelConfigError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
@@ -265,110 +265,6 @@ def _current_target():
     return target if target is not None else tvm.target.Target("llvm")
 
 
-# ---------------------------------------------------------------------------------------------
-# Weights: Hugging Face names and layouts -> our parameters.
-
-
-def param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of LlamaForCausalLM with its shape, in export order."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
-    for l in range(cfg.num_hidden_layers):
-        p = f"model.layers.{l}"
-        shapes[f"{p}.self_attn.qkv_proj.weight"] = (cfg.qkv_out, h)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (h, cfg.num_attention_heads * d)
-        shapes[f"{p}.mlp.gate_up_proj.weight"] = (2 * i, h)
-        shapes[f"{p}.mlp.down_proj.weight"] = (h, i)
-        shapes[f"{p}.input_layernorm.weight"] = (h,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    return shapes
-
-
-# Our fused parameters and the HF tensors they concatenate (along the output rows).
-_FUSED = {
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-
-
-def hf_param_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The shape every Hugging Face tensor must have."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    for l in range(cfg.num_hidden_layers):
-        p = f"model.layers.{l}"
-        out.update({
-            f"{p}.self_attn.q_proj.weight": (cfg.num_attention_heads * d, h),
-            f"{p}.self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
-            f"{p}.self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
-            f"{p}.self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
-            f"{p}.mlp.gate_proj.weight": (i, h),
-            f"{p}.mlp.up_proj.weight": (i, h),
-            f"{p}.mlp.down_proj.weight": (h, i),
-            f"{p}.input_layernorm.weight": (h,),
-            f"{p}.post_attention_layernorm.weight": (h,),
-        })
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, h)
-    return out
-
-
-def convert_hf_weights(
-    cfg: LlamaConfig, hf: Iterable[tuple[str, np.ndarray]], dtype: str
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Check every HF tensor's shape (naming the offender) and yield our parameters in `dtype`.
-
-    `hf` yields (name, array) in any order; fused parameters are emitted once all their parts
-    have arrived, so at most one layer's q/k/v or gate/up is held at a time.
-    """
-    want = hf_param_shapes(cfg)
-    pending: dict[str, np.ndarray] = {}
-    seen: set[str] = set()
-    part_of = {}
-    for l in range(cfg.num_hidden_layers):
-        for fused, parts in _FUSED.items():
-            for part in parts:
-                part_of[f"model.layers.{l}.{part}"] = (f"model.layers.{l}.{fused}",
-                                                       [f"model.layers.{l}.{p}" for p in parts])
-    np_dtype = _np_dtype(dtype)
-    for name, arr in hf:
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name not in want:
-            raise WeightError(f"unexpected weight {name!r} (shape {tuple(arr.shape)}) for a Llama model")
-        if tuple(arr.shape) != want[name]:
-            raise WeightError(
-                f"weight {name!r} has shape {tuple(arr.shape)}, expected {want[name]} from config.json"
-            )
-        seen.add(name)
-        if name in part_of:
-            fused, parts = part_of[name]
-            pending[name] = arr
-            if all(p in pending for p in parts):
-                yield fused, np.concatenate([pending.pop(p) for p in parts], axis=0).astype(np_dtype)
-            continue
-        yield name, np.ascontiguousarray(arr).astype(np_dtype)
-    missing = sorted(set(want) - seen)
-    if missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise WeightError(f"missing weights: {', '.join(missing[:5])}{more}")
-    if pending:
-        raise WeightError(f"incomplete fused weights: {', '.join(sorted(pending))}")
-
-
-def _np_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes  # pylint: disable=import-outside-toplevel
-
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
-
-
 # The Hugging Face names of the linear layers inside our fused parameters, with their row ranges,
 # so that LoRA targets (q_proj, gate_proj, ...) can be located in the fused outputs.
 def fused_linear_parts(cfg: LlamaConfig) -> dict[str, list[tuple[str, int, int]]]:
@@ -387,3 +283,8 @@ def kv_bytes_per_token(cfg: LlamaConfig, dtype: str) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * np.dtype(
         "float16" if dtype == "bfloat16" else dtype).itemsize
 
+
+
+# The names compile.py looks up in every model file.
+Config = LlamaConfig
+Model = LlamaForCausalLM

@@ -180,7 +180,7 @@ def test_compiled_model_through_extern_matches_tvm_matmul(cublas_gemm):
     target = tvm.target.Target("llvm")
     llama, cfg, _, names = _tiny_llama(target)
     rng = np.random.default_rng(1)
-    from mlc_lora.models.llama import param_shapes
+    from mlc_lora.models.llama_loader import param_shapes
 
     shapes = param_shapes(cfg)
     params = [tvm.runtime.tensor((0.2 * rng.standard_normal(shapes[n])).astype("float32")) for n in names]
@@ -225,3 +225,19 @@ def test_extern_on_gpu(cublas_gemm):
         cublas_gemm(x, w, out)
         ref = x.double() @ w.double().T
         assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("kernel", ["gather", "single"])
+def test_composes_with_lora_rewrite(kernel):
+    """After LoraRewrite only the base linears move to cuBLAS; the adapter ops stay as they are."""
+    from mlc_lora.compiler_passes.lora_rewrite import LoraRewrite
+
+    from .test_lora_rewrite import Before as LoraBefore, _opts
+
+    lora = LoraRewrite(**_opts(kernel))(LoraBefore)
+    after = DispatchCublas()(lora)
+    text, lora_text = after["decode"].script(), lora["decode"].script()
+    base = LoraBefore["decode"].script().count("R.matmul")
+    assert text.count(CUBLAS_GEMM) == base
+    assert text.count("call_tir") == lora_text.count("call_tir")
+    assert text.count("R.matmul") == lora_text.count("R.matmul") - base
