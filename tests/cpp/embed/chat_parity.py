@@ -6,6 +6,8 @@
   chat_parity.py compare DIR --app PATH
                                  runs the app (batched, and with tiny batches and prefill chunks)
                                  and compares text and ids
+  chat_parity.py check MODEL_DIR --app PATH
+                                 the same for any compiled model (e.g. SmolLM2): reference first
 
 The Python reference is independent of the C++ code: jinja2 renders the chat template, the
 `tokenizers` library encodes and decodes, ModelRunner runs one request at a time with numpy argmax.
@@ -105,11 +107,10 @@ def reference(model_dir: Path) -> list[dict]:
     return out
 
 
-def compare(root: Path, app: str) -> int:
-    expected = json.loads((root / "expected.json").read_text())
+def compare(model_dir: Path, expected: list[dict], app: str) -> int:
     failures = 0
     for extra in ([], ["--max-batch", "2", "--prefill-chunk", "16"]):
-        cmd = [app, str(root / "compiled"), "--json", "--max-tokens", str(MAX_TOKENS), *extra]
+        cmd = [app, str(model_dir), "--json", "--max-tokens", str(MAX_TOKENS), *extra]
         for p in PROMPTS:
             cmd += ["--prompt", p]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -132,14 +133,16 @@ def compare(root: Path, app: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["prepare", "compare"])
+    ap.add_argument("mode", choices=["prepare", "compare", "check"])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--app")
     args = ap.parse_args()
     if args.mode == "prepare":
         prepare(args.dir)
         return 0
-    return compare(args.dir, args.app)
+    if args.mode == "check":
+        return compare(args.dir, reference(args.dir), args.app)
+    return compare(args.dir / "compiled", json.loads((args.dir / "expected.json").read_text()), args.app)
 
 
 if __name__ == "__main__":
