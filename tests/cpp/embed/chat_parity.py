@@ -127,6 +127,16 @@ def compare(model_dir: Path, expected: list[dict], app: str) -> int:
             if not same:
                 print(f"   python: {want['text']!r} {want['output_ids']}\n   c++:    {have['text']!r} {have['output_ids']}")
         print(proc.stderr.strip())
+    # Interactive mode streams the same text for a first turn.
+    first = expected[0]
+    proc = subprocess.run([app, str(model_dir), "--max-tokens", str(MAX_TOKENS)], input=first["prompt"] + "\n/quit\n",
+                          capture_output=True, text=True, check=False)
+    streamed = proc.stdout.removeprefix("> ").removesuffix("> ").removesuffix("\n")
+    same = proc.returncode == 0 and streamed == first["text"]
+    failures += not same
+    print(f"{'ok  ' if same else 'DIFF'} [interactive, streamed] {first['prompt'][:40]!r}")
+    if not same:
+        print(f"   python: {first['text']!r}\n   c++:    {streamed!r}\n{proc.stderr}")
     print("PASSED" if failures == 0 else f"FAILED ({failures} differences)")
     return 1 if failures else 0
 
