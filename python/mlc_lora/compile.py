@@ -34,6 +34,11 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     context_window_size: int | None = None
     prefill_chunk_size: int = 2048
     max_batch_size: int = 64
+    # LoRA (off unless max_lora_rank > 0): pages of the unified pool, max rank, targets, kernel stage.
+    lora_pool_pages: int = 0
+    max_lora_rank: int = 0
+    lora_target_modules: list[str] | None = None
+    lora_kernel: str = "gather"
 
     def resolved_dtype(self) -> str:
         dtype = self.dtype or ("float32" if self.target == "llvm" else "float16")
@@ -66,10 +71,11 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
     arch_module = model_module(arch)
     steps.update()
 
+    lora = lora_spec(cfg, options)
     output.mkdir(parents=True, exist_ok=True)
     steps.set_postfix_str(f"building library ({options.target})")
     lib_name = f"lib.{options.target}.so"
-    param_names = build_library(arch_module, cfg, dtype, options, output / lib_name)
+    param_names = build_library(arch_module, cfg, dtype, options, output / lib_name, lora=lora)
     steps.update()
 
     steps.set_postfix_str("converting weights")
@@ -90,6 +96,7 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
         "param_names": param_names,
         "tokenizer": tokenizer,
         "compile_options": dataclasses.asdict(options),
+        "lora": lora.to_json() if lora is not None else None,
         "compiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (output / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -130,8 +137,33 @@ def export_model(arch_module, cfg, dtype: str, target):
     return mod, [name for name, _ in named_params]
 
 
+def lora_spec(cfg, options: CompileOptions):
+    """The LoRA part of the compile (a `LoraSpec`), or None when LoRA is off."""
+    from .lora.layout import make_spec  # pylint: disable=import-outside-toplevel
+
+    if not options.max_lora_rank and not options.lora_pool_pages:
+        return None
+    if not options.max_lora_rank or not options.lora_pool_pages:
+        raise CompileError("LoRA needs both --max-lora-rank and --lora-pool-pages")
+    return make_spec(cfg, options.max_lora_rank, options.lora_pool_pages,
+                     options.lora_target_modules, options.lora_kernel)
+
+
+def lora_pass_options(spec, cfg, arch_module, param_names: list[str]) -> dict:
+    """Keyword arguments of compiler_passes.LoraRewrite for a model compiled with `spec`."""
+    return {
+        "param_names": param_names,
+        "modules": [(m.name, m.in_features, m.out_features) for m in spec.modules],
+        "linears": arch_module.fused_linear_parts(cfg),
+        "num_layers": spec.num_layers,
+        "max_rank": spec.max_rank,
+        "kernel": spec.kernel,
+        "arena_elems": spec.arena_elems,
+    }
+
+
 def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_path: Path,
-                  extra_passes: list | None = None) -> list[str]:
+                  extra_passes: list | None = None, lora=None) -> list[str]:
     """Export, run our pipeline and build the library at `lib_path`; returns the param order."""
     import tvm  # pylint: disable=import-outside-toplevel
 
@@ -141,8 +173,10 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
         prepare_cuda_build()
     target = make_target(options)
     mod, param_names = export_model(arch_module, cfg, dtype, target)
+    lora_opts = lora_pass_options(lora, cfg, arch_module, param_names) if lora is not None else None
     with target:
-        ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target, extra_passes=extra_passes))
+        ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target, extra_passes=extra_passes,
+                                                                  lora=lora_opts))
         ex.export_library(str(lib_path))
     if options.target == "cuda":
         _check_cubin(lib_path)

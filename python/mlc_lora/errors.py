@@ -15,3 +15,15 @@ class WeightError(MLCLoraError, ValueError):
 
 class CompileError(MLCLoraError, RuntimeError):
     """The model could not be compiled for the requested target."""
+
+
+class LoraError(MLCLoraError, ValueError):
+    """A LoRA adapter or LoRA compile option is malformed, unsupported, or does not fit the model."""
+
+
+class PoolExhaustedError(MLCLoraError, RuntimeError):
+    """The unified page pool has no page left for KV or an adapter, even after evicting idle ones."""
+
+
+class RequestError(MLCLoraError, ValueError):
+    """A request is malformed: messages, sampling parameters, lengths or an unknown adapter."""

@@ -14,6 +14,8 @@ import numpy as np
 from .errors import MLCLoraError
 
 CONFIG_FILE = "mlc-lora-config.json"
+# Extra inputs of prefill/decode in a model compiled with LoRA (docs/DESIGN.md, per-batch tables).
+LORA_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
 
 
 def _tvm():
@@ -115,8 +117,32 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         ids = tvm.runtime.tensor(np.asarray(token_ids, dtype=np.int32), self.device)
         return self._embed(ids, self.params)
 
-    def prefill(self, kv, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]]):
-        """One ragged prefill over several sequences; returns last-token logits (b, V) on device."""
+    @property
+    def lora(self) -> dict | None:
+        return self.config.get("lora")
+
+    def _lora_args(self, lora: dict | None, n_tok: int) -> list:
+        """The LoRA inputs (arrays or device tensors keyed by LORA_INPUTS); None = all base model."""
+        if not self.lora:
+            if lora is not None:
+                raise MLCLoraError(f"{self.model_dir} was compiled without LoRA; recompile with "
+                                   "--max-lora-rank and --lora-pool-pages")
+            return []
+        if lora is None:
+            M, R = len(self.lora["modules"]), self.lora["max_rank"]
+            if getattr(self, "_base_arena", None) is None:
+                L, P, E = self.lora["num_layers"], self.lora["pool_pages"], self.lora["page_elems"]
+                self._base_arena = _tvm().runtime.tensor(np.zeros((L * P * E,), self.dtype), self.device)
+            lora = {"lora_arena": self._base_arena, "lora_token_slot": np.full((n_tok,), -1, np.int32),
+                    "lora_rank": np.zeros((0,), np.int32), "lora_scale": np.zeros((0, M), np.float32),
+                    "lora_a_off": np.zeros((0, M, R), np.int32), "lora_b_off": np.zeros((0, M, R), np.int32)}
+        tvm = _tvm()
+        return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self.device)
+                if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_INPUTS]
+
+    def prefill(self, kv, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], lora: dict | None = None):
+        """One ragged prefill over several sequences; returns last-token logits (b, V) on device.
+        `lora`: the LoRA inputs for the concatenated tokens (models compiled with LoRA)."""
         tvm = _tvm()
         lengths = [len(t) for t in tokens]
         if min(lengths) < 1:
@@ -125,18 +151,20 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         emb = self.embed(flat)
         emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access
         last = tvm.runtime.tensor(np.cumsum(lengths).astype(np.int32) - 1, self.device)
+        extra = self._lora_args(lora, len(flat))
         self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple(lengths))
-        logits, _ = self._prefill(emb, last, kv, self.params)
+        logits, _ = self._prefill(emb, last, kv, *extra, self.params)
         self._kv_end(kv)
         return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
 
-    def decode(self, kv, seq_ids: Sequence[int], tokens: Sequence[int]):
+    def decode(self, kv, seq_ids: Sequence[int], tokens: Sequence[int], lora: dict | None = None):
         """One decode step, one token per sequence; returns logits (b, V) on device."""
         tvm = _tvm()
         b = len(seq_ids)
         emb = self.embed(np.asarray(tokens, dtype=np.int32))
         emb = emb._create_view((b, 1, emb.shape[-1]))  # pylint: disable=protected-access
+        extra = self._lora_args(lora, b)
         self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple([1] * b))
-        logits, _ = self._decode(emb, kv, self.params)
+        logits, _ = self._decode(emb, kv, *extra, self.params)
         self._kv_end(kv)
         return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access

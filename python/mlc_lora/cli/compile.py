@@ -18,10 +18,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context-window-size", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--lora-pool-pages", type=int, default=0,
+                   help="pages of the unified KV/adapter pool; enables LoRA with --max-lora-rank")
+    p.add_argument("--max-lora-rank", type=int, default=0, help="largest adapter rank served")
+    p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
+                   help="linears adapters may target (default: q k v o gate up down _proj)")
+    p.add_argument("--lora-kernel", choices=["single", "gather"], default="gather",
+                   help="single: one adapter per batch, dense GEMMs; gather: per-token gather")
     a = p.parse_args(argv)
     opts = CompileOptions(target=a.target, dtype=a.dtype, cuda_arch=a.cuda_arch,
                           context_window_size=a.context_window_size,
-                          prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size)
+                          prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,
+                          lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
+                          lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel)
     out = compile_model(a.model, a.output, opts)
     print(f"compiled {a.model} -> {out}")
     return 0

@@ -1,0 +1,505 @@
+"""MLCEngine / AsyncMLCEngine: OpenAI-style chat and completions over a continuously batched model.
+
+One background thread owns the model: each step it schedules a batch (decodes + chunked prefills),
+runs `prefill` or `decode`, samples on the device and hands each request its new text. Front ends
+only validate requests, enqueue them and wait on their own output queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import queue
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import MLCLoraError, RequestError
+from ..runner import CONFIG_FILE, ModelRunner
+from ..tokenizer import Detokenizer, Tokenizer, check_messages
+from . import protocol as P
+from .sampler import TOP_LOGPROBS_MAX, Sampled, Sampler
+from .scheduler import PAGE_SIZE, Batch, SamplingParams, Scheduler, Sequence
+
+
+def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtype: Optional[str] = None) -> Path:
+    """A compiled folder as is; anything else is compiled once into the user's cache directory."""
+    path = Path(model)
+    if (path / CONFIG_FILE).is_file():
+        return path
+    from ..compile import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
+
+    target = "llvm" if device == "cpu" else "cuda"
+    opts = CompileOptions(target=target, dtype=dtype)
+    cache = Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora"))
+    out = cache / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}"
+    if not (out / CONFIG_FILE).is_file():
+        compile_model(model, out, opts, progress=progress)
+    return out
+
+
+@dataclasses.dataclass
+class _TextState:
+    detok: Optional[Detokenizer]
+    text: str = ""  # decoded so far (cut at a stop string)
+    sent: int = 0  # characters already handed to the client
+    holdback: int = 0  # a partial stop string may hide in the last characters
+
+
+@dataclasses.dataclass
+class _Out:
+    """One step's news for one request."""
+
+    text: str
+    tokens: list[Sampled]
+    finish_reason: Optional[str] = None
+    error: Optional[BaseException] = None
+    usage: Optional[tuple[int, int]] = None
+
+
+class LLMEngine:  # pylint: disable=too-many-instance-attributes
+    """The model, the scheduler and the sampler; `step()` runs one batch. Not thread-safe."""
+
+    def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
+                 max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None):
+        self.runner = ModelRunner(model_dir, device)
+        mc = self.runner.model_config
+        self.context_window = mc["context_window_size"]
+        self.max_num_seqs = max_num_seqs or mc.get("max_batch_size", 64)
+        chunk = prefill_chunk_size or mc["prefill_chunk_size"]
+        total = max_total_tokens or max(self.context_window, 8192)
+        self.kv = self.runner.create_kv_cache(self.max_num_seqs, total, chunk)
+        self.sampler = Sampler(self.runner)
+        try:
+            self.tokenizer: Optional[Tokenizer] = Tokenizer(model_dir, self.runner.config.get("tokenizer", {}))
+        except RequestError:
+            self.tokenizer = None
+        r = self.runner
+        self.kv_pages_total = int(r.kv_available_pages(self.kv))
+        # the longest sequence the engine can hold: the context window or the whole cache
+        self.max_seq_len = min(self.context_window, (self.kv_pages_total - 1) * PAGE_SIZE)
+        self.scheduler = Scheduler(lambda: int(r.kv_available_pages(self.kv)),
+                                   lambda s: r.kv_add(self.kv, s), lambda s: r.kv_remove(self.kv, s),
+                                   self.max_num_seqs, chunk)
+        self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
+                             num_generated_tokens=0, num_finished=0, num_aborted=0)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def make_sequence(self, prompt_ids: list[int], params: SamplingParams, adapter_id=None, sink=None) -> Sequence:
+        if adapter_id is not None:
+            raise RequestError(f"adapter_id={adapter_id!r}: this engine has no LoRA adapters loaded")
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        n = len(prompt_ids)
+        if n >= self.max_seq_len:
+            raise RequestError(f"the prompt has {n} tokens; this model's context holds {self.max_seq_len} "
+                               "(prompt plus at least one new token)")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_seq_len - n
+        if n + params.max_tokens > self.max_seq_len:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                               f"of {self.max_seq_len} tokens")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has none")
+        seq = Sequence(prompt_ids, params, adapter_id, sink)
+        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        seq.state = _TextState(detok, holdback=max((len(s) for s in params.stop), default=1) - 1)
+        return seq
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status.name != "FINISHED":
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+            self.counters["num_aborted"] += 1
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    kv_pages_total=self.kv_pages_total,
+                    kv_pages_free=int(self.runner.kv_available_pages(self.kv)),
+                    num_preemptions=self.scheduler.num_preemptions, **self.counters)
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        c = self.counters
+        c["num_steps"] += 1
+        c["max_running"] = max(c["max_running"], len(batch.seqs))
+        try:
+            rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+            logits = self._forward(batch)
+            sampled = self.sampler.sample(logits, batch.seqs, rows) if rows else []
+        except Exception as e:  # pylint: disable=broad-except
+            # a failed forward fails only its own requests; the engine keeps serving
+            for seq in batch.seqs:
+                self.scheduler.finish(seq)
+                self._emit(seq, _Out("", [], "error", error=MLCLoraError(f"engine step failed: {e}")))
+            return
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            seq.num_cached += len(chunk)
+        for i, s in zip(rows, sampled):
+            self._append(batch.seqs[i], s)
+
+    def _forward(self, batch: Batch):
+        ids = [s.seq_id for s in batch.seqs]
+        if batch.is_decode:
+            self.counters["num_decode_steps"] += 1
+            return self.runner.decode(self.kv, ids, [c[0] for c in batch.chunks])
+        self.counters["num_prefill_steps"] += 1
+        return self.runner.prefill(self.kv, ids, batch.chunks)
+
+    def _append(self, seq: Sequence, s: Sampled) -> None:
+        p, st = seq.params, seq.state
+        seq.output_ids.append(s.token)
+        self.counters["num_generated_tokens"] += 1
+        finish = None
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+        if (s.token in eos and not p.ignore_eos) or s.token in p.stop_token_ids:
+            finish = "stop"
+        elif st.detok is not None:
+            st.text += st.detok.push(s.token)
+        if finish is None and p.stop:
+            start = max(0, len(st.text) - len(st.detok.ids) * 0 - sum(len(x) for x in p.stop) - 64)
+            hits = [i for i in (st.text.find(x, start) for x in p.stop) if i >= 0]
+            if hits:
+                st.text, finish = st.text[:min(hits)], "stop"
+        if finish is None and len(seq.output_ids) >= p.max_tokens:
+            finish = "length"
+        if finish is not None:
+            if finish == "length" and st.detok is not None:
+                st.text += st.detok.flush()
+            seq.finish_reason = finish
+            self.scheduler.finish(seq)
+            self.counters["num_finished"] += 1
+        end = len(st.text) if finish else max(st.sent, len(st.text) - st.holdback)
+        delta, st.sent = st.text[st.sent:end], end
+        usage = (len(seq.prompt_ids), len(seq.output_ids)) if finish else None
+        self._emit(seq, _Out(delta, [s], finish, usage=usage))
+
+    @staticmethod
+    def _emit(seq: Sequence, out: _Out) -> None:
+        if seq.sink is not None:
+            seq.sink(out)
+
+
+# --- front ends ----------------------------------------------------------------------------------
+
+
+def _sampling_params(max_tokens, temperature, top_p, top_k, seed, stop, logprobs, top_logprobs,
+                     ignore_eos, stop_token_ids) -> SamplingParams:
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise RequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    if temperature is None:
+        temperature = 1.0
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    if top_p is None:
+        top_p = 1.0
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}")
+    top_k = top_k or 0
+    if top_k < 0:
+        raise RequestError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(x, str) or not x for x in stop):
+        raise RequestError("stop must be a non-empty string or a list of them")
+    top_logprobs = top_logprobs or 0
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool):  # completions: logprobs=k
+        top_logprobs, logprobs = logprobs, True
+    if not 0 <= top_logprobs <= TOP_LOGPROBS_MAX:
+        raise RequestError(f"top_logprobs must be in [0, {TOP_LOGPROBS_MAX}], got {top_logprobs}")
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                          top_k=int(top_k), seed=seed, stop=tuple(stop),
+                          stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=bool(ignore_eos),
+                          logprobs=bool(logprobs or top_logprobs), top_logprobs=int(top_logprobs))
+
+
+class _Loop:
+    """The background thread that steps the engine while it has work."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.cv = threading.Condition()
+        self.incoming: list[Sequence] = []
+        self.aborts: list[Sequence] = []
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="mlc_lora-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, seq: Sequence) -> None:
+        with self.cv:
+            if self.closed:
+                raise MLCLoraError("the engine is closed")
+            self.incoming.append(seq)
+            self.cv.notify()
+
+    def abort(self, seq: Sequence) -> None:
+        with self.cv:
+            self.aborts.append(seq)
+            self.cv.notify()
+
+    def call(self, fn):
+        """Run fn() between steps (the engine is not thread-safe)."""
+        done: queue.Queue = queue.Queue()
+        with self.cv:
+            self.incoming.append(lambda: done.put(fn()))  # type: ignore[arg-type]
+            self.cv.notify()
+        return done.get()
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self.cv:
+                while not (self.incoming or self.aborts or eng.has_work() or self.closed):
+                    self.cv.wait()
+                if self.closed:
+                    return
+                incoming, self.incoming = self.incoming, []
+                aborts, self.aborts = self.aborts, []
+            for item in incoming:
+                if callable(item):
+                    item()
+                else:
+                    eng.add(item)
+            for seq in aborts:
+                eng.abort(seq)
+            eng.step()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        self.thread.join(timeout=30)
+
+
+class _Request:
+    """What a front end needs to turn one sequence's outputs into OpenAI objects."""
+
+    def __init__(self, engine: "MLCEngine", chat: bool, stream: bool):
+        self.engine, self.chat, self.stream = engine, chat, stream
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def _logprobs(self, tokens: list[Sampled], seq: Sequence, offset: int):
+        if not seq.params.logprobs:
+            return None
+        tok = self.engine.engine.tokenizer
+        name = (lambda i: tok.token_text(i)) if tok is not None else str  # noqa: E731
+        if self.chat:
+            return P.ChoiceLogprobs([P.ChatCompletionTokenLogprob(
+                name(s.token), s.logprob, top_logprobs=[P.TopLogprob(name(i), lp) for i, lp in (s.top or [])])
+                for s in tokens])
+        return P.CompletionLogprobs(
+            tokens=[name(s.token) for s in tokens], token_logprobs=[s.logprob for s in tokens],
+            top_logprobs=[{name(i): lp for i, lp in (s.top or [])} for s in tokens],
+            text_offset=[offset] * len(tokens))
+
+    def chunk(self, out: _Out, seq: Sequence, first: bool, offset: int):
+        usage = P.CompletionUsage(out.usage[0], out.usage[1], sum(out.usage)) if out.usage else None
+        lp = self._logprobs(out.tokens, seq, offset)
+        model = self.engine.model_name
+        if self.chat:
+            delta = P.ChoiceDelta(content=out.text, role="assistant" if first else None)
+            return P.ChatCompletionChunk(self.id, self.created, model,
+                                         [P.ChatCompletionChunkChoice(0, delta, out.finish_reason, lp)], usage)
+        return P.Completion(self.id, self.created, model,
+                            [P.CompletionChoice(0, out.text, out.finish_reason, lp)], usage)
+
+    def whole(self, outs: list[_Out], seq: Sequence):
+        text = "".join(o.text for o in outs)
+        tokens = [s for o in outs for s in o.tokens]
+        last = outs[-1]
+        usage = P.CompletionUsage(last.usage[0], last.usage[1], sum(last.usage))
+        lp = self._logprobs(tokens, seq, 0)
+        model = self.engine.model_name
+        if self.chat:
+            return P.ChatCompletion(self.id, self.created, model, [P.ChatCompletionChoice(
+                0, P.ChatCompletionMessage("assistant", text), last.finish_reason, lp)], usage)
+        if lp is not None:  # text offsets of each token in the returned text
+            pos, offs = 0, []
+            for o in outs:
+                offs += [pos] * len(o.tokens)
+                pos += len(o.text)
+            lp.text_offset = offs
+        return P.Completion(self.id, self.created, model,
+                            [P.CompletionChoice(0, text, last.finish_reason, lp)], usage)
+
+
+class MLCEngine:
+    """`MLCEngine(model, device)`: `engine.chat.completions.create(...)`, `engine.completions.create(...)`.
+
+    `model` is a compiled folder, or an embedded name / HF folder / .gguf compiled once into
+    ~/.cache/mlc_lora. Requests from several threads (or an AsyncMLCEngine's tasks) batch together.
+    """
+
+    def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
+                 max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
+                 prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True):
+        model_dir = resolve_compiled(model, device, progress=progress, dtype=dtype)
+        self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size)
+        self.model_name = self.engine.runner.config.get("model_name", str(model))
+        self._loop = _Loop(self.engine)
+        self.chat = _Namespace(completions=_Creator(self, chat=True))
+        self.completions = _Creator(self, chat=False)
+
+    @property
+    def tokenizer(self) -> Optional[Tokenizer]:
+        return self.engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        return self._loop.call(self.engine.stats)
+
+    def close(self) -> None:
+        self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- request plumbing shared by the sync and async front ends ---------------------------
+
+    def _prepare(self, chat: bool, messages=None, prompt=None, adapter_id=None, **kw) -> Sequence:
+        params = _sampling_params(**kw)
+        tok = self.engine.tokenizer
+        if chat:
+            msgs = check_messages(messages)
+            if tok is None:
+                raise RequestError("chat needs a tokenizer; this model has none")
+            ids = tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False)
+        elif isinstance(prompt, str):
+            if tok is None:
+                raise RequestError("text prompts need a tokenizer; pass token ids")
+            ids = tok.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise RequestError("prompt must be a string or a list of token ids")
+        return self.engine.make_sequence(ids, params, adapter_id)
+
+
+class _Namespace:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _kwargs(max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None, stop=None,
+            logprobs=None, top_logprobs=None, ignore_eos=False, stop_token_ids=None, n=1, **extra):
+    if n != 1:
+        raise RequestError("n > 1 is not supported")
+    unknown = set(extra) - {"model", "stream_options", "user", "max_completion_tokens"}
+    if unknown:
+        raise RequestError(f"unknown request arguments: {', '.join(sorted(unknown))}")
+    if extra.get("max_completion_tokens") is not None and max_tokens is None:
+        max_tokens = extra["max_completion_tokens"]
+    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                stop=stop, logprobs=logprobs, top_logprobs=top_logprobs, ignore_eos=ignore_eos,
+                stop_token_ids=stop_token_ids)
+
+
+class _Creator:
+    """`.create(...)` of chat.completions / completions, blocking or streaming."""
+
+    def __init__(self, owner: MLCEngine, chat: bool):
+        self.owner, self.chat = owner, chat
+
+    def create(self, *, messages=None, prompt=None, stream: bool = False, adapter_id=None, **kw):
+        owner = self.owner
+        seq = owner._prepare(self.chat, messages=messages, prompt=prompt,  # pylint: disable=protected-access
+                             adapter_id=adapter_id, **_kwargs(**kw))
+        q: queue.Queue = queue.Queue()
+        seq.sink = q.put
+        req = _Request(owner, self.chat, stream)
+        owner._loop.submit(seq)  # pylint: disable=protected-access
+        if stream:
+            return self._stream(req, seq, q)
+        outs = []
+        while True:
+            out = q.get()
+            if out.error is not None:
+                raise out.error
+            outs.append(out)
+            if out.finish_reason is not None:
+                return req.whole(outs, seq)
+
+    def _stream(self, req: _Request, seq: Sequence, q: queue.Queue):
+        first, offset = True, 0
+        try:
+            while True:
+                out = q.get()
+                if out.error is not None:
+                    raise out.error
+                if out.text or out.finish_reason is not None or (out.tokens and seq.params.logprobs):
+                    yield req.chunk(out, seq, first, offset)
+                    first, offset = False, offset + len(out.text)
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if seq.finish_reason is None:
+                self.owner._loop.abort(seq)  # pylint: disable=protected-access
+
+
+class AsyncMLCEngine(MLCEngine):
+    """The same engine for asyncio: `await engine.chat.completions.create(...)`; streams are async iterators."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.chat = _Namespace(completions=_AsyncCreator(self, chat=True))
+        self.completions = _AsyncCreator(self, chat=False)
+
+    async def stats(self) -> dict[str, Any]:  # type: ignore[override]
+        return await asyncio.get_running_loop().run_in_executor(None, self._loop.call, self.engine.stats)
+
+
+class _AsyncCreator(_Creator):
+    async def create(self, *, messages=None, prompt=None, stream: bool = False, adapter_id=None, **kw):
+        owner = self.owner
+        seq = owner._prepare(self.chat, messages=messages, prompt=prompt,  # pylint: disable=protected-access
+                             adapter_id=adapter_id, **_kwargs(**kw))
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        seq.sink = lambda out: loop.call_soon_threadsafe(q.put_nowait, out)
+        req = _Request(owner, self.chat, stream)
+        owner._loop.submit(seq)  # pylint: disable=protected-access
+        if stream:
+            return self._astream(req, seq, q)
+        outs = []
+        while True:
+            out = await q.get()
+            if out.error is not None:
+                raise out.error
+            outs.append(out)
+            if out.finish_reason is not None:
+                return req.whole(outs, seq)
+
+    async def _astream(self, req: _Request, seq: Sequence, q: asyncio.Queue):
+        first, offset = True, 0
+        try:
+            while True:
+                out = await q.get()
+                if out.error is not None:
+                    raise out.error
+                if out.text or out.finish_reason is not None or (out.tokens and seq.params.logprobs):
+                    yield req.chunk(out, seq, first, offset)
+                    first, offset = False, offset + len(out.text)
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if seq.finish_reason is None:
+                self.owner._loop.abort(seq)  # pylint: disable=protected-access

@@ -1,0 +1,173 @@
+"""Sequences and the continuous-batching scheduler (decodes first, then chunked prefills, bounded
+by free KV pages; preemption by recompute when the pages run out)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections import deque
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+PAGE_SIZE = 16
+
+
+@dataclasses.dataclass
+class SamplingParams:  # pylint: disable=too-many-instance-attributes
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:  # pylint: disable=too-many-instance-attributes
+    """One request's tokens, its place in the KV cache, and its sampling state."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, adapter_id: Optional[str] = None,
+                 sink: Optional[Callable[[Any], None]] = None):
+        self.seq_id = next(_seq_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        # The LoRA work plugs in here: the batch carries each row's adapter (None = base model).
+        self.adapter_id = adapter_id
+        self.status = Status.WAITING
+        self.num_cached = 0  # tokens whose KV is in the cache
+        self.finish_reason: Optional[str] = None
+        self.rng = np.random.default_rng(params.seed)
+        self.sink = sink  # receives this sequence's outputs (set by the engine front end)
+        self.aborted = False
+        self.state: Any = None  # the engine's per-request text state (detokeniser, stop strings)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature <= 0
+
+
+def new_pages(num_cached: int, n: int) -> int:
+    """Pages a sequence must take to append `n` tokens after `num_cached`."""
+    return -(-(num_cached + n) // PAGE_SIZE) - -(-num_cached // PAGE_SIZE)
+
+
+@dataclasses.dataclass
+class Batch:
+    seqs: list[Sequence]
+    chunks: list[list[int]]  # tokens each sequence appends this step
+    # Per-row adapter of the batch (None = base model): where the LoRA tables will be built from.
+    adapter_ids: list[Optional[str]]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(len(c) == 1 and s.num_cached == s.num_tokens - 1 for s, c in zip(self.seqs, self.chunks))
+
+    def samples(self, i: int) -> bool:
+        """Row `i` completes its sequence's known tokens: its logits give the next token."""
+        return self.seqs[i].num_cached + len(self.chunks[i]) == self.seqs[i].num_tokens
+
+
+class Scheduler:
+    """FIFO admission; running decodes first; pages checked before every step."""
+
+    def __init__(self, kv_pages: Callable[[], int], kv_add: Callable[[int], None],
+                 kv_remove: Callable[[int], None], max_num_seqs: int, max_step_tokens: int):
+        self.kv_pages = kv_pages
+        self.kv_add = kv_add
+        self.kv_remove = kv_remove
+        self.max_num_seqs = max_num_seqs
+        self.max_step_tokens = max_step_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq.status == Status.RUNNING:
+            self.kv_remove(seq.seq_id)
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute: drop the KV, keep the tokens; the sequence prefills them again later."""
+        self.kv_remove(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> Optional[Batch]:
+        free = self.kv_pages()
+        budget = self.max_step_tokens
+        rows: list[tuple[Sequence, list[int]]] = []
+        # 1. decodes, oldest first; when pages run out, preempt the newest running sequence
+        queue = deque(s for s in self.running if s.num_cached == s.num_tokens - 1)
+        while queue:
+            seq = queue.popleft()
+            need = new_pages(seq.num_cached, 1)
+            while need > free and queue:
+                self.preempt(queue.pop())
+                free = self.kv_pages()
+            if need > free:
+                self.preempt(seq)
+                free = self.kv_pages()
+                continue
+            free -= need
+            budget -= 1
+            rows.append((seq, seq.tokens[-1:]))
+        # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
+        prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
+        for seq in prefilling + list(self.waiting):
+            if budget <= 0:
+                break
+            if seq.status == Status.WAITING and len(self.running) >= self.max_num_seqs:
+                break
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            # as many tokens as the free pages (and the last page's slack) can hold
+            slack = -seq.num_cached % PAGE_SIZE
+            n = min(n, slack + free * PAGE_SIZE)
+            if n <= 0:
+                break
+            if seq.status == Status.WAITING:
+                self.waiting.remove(seq)
+                self.kv_add(seq.seq_id)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            free -= new_pages(seq.num_cached, n)
+            budget -= n
+            rows.append((seq, seq.tokens[seq.num_cached:seq.num_cached + n]))
+        if not rows and self.running:
+            # every running sequence is stuck mid-prefill without pages: free the newest
+            self.preempt(self.running[-1])
+            return self.schedule()
+        if not rows:
+            return None
+        return Batch([s for s, _ in rows], [c for _, c in rows], [s.adapter_id for s, _ in rows])

@@ -1,0 +1,1 @@
+"""LoRA adapters: PEFT loading, page layout in the unified pool, per-batch tables."""

@@ -1,0 +1,120 @@
+"""LoRA TIR kernels (llvm) against their numpy references; CUDA variants are built, not run."""
+
+import shutil
+
+import numpy as np
+import pytest
+import tvm
+
+from mlc_lora.compiler_passes import lora_kernels as K
+
+L, M, R = 3, 4, 8  # layers, modules, max rank
+IN, OUT, MOD = 24, 40, 2
+
+
+def _random_tables(rng, n_tok, ranks, page=64, pages=24):
+    """An arena of L*P*E with rows at random non-overlapping places; tokens on random slots or -1."""
+    size = L * pages * page
+    arena = rng.standard_normal(size).astype(np.float32)
+    S = len(ranks)
+    a_off = np.full((S, M, R), -1, np.int32)
+    b_off = np.full((S, M, R), -1, np.int32)
+    # Each row gets its own page: IN, OUT <= page; shuffled page ids.
+    ids = iter(rng.permutation(pages))
+    for s, r in enumerate(ranks):
+        for k in range(r):
+            a_off[s, MOD, k] = next(ids) * page + rng.integers(0, page - IN + 1)
+            b_off[s, MOD, k] = next(ids) * page + rng.integers(0, page - OUT + 1)
+    scale = rng.uniform(0.5, 2.0, (S, M)).astype(np.float32)
+    slot = rng.integers(-1, S, n_tok).astype(np.int32)
+    rank = np.asarray(ranks, np.int32)
+    return arena, slot, rank, scale, a_off, b_off
+
+
+def _build(func):
+    target = tvm.target.Target("llvm")
+    with target:
+        return tvm.compile(tvm.IRModule({"main": func}), target=target)
+
+
+def _t(a):
+    return tvm.runtime.tensor(a, tvm.cpu())
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_gather_kernel_matches_reference(layer):
+    rng = np.random.default_rng(layer)
+    n = 9
+    arena, slot, rank, scale, a_off, b_off = _random_tables(rng, n, ranks=[3, 8, 1])
+    scale[2, MOD] = 0.0  # an adapter that does not target this module
+    slot[:3] = [-1, 2, 1]  # base token, untargeted slot, full rank, in any order
+    x = rng.standard_normal((n, IN)).astype(np.float32)
+    lib = _build(K.lora_gather_kernel(IN, OUT, MOD, L, R, M, "float32", tvm.target.Target("llvm")))
+    out = _t(np.full((n, OUT), 7.0, np.float32))  # garbage must be overwritten
+    lib["main"](_t(x), _t(arena), _t(slot), _t(rank), _t(scale), _t(a_off), _t(b_off), layer, out)
+    ref = K.lora_gather_ref(x, arena, layer, L, slot, rank, scale, a_off, b_off, MOD, OUT)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+    assert np.all(ref[slot == -1] == 0) and np.all(ref[slot == 2] == 0)
+    assert np.abs(ref[slot == 1]).max() > 0.1
+    # Independent check of one token: dense maths from the same rows.
+    t = int(np.flatnonzero(slot == 0)[0]) if (slot == 0).any() else 2
+    s = slot[t]
+    base = layer * (arena.size // L)
+    A = np.stack([arena[base + a_off[s, MOD, k]:][:IN] for k in range(rank[s])])
+    B = np.stack([arena[base + b_off[s, MOD, k]:][:OUT] for k in range(rank[s])])
+    np.testing.assert_allclose(out.numpy()[t], scale[s, MOD] * (x[t] @ A.T) @ B, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_kernel_ignores_rows_past_rank():
+    """Offsets past rank[s] are -1 (garbage); the kernel must not read them."""
+    rng = np.random.default_rng(5)
+    arena, slot, rank, scale, a_off, b_off = _random_tables(rng, 4, ranks=[2])
+    slot[:] = 0
+    a_off[0, MOD, 2:] = 10**6  # would be out of bounds
+    x = rng.standard_normal((4, IN)).astype(np.float32)
+    lib = _build(K.lora_gather_kernel(IN, OUT, MOD, L, R, M, "float32", tvm.target.Target("llvm")))
+    out = _t(np.zeros((4, OUT), np.float32))
+    lib["main"](_t(x), _t(arena), _t(slot), _t(rank), _t(scale), _t(a_off), _t(b_off), 1, out)
+    ref = K.lora_gather_ref(x, arena, 1, L, slot, rank, scale, a_off, b_off, MOD, OUT)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ranks", [[5], []])
+def test_dense_rows_kernel_matches_reference(ranks):
+    rng = np.random.default_rng(1)
+    arena, _, rank, scale, a_off, b_off = _random_tables(rng, 1, ranks=ranks)
+    lib = _build(K.lora_dense_rows_kernel(IN, OUT, MOD, L, R, M, "float32", tvm.target.Target("llvm")))
+    a = _t(np.full((R, IN), 3.0, np.float32))
+    b = _t(np.full((R, OUT), 3.0, np.float32))
+    lib["main"](_t(arena), _t(rank), _t(scale), _t(a_off), _t(b_off), 1, a, b)
+    ra, rb = K.lora_dense_rows_ref(arena, 1, L, rank, scale, a_off, b_off, MOD, IN, OUT, R)
+    np.testing.assert_allclose(a.numpy(), ra, rtol=1e-6)
+    np.testing.assert_allclose(b.numpy(), rb, rtol=1e-6)
+    if ranks:
+        assert np.all(ra[ranks[0]:] == 0) and np.all(np.abs(ra[: ranks[0]]).max(axis=1) > 0)
+
+
+def test_dense_rows_equal_gather_for_one_slot():
+    """Stage 1's dense path gives stage 2's result when every adapter token uses slot 0."""
+    rng = np.random.default_rng(2)
+    arena, slot, rank, scale, a_off, b_off = _random_tables(rng, 6, ranks=[6])
+    slot[:] = [0, -1, 0, 0, -1, 0]
+    x = rng.standard_normal((6, IN)).astype(np.float32)
+    A, Bs = K.lora_dense_rows_ref(arena, 0, L, rank, scale, a_off, b_off, MOD, IN, OUT, R)
+    dense = ((x @ A.T) * (slot >= 0)[:, None]) @ Bs
+    ref = K.lora_gather_ref(x, arena, 0, L, slot, rank, scale, a_off, b_off, MOD, OUT)
+    np.testing.assert_allclose(dense, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build cubin")
+@pytest.mark.parametrize("name", list(K.KERNELS))
+def test_cuda_kernels_build(name):
+    from mlc_lora.compile import prepare_cuda_build
+
+    prepare_cuda_build()
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    func = K.KERNELS[name](4096, 1024, 1, 32, 64, 7, "float16", target)
+    assert func.attrs["tirx.is_scheduled"] and int(func.attrs["op_pattern"]) == K.OPAQUE
+    with target:
+        lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    assert lib is not None

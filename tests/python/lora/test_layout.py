@@ -1,0 +1,143 @@
+"""Page arithmetic, packing and per-batch tables against hand computation."""
+
+import numpy as np
+import pytest
+
+from mlc_lora.errors import LoraError
+from mlc_lora.lora import layout
+from mlc_lora.lora.layout import LoraModule, LoraSpec, NumpyArena, layout_adapter, make_spec, pack_adapter
+from mlc_lora.lora.peft import LoraAdapter
+from mlc_lora.models.llama import LlamaConfig
+
+from ..conftest import TINY_CONFIGS
+
+
+def _tiny_cfg():
+    return LlamaConfig(**{k: v for k, v in TINY_CONFIGS["gqa"].items()})
+
+
+def test_llama2_7b_page_table_by_hand():
+    rows = {r["rank"]: r for r in layout.reference_page_table("Llama-2-7B")}
+    # E = 2 * 32 * 16 * 128 = 131072; 32 rows of 4096 or 11 rows of 11008 per page.
+    # Attention only, rank r: 8r rows of 4096 -> r/4 pages, no waste.
+    assert [rows[r]["attn_pages"] for r in (8, 16, 32, 64)] == [2, 4, 8, 16]
+    # All 7 at rank 8: 24 rows of 11008 (A of down, B^T of gate/up) -> pages of 11, 11, 2 rows,
+    # leaving 9984, 9984 and 109056 free: 2 + 2 + 26 rows of 4096 go there; the other 88 - 30 = 58
+    # rows of 4096 take 2 more pages. 5 pages = ceil(78080 * 8 / 131072), the lower bound.
+    assert rows[8]["all_pages"] == 5 and rows[8]["all_lower_bound"] == 5
+    assert rows[8]["all_waste_elems"] == 5 * 131072 - 78080 * 8
+    # Every rank reaches ceil(78080 r / 131072): 10, 20, 39 (research §8 grouping gives 11, 20, 40).
+    assert [rows[r]["all_pages"] for r in (16, 32, 64)] == [10, 20, 39]
+    assert rows[8]["all_mib"] == 40 and rows[64]["attn_mib"] == 128  # 8 MiB per page id
+
+
+def test_llama3_8b_page_table_by_hand():
+    rows = {r["rank"]: r for r in layout.reference_page_table("Llama-3-8B")}
+    # E = 2 * 8 * 16 * 128 = 32768: 8 rows of 4096, 32 of 1024, 2 of 14336 (4096 left over).
+    # Attention, rank 8: 48 rows of 4096 -> 6 pages; 16 rows of 1024 = half a page -> 7.
+    assert [rows[r]["attn_pages"] for r in (8, 16, 32, 64)] == [7, 13, 26, 52]
+    # All 7, rank 8: 24 rows of 14336 -> 12 pages, each also takes one of the 72 rows of 4096;
+    # 60 left -> 7.5 pages; the 16 rows of 1024 fill the last half page: 20 = 81920 * 8 / 32768.
+    assert rows[8]["all_pages"] == 20 and rows[8]["all_waste_elems"] == 0
+    assert [rows[r]["all_pages"] for r in (16, 32, 64)] == [40, 80, 160]
+    assert rows[64]["all_mib"] == 320  # 2 MiB per page id
+
+
+def test_layout_rows_stay_inside_pages_and_do_not_overlap():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        E = int(rng.integers(64, 400))
+        mods = [LoraModule(f"m{i}", int(rng.integers(1, E + 1)), int(rng.integers(1, E + 1)))
+                for i in range(int(rng.integers(1, 6)))]
+        r = int(rng.integers(1, 9))
+        lay = layout_adapter(E, mods, r)
+        used = np.zeros(lay.num_pages * E, int)
+        lengths = {m.name: (m.in_features, m.out_features) for m in mods}
+        for (name, ab, k), off in lay.offsets.items():
+            n = lengths[name][0 if ab == "A" else 1]
+            assert off // E == (off + n - 1) // E, "a row crosses a page"
+            used[off:off + n] += 1
+        assert used.max() == 1 and used.sum() == lay.used_elems
+        assert lay.waste == lay.num_pages * E - lay.used_elems
+        assert layout.lower_bound_pages(E, mods, r) <= lay.num_pages
+        assert len(lay.offsets) == 2 * r * len(mods)
+
+
+def _fake_adapter(spec, rank, modules, seed):
+    rng = np.random.default_rng(seed)
+    shapes = {m.name: (m.in_features, m.out_features) for m in spec.modules}
+    w = {(l, m): (rng.standard_normal((rank, shapes[m][0])).astype(np.float32),
+                  rng.standard_normal((rank, shapes[m][1])).astype(np.float32))
+         for l in range(spec.num_layers) for m in modules}
+    return LoraAdapter(f"a{seed}", rank, list(modules), {m: 0.5 + i for i, m in enumerate(modules)}, w, {})
+
+
+def test_pack_adapter_round_trip_and_tables():
+    cfg = _tiny_cfg()
+    spec = make_spec(cfg, max_rank=8, pool_pages=40, target_modules=["q_proj", "v_proj", "down_proj"])
+    assert spec.page_elems == 2 * 2 * 16 * 16 and spec.module_names == ["q_proj", "v_proj", "down_proj"]
+    a1 = _fake_adapter(spec, 3, ["v_proj", "down_proj"], 1)
+    a2 = _fake_adapter(spec, 8, ["q_proj"], 2)
+    p1 = pack_adapter(spec, a1, np.float32)
+    assert p1.pages.shape == (2, p1.pages.shape[1], spec.page_elems)
+    assert list(p1.scale) == [0.0, 0.5, 1.5] and p1.rank == 3
+    assert (p1.a_off[0] == -1).all() and (p1.a_off[1, 3:] == -1).all() and (p1.a_off[1, :3] >= 0).all()
+    arena = NumpyArena(spec, np.float32)
+    ids1 = arena.load(11, p1, page_ids=[30, 2, 17][: p1.pages.shape[1]])
+    arena.load(22, pack_adapter(spec, a2, np.float32))
+    t = arena.tables([22, None, 11, 11, None, 22])
+    assert t["lora_token_slot"].tolist() == [0, -1, 1, 1, -1, 0]  # first appearance
+    assert t["lora_rank"].tolist() == [8, 3]
+    np.testing.assert_array_equal(t["lora_scale"][1], p1.scale)
+    # Every row read back from the arena through the global offsets equals the adapter's row.
+    E, P = spec.page_elems, spec.pool_pages
+    for l in range(spec.num_layers):
+        for mi, m in enumerate(spec.modules):
+            if m.name not in a1.modules:
+                assert (t["lora_a_off"][1, mi] == -1).all()
+                continue
+            for k in range(3):
+                off = l * P * E + t["lora_a_off"][1, mi, k]
+                np.testing.assert_array_equal(arena.data[off:off + m.in_features], a1.weights[l, m.name][0][k])
+                off = l * P * E + t["lora_b_off"][1, mi, k]
+                np.testing.assert_array_equal(arena.data[off:off + m.out_features], a1.weights[l, m.name][1][k])
+    assert sorted(set(t["lora_a_off"][1][t["lora_a_off"][1] >= 0] // E)) <= sorted(ids1)
+    empty = arena.tables([None, None])
+    assert empty["lora_rank"].shape == (0,) and empty["lora_a_off"].shape == (0, 3, 8)
+    with pytest.raises(LoraError, match="not loaded"):
+        arena.tables([5])
+
+
+def test_pack_adapter_refuses_what_was_not_compiled():
+    spec = make_spec(_tiny_cfg(), max_rank=4, pool_pages=8, target_modules=["q_proj"])
+    with pytest.raises(LoraError, match="rank 8, above the compiled --max-lora-rank 4"):
+        pack_adapter(spec, _fake_adapter(spec, 8, ["q_proj"], 0), np.float32)
+    bad = _fake_adapter(spec, 2, ["q_proj"], 0)
+    bad.modules.append("v_proj")
+    with pytest.raises(LoraError, match=r"targets \['v_proj'\], which the model was not compiled for"):
+        pack_adapter(spec, bad, np.float32)
+    arena = NumpyArena(spec, np.float32)
+    big = pack_adapter(make_spec(_tiny_cfg(), 4, 8), _fake_adapter(make_spec(_tiny_cfg(), 4, 8), 4, ["q_proj"], 0),
+                       np.float32)
+    arena.free = arena.free[:0]
+    with pytest.raises(LoraError, match="free pages"):
+        arena.load(1, big)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(target_modules=["q_proj", "lm_head"]), "unknown LoRA target module"),
+    (dict(kernel="sgmv"), "unknown LoRA kernel"),
+    (dict(max_rank=0), "max-lora-rank must be >= 1"),
+    (dict(pool_pages=0), "lora-pool-pages must be >= 1"),
+    (dict(pool_pages=2**21), "exceeds 2\\^31"),
+])
+def test_make_spec_refuses_bad_options(kw, msg):
+    args = dict(max_rank=8, pool_pages=4) | kw
+    with pytest.raises(LoraError, match=msg):
+        make_spec(_tiny_cfg(), **args)
+
+
+def test_spec_json_round_trip():
+    spec = make_spec(_tiny_cfg(), max_rank=16, pool_pages=12, kernel="single")
+    assert LoraSpec.from_json(spec.to_json()) == spec
+    assert spec.arena_elems == 2 * 12 * 1024

@@ -1,0 +1,145 @@
+"""PEFT adapter folders: what loads, and every bad input refused with a message naming it."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from mlc_lora.errors import LoraError
+from mlc_lora.lora.layout import make_spec
+from mlc_lora.lora.peft import load_peft_adapter
+from mlc_lora.models.llama import LlamaConfig
+
+from ..conftest import TINY_CONFIGS
+
+CFG = LlamaConfig(**TINY_CONFIGS["gqa"])  # hidden 64, q 64, kv 32, ffn 128, 2 layers
+PREFIX = "base_model.model.model.layers"
+
+
+def _write(folder, config=None, tensors=None, r=4, modules=("q_proj", "v_proj"), layers=(0, 1)):
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": list(modules), "bias": "none",
+           "use_dora": False, "modules_to_save": None, "use_rslora": False, "fan_in_fan_out": False,
+           "rank_pattern": {}, "alpha_pattern": {}}
+    cfg.update(config or {})
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    if tensors is None:
+        rng = np.random.default_rng(0)
+        shapes = {"q_proj": (64, 64), "v_proj": (64, 32), "down_proj": (128, 64), "k_proj": (64, 32)}
+        part = {"q_proj": "self_attn", "v_proj": "self_attn", "k_proj": "self_attn", "down_proj": "mlp"}
+        tensors = {}
+        for l in layers:
+            for m in modules:
+                i, o = shapes[m]
+                tensors[f"{PREFIX}.{l}.{part[m]}.{m}.lora_A.weight"] = rng.standard_normal((r, i)).astype(np.float32)
+                tensors[f"{PREFIX}.{l}.{part[m]}.{m}.lora_B.weight"] = rng.standard_normal((o, r)).astype(np.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_loads_a_valid_folder(tmp_path):
+    f = _write(tmp_path / "ok", config={"lora_alpha": 6})
+    a = load_peft_adapter(f, CFG, make_spec(CFG, 8, 16))
+    assert a.rank == 4 and a.modules == ["q_proj", "v_proj"] and a.scales == {"q_proj": 1.5, "v_proj": 1.5}
+    assert a.weights[(1, "v_proj")][0].shape == (4, 64) and a.weights[(1, "v_proj")][1].shape == (4, 32)
+
+
+def test_rslora_and_patterns(tmp_path):
+    f = _write(tmp_path / "rs", config={"use_rslora": True, "lora_alpha": 8})
+    assert load_peft_adapter(f, CFG).scales["q_proj"] == pytest.approx(8 / math.sqrt(4))
+    # Per-module rank (padded with zero rows) and a per-layer alpha folded into B^T.
+    rng = np.random.default_rng(1)
+    t = {}
+    for l in (0, 1):
+        t[f"{PREFIX}.{l}.self_attn.q_proj.lora_A.weight"] = rng.standard_normal((4, 64)).astype(np.float32)
+        t[f"{PREFIX}.{l}.self_attn.q_proj.lora_B.weight"] = rng.standard_normal((64, 4)).astype(np.float32)
+        t[f"{PREFIX}.{l}.self_attn.v_proj.lora_A.weight"] = rng.standard_normal((2, 64)).astype(np.float32)
+        t[f"{PREFIX}.{l}.self_attn.v_proj.lora_B.weight"] = rng.standard_normal((32, 2)).astype(np.float32)
+    f = _write(tmp_path / "pat", tensors=t, config={"rank_pattern": {"v_proj": 2},
+                                                    "alpha_pattern": {"layers.1.self_attn.q_proj": 16}})
+    a = load_peft_adapter(f, CFG)
+    assert a.rank == 4 and a.scales == {"q_proj": 2.0, "v_proj": 4.0}
+    va, vb = a.weights[(0, "v_proj")]
+    assert (va[2:] == 0).all() and (vb[2:] == 0).all()
+    np.testing.assert_allclose(a.weights[(1, "q_proj")][1], 2.0 * t[f"{PREFIX}.1.self_attn.q_proj.lora_B.weight"].T)
+
+
+def test_missing_and_malformed_config(tmp_path):
+    with pytest.raises(LoraError, match="not a folder"):
+        load_peft_adapter(tmp_path / "nope", CFG)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoraError, match="no adapter_config.json"):
+        load_peft_adapter(tmp_path / "empty", CFG)
+    f = _write(tmp_path / "bad")
+    (f / "adapter_config.json").write_text("{not json")
+    with pytest.raises(LoraError, match="adapter_config.json is not valid JSON"):
+        load_peft_adapter(f, CFG)
+    (f / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(LoraError, match="must hold a JSON object"):
+        load_peft_adapter(f, CFG)
+    f = _write(tmp_path / "r0", config={"r": 0})
+    with pytest.raises(LoraError, match="r must be a positive number"):
+        load_peft_adapter(f, CFG)
+
+
+def test_weights_file_problems(tmp_path):
+    f = _write(tmp_path / "pickle")
+    (f / "adapter_model.safetensors").unlink()
+    (f / "adapter_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(LoraError, match="adapter_model.bin \\(a pickle\\).*safetensors"):
+        load_peft_adapter(f, CFG)
+    (f / "adapter_model.bin").unlink()
+    with pytest.raises(LoraError, match="has no adapter_model.safetensors"):
+        load_peft_adapter(f, CFG)
+    (f / "adapter_model.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(LoraError, match="is not a safetensors file"):
+        load_peft_adapter(f, CFG)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("bias", "all"), ("bias", "lora_only"), ("use_dora", True), ("modules_to_save", ["lm_head"]),
+    ("lora_bias", True), ("target_parameters", ["mlp.experts.down_proj"]), ("layer_replication", [[0, 1]]),
+    ("trainable_token_indices", [1, 2]), ("peft_type", "IA3"), ("init_lora_weights", "pissa"),
+])
+def test_unsupported_options_are_named(tmp_path, option, value):
+    f = _write(tmp_path / "opt", config={option: value})
+    with pytest.raises(LoraError, match=option):
+        load_peft_adapter(f, CFG)
+
+
+def test_shapes_that_do_not_fit_name_the_tensor(tmp_path):
+    rng = np.random.default_rng(0)
+    key = f"{PREFIX}.0.self_attn.v_proj"
+    t = {f"{key}.lora_A.weight": rng.standard_normal((4, 64)).astype(np.float32),
+         f"{key}.lora_B.weight": rng.standard_normal((64, 4)).astype(np.float32)}  # v is 32 rows
+    f = _write(tmp_path / "shape", tensors=t)
+    with pytest.raises(LoraError, match=r"lora_B.weight' has shape \(64, 4\), expected \(32, 4\)"):
+        load_peft_adapter(f, CFG)
+    t = {f"{key}.lora_A.weight": rng.standard_normal((4, 48)).astype(np.float32),
+         f"{key}.lora_B.weight": rng.standard_normal((32, 4)).astype(np.float32)}
+    with pytest.raises(LoraError, match=r"v_proj.lora_A.weight' has shape \(4, 48\), expected \(r, 64\)"):
+        load_peft_adapter(_write(tmp_path / "shape2", tensors=t), CFG)
+    t = {f"{PREFIX}.5.self_attn.v_proj.lora_A.weight": np.zeros((4, 64), np.float32),
+         f"{PREFIX}.5.self_attn.v_proj.lora_B.weight": np.zeros((32, 4), np.float32)}
+    with pytest.raises(LoraError, match="layer 5, but the base model has 2 layers"):
+        load_peft_adapter(_write(tmp_path / "layer", tensors=t), CFG)
+    t = {f"{key}.lora_A.weight": np.zeros((4, 64), np.float32)}
+    with pytest.raises(LoraError, match="has lora_A but not lora_B"):
+        load_peft_adapter(_write(tmp_path / "half", tensors=t), CFG)
+    t = {"base_model.model.lm_head.lora_A.weight": np.zeros((4, 64), np.float32)}
+    with pytest.raises(LoraError, match="lm_head.*not a LoRA A/B weight of a Llama linear"):
+        load_peft_adapter(_write(tmp_path / "head", tensors=t), CFG)
+    f = _write(tmp_path / "rankcfg", config={"r": 8})  # tensors have rank 4
+    with pytest.raises(LoraError, match="has rank 4, but adapter_config.json gives r=8"):
+        load_peft_adapter(f, CFG)
+
+
+def test_rank_and_modules_checked_against_the_compiled_model(tmp_path):
+    f = _write(tmp_path / "big", r=16)
+    with pytest.raises(LoraError, match="rank 16, above the compiled --max-lora-rank 8"):
+        load_peft_adapter(f, CFG, make_spec(CFG, 8, 16))
+    f = _write(tmp_path / "mods", modules=("q_proj", "down_proj"))
+    with pytest.raises(LoraError, match=r"targets \['down_proj'\], which the model was not compiled for"):
+        load_peft_adapter(f, CFG, make_spec(CFG, 8, 16, target_modules=["q_proj", "v_proj"]))

@@ -1,0 +1,159 @@
+"""Mixed-adapter batches of the compiled tiny Llama against HF transformers + PEFT.
+
+Five seeded PEFT adapters (ranks 4..64, different alphas and targets, one rsLoRA, one with
+rank/alpha patterns and a regex target, one on a single layer) are packed into a numpy arena; the
+tables come from the numpy table builder (what the C++ pool must produce).
+"""
+
+import copy
+import json
+
+import numpy as np
+import peft
+import pytest
+import torch
+
+from mlc_lora.compile import CompileOptions, compile_model
+from mlc_lora.lora.layout import LoraSpec, NumpyArena, pack_adapter
+from mlc_lora.lora.peft import load_peft_adapter
+from mlc_lora.models.llama import LlamaConfig
+from mlc_lora.runner import ModelRunner
+
+from ..conftest import make_tiny_hf_model
+
+ADAPTERS = {
+    # id: LoraConfig kwargs
+    1: dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                "up_proj", "down_proj"]),
+    2: dict(r=16, lora_alpha=32, use_rslora=True, target_modules=["q_proj", "v_proj"]),
+    3: dict(r=64, lora_alpha=16, target_modules=["o_proj", "gate_proj", "down_proj"]),
+    4: dict(r=8, lora_alpha=16, target_modules=r".*\.(k_proj|up_proj|down_proj)",
+            rank_pattern={"down_proj": 4}, alpha_pattern={"layers.1.mlp.up_proj": 4}),
+    5: dict(r=12, lora_alpha=6, target_modules=["v_proj", "gate_proj"], layers_to_transform=[1]),
+}
+# (adapter id or None, prompt); order mixes adapters and base requests.
+REQUESTS = [(1, [1, 5, 7, 9, 3, 11, 2]), (None, [2, 4, 6]), (3, [10, 11, 12, 13, 14, 15, 16, 17, 18]),
+            (2, [3, 3, 8]), (4, [7, 1, 9, 20, 21]), (1, [30, 31]), (5, [5, 6, 7, 8]), (None, [9])]
+DECODE_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_hf_model(root / "hf", "gqa")
+    cfg = LlamaConfig.from_dict(json.loads((root / "hf" / "config.json").read_text()))
+    refs = {None: base}
+    for aid, kw in ADAPTERS.items():
+        torch.manual_seed(100 + aid)
+        pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kw))
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:  # PEFT starts B at zero; make the adapter do something
+                    p.copy_(0.2 * torch.randn_like(p))
+        pm.save_pretrained(root / f"adapter{aid}")
+        # The reference is PEFT loading the saved folder, like any user would.
+        refs[aid] = peft.PeftModel.from_pretrained(copy.deepcopy(base), root / f"adapter{aid}").eval()
+    compiled = {}
+    for kernel in ("gather", "single"):
+        compiled[kernel] = compile_model(
+            root / "hf", root / f"lora-{kernel}",
+            CompileOptions(prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96,
+                           max_lora_rank=64, lora_kernel=kernel), progress=False)
+    return cfg, root, refs, compiled
+
+
+def _peft_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, -1].numpy()
+
+
+def _run_batches(runner, arena, batches):
+    """Prefill then DECODE_STEPS decodes for each batch (a list of request indices).
+    Returns {request index: [logits after prefill, after decode 1, ...]} and the token sequences."""
+    rng = np.random.default_rng(7)
+    next_tokens = {i: rng.integers(0, runner.vocab_size, DECODE_STEPS).tolist() for i in range(len(REQUESTS))}
+    out, seqs = {}, {}
+    kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=512, prefill_chunk_size=128)
+    for batch in batches:
+        for i in batch:
+            runner.kv_add(kv, i)
+            seqs[i] = list(REQUESTS[i][1])
+        token_adapter = [REQUESTS[i][0] for i in batch for _ in REQUESTS[i][1]]
+        tables = arena.tables(token_adapter) | {"lora_arena": arena.data}
+        logits = runner.prefill(kv, batch, [REQUESTS[i][1] for i in batch], lora=tables).numpy()
+        for row, i in enumerate(batch):
+            out[i] = [logits[row].copy()]
+        for step in range(DECODE_STEPS):
+            toks = [next_tokens[i][step] for i in batch]
+            tables = arena.tables([REQUESTS[i][0] for i in batch]) | {"lora_arena": arena.data}
+            logits = runner.decode(kv, batch, toks, lora=tables).numpy()
+            for row, i in enumerate(batch):
+                seqs[i].append(toks[row])
+                out[i].append(logits[row].copy())
+    return out, seqs
+
+
+def _arena(runner, cfg, root):
+    spec = LoraSpec.from_json(runner.lora)
+    arena = NumpyArena(spec, np.float32)
+    # Load in an order that leaves adapters on non-contiguous, non-initial page ids.
+    arena.free = list(np.random.default_rng(3).permutation(spec.pool_pages))
+    for aid in (3, 1, 5, 2, 4):
+        arena.load(aid, pack_adapter(spec, load_peft_adapter(root / f"adapter{aid}", cfg, spec), np.float32))
+    return arena
+
+
+def _check_against_peft(refs, out, seqs):
+    worst = 0.0
+    for i, (aid, prompt) in enumerate(REQUESTS):
+        for step, got in enumerate(out[i]):
+            want = _peft_logits(refs[aid], seqs[i][: len(prompt) + step])
+            err = float(np.abs(got - want).max())
+            assert err < 1e-4, f"request {i} (adapter {aid}) step {step}: max abs error {err}"
+            worst = max(worst, err)
+    return worst
+
+
+def test_mixed_adapter_batch_matches_peft_gather(lora_setup):
+    cfg, root, refs, compiled = lora_setup
+    runner = ModelRunner(compiled["gather"])
+    arena = _arena(runner, cfg, root)
+    out, seqs = _run_batches(runner, arena, [list(range(len(REQUESTS)))])
+    print(f"gather, one mixed batch: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
+    # The adapters matter: every adapter request differs visibly from the base model.
+    for i, (aid, prompt) in enumerate(REQUESTS):
+        if aid is not None:
+            assert np.abs(out[i][0] - _peft_logits(refs[None], prompt)).max() > 1e-2, f"adapter {aid}"
+
+
+def test_single_adapter_batches_match_peft_and_gather(lora_setup):
+    cfg, root, refs, compiled = lora_setup
+    single = ModelRunner(compiled["single"])
+    # Stage 1: one adapter per batch (base requests ride along with slot -1).
+    by_adapter = {}
+    for i, (aid, _) in enumerate(REQUESTS):
+        by_adapter.setdefault(aid, []).append(i)
+    base = by_adapter.pop(None)
+    batches = [by_adapter[a] + (base if n == 0 else []) for n, a in enumerate(sorted(by_adapter))]
+    out1, seqs = _run_batches(single, _arena(single, cfg, root), batches)
+    print(f"single, one adapter per batch: max abs error vs PEFT {_check_against_peft(refs, out1, seqs):.2e}")
+    gather = ModelRunner(compiled["gather"])
+    out2, _ = _run_batches(gather, _arena(gather, cfg, root), batches)
+    for i in out1:
+        for a, b in zip(out1[i], out2[i]):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_base_only_batch_and_config_record(lora_setup):
+    cfg, _, refs, compiled = lora_setup
+    r = ModelRunner(compiled["gather"])
+    lora = r.config["lora"]
+    assert lora["max_rank"] == 64 and lora["kernel"] == "gather" and lora["pool_pages"] == 96
+    assert lora["page_elems"] == 2 * 2 * 16 * 16
+    assert [(m["name"], m["in_features"], m["out_features"]) for m in lora["modules"]] == [
+        ("q_proj", 64, 64), ("k_proj", 64, 32), ("v_proj", 64, 32), ("o_proj", 64, 64),
+        ("gate_proj", 64, 128), ("up_proj", 64, 128), ("down_proj", 128, 64)]
+    kv = r.create_kv_cache(max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=128)
+    r.kv_add(kv, 0)
+    got = r.prefill(kv, [0], [[4, 5, 6]]).numpy()[0]  # no tables: every token on the base model
+    np.testing.assert_allclose(got, _peft_logits(refs[None], [4, 5, 6]), atol=1e-4, rtol=0)
