@@ -117,6 +117,9 @@ struct Engine::Impl {
   std::string model_dir;
   int32_t vocab_size = 0;
   int64_t hidden_size = 0, context_window = 0, max_lora_rank = 0;
+  // A model compiled with LoRA takes six table inputs after the KV cache (docs/DESIGN.md).
+  int64_t lora_modules = 0, lora_max_rank = 0, lora_arena_elems = 0;
+  ffi::Optional<ffi::Tensor> base_arena;  // zeros: what the tables point at when no adapter runs
   std::string dtype;
   DLDevice device{kDLCPU, 0};
   int max_batch = 0, prefill_chunk = 0;
@@ -147,6 +150,12 @@ struct Engine::Impl {
     context_window = mc["context_window_size"].i64();
     dtype = cfg["dtype"].str();
     max_lora_rank = cfg["compile_options"].get("max_lora_rank").i64_or(0);
+    if (cfg.has("lora")) {
+      JSON lora = cfg["lora"];
+      lora_modules = static_cast<int64_t>(lora["modules"].items().size());
+      lora_max_rank = lora["max_rank"].i64();
+      lora_arena_elems = lora["num_layers"].i64() * lora["pool_pages"].i64() * lora["page_elems"].i64();
+    }
     std::string target = cfg["target"]["kind"].str();
     device = ParseDevice(opt.device);
     if ((target == "llvm") != (device.device_type == kDLCPU)) {
@@ -211,11 +220,12 @@ struct Engine::Impl {
       f_prefill = need(vm_mod, "prefill");
       f_decode = need(vm_mod, "decode");
       f_create_kv = need(vm_mod, "create_paged_kv_cache");
-      // prefill(input_embed, logit_positions, kv, params): more inputs are LoRA tables.
+      // prefill(input_embed, logit_positions, kv, [6 LoRA tables], params)
       int64_t arity = need(vm_mod, "get_function_arity")(ffi::String("prefill")).cast<int64_t>();
-      if (arity != 4) {
-        throw NotAvailable("'" + path + "' was compiled with LoRA inputs (prefill takes " + std::to_string(arity) +
-                           " arguments); " + kNoAdapters);
+      int64_t want = lora_arena_elems > 0 ? 10 : 4;
+      if (arity != want) {
+        throw ModelError("'" + path + "': prefill takes " + std::to_string(arity) + " inputs, the config says " +
+                         std::to_string(want) + "; the folder is inconsistent");
       }
     } catch (const ffi::Error& e) {
       throw ModelError("cannot load model library '" + path + "': " + e.what());
@@ -267,6 +277,48 @@ struct Engine::Impl {
     return host;
   }
 
+  ffi::Tensor FromHost(std::vector<int64_t> shape, DLDataType dt, const void* data, size_t nbytes) const {
+    ffi::Tensor t = Empty(std::move(shape), dt);
+    if (nbytes > 0) t_from_bytes(t, const_cast<void*>(data), static_cast<int64_t>(nbytes));
+    return t;
+  }
+
+  // The LoRA inputs of a batch that runs only the base model: every token's slot is -1 and there
+  // are no slots (S = 0), as runner.py's default.
+  std::vector<ffi::Any> BaseLoraArgs(int64_t n_tok) {
+    if (lora_arena_elems == 0) return {};
+    if (!base_arena.has_value()) {
+      ffi::Tensor arena = Empty({lora_arena_elems}, DType(dtype));
+      int64_t bytes = lora_arena_elems * ((DType(dtype).bits + 7) / 8);
+      const int64_t chunk = 64 << 20;  // zero it through views: no host copy of the whole arena
+      std::vector<char> zeros(std::min(bytes, chunk), 0);
+      for (int64_t off = 0; off < bytes; off += chunk) {
+        int64_t len = std::min(chunk, bytes - off);
+        ffi::Tensor v = t_view(arena, ffi::Shape({len}), DLDataType{kDLUInt, 8, 1}, off).cast<ffi::Tensor>();
+        t_from_bytes(v, static_cast<void*>(zeros.data()), len);
+      }
+      base_arena = arena;
+    }
+    std::vector<int32_t> slots(n_tok, -1);
+    DLDataType i32{kDLInt, 32, 1}, f32{kDLFloat, 32, 1};
+    return {*base_arena,
+            FromHost({n_tok}, i32, slots.data(), slots.size() * sizeof(int32_t)),
+            FromHost({0}, i32, nullptr, 0),
+            FromHost({0, lora_modules}, f32, nullptr, 0),
+            FromHost({0, lora_modules, lora_max_rank}, i32, nullptr, 0),
+            FromHost({0, lora_modules, lora_max_rank}, i32, nullptr, 0)};
+  }
+
+  // fn(inputs..., kv, [LoRA tables], params) -> (logits, kv)
+  ffi::Tensor Call(const ffi::Function& fn, std::vector<ffi::Any> args, int64_t n_tok) {
+    for (ffi::Any& a : BaseLoraArgs(n_tok)) args.push_back(std::move(a));
+    args.push_back(params);
+    std::vector<ffi::AnyView> views(args.begin(), args.end());
+    ffi::Any ret;
+    fn.CallPacked(views.data(), static_cast<int32_t>(views.size()), &ret);
+    return ret.cast<ffi::Array<ffi::Any>>()[0].cast<ffi::Tensor>();
+  }
+
   // One ragged prefill; returns each sequence's last-token logits, (b, V) row-major.
   std::vector<float> Prefill(const std::vector<int64_t>& seq_ids, const std::vector<std::vector<int32_t>>& tokens) {
     std::vector<int32_t> flat, last;
@@ -282,9 +334,9 @@ struct Engine::Impl {
     ffi::Tensor pos = Empty({static_cast<int64_t>(last.size())}, DLDataType{kDLInt, 32, 1});
     t_from_bytes(pos, static_cast<void*>(last.data()), static_cast<int64_t>(last.size() * sizeof(int32_t)));
     kv_begin(kv, ffi::Shape(seq_ids), ffi::Shape(lengths));
-    ffi::Array<ffi::Any> out = f_prefill(emb, pos, kv, params).cast<ffi::Array<ffi::Any>>();
+    ffi::Tensor logits = Call(f_prefill, {emb, pos, kv}, static_cast<int64_t>(flat.size()));
     kv_end(kv);
-    return ToHost(out[0].cast<ffi::Tensor>(), tokens.size());
+    return ToHost(logits, tokens.size());
   }
 
   // One decode step, one token per sequence; returns (b, V) row-major.
@@ -293,9 +345,9 @@ struct Engine::Impl {
     ffi::Tensor emb = Embed(tokens);
     emb = t_view(emb, ffi::Shape({b, 1, hidden_size}), DType(dtype), 0).cast<ffi::Tensor>();
     kv_begin(kv, ffi::Shape(seq_ids), ffi::Shape(std::vector<int64_t>(b, 1)));
-    ffi::Array<ffi::Any> out = f_decode(emb, kv, params).cast<ffi::Array<ffi::Any>>();
+    ffi::Tensor logits = Call(f_decode, {emb, kv}, b);
     kv_end(kv);
-    return ToHost(out[0].cast<ffi::Tensor>(), tokens.size());
+    return ToHost(logits, tokens.size());
   }
 
   // ----------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
   chat_parity.py prepare DIR     a tiny Llama (random weights) with a BPE tokenizer trained on
                                  ShareGPT and SmolLM2's ChatML template, compiled by mlc_lora into
-                                 DIR/compiled; the Python reference outputs go to DIR/expected.json
+                                 DIR/compiled and, with LoRA inputs, DIR/compiled_lora; the Python
+                                 reference outputs go to DIR/expected.json
   chat_parity.py compare DIR --app PATH
                                  runs the app (batched, and with tiny batches and prefill chunks)
                                  and compares text and ids
@@ -68,6 +69,9 @@ def prepare(root: Path) -> None:
             p.mul_(4.0)
     model.save_pretrained(hf, safe_serialization=True)
     compile_model(hf, root / "compiled", CompileOptions(prefill_chunk_size=128, max_batch_size=8), progress=False)
+    # The same model with LoRA table inputs: its base-model output must not change.
+    compile_model(hf, root / "compiled_lora", CompileOptions(prefill_chunk_size=128, max_batch_size=8,
+                                                             max_lora_rank=8, lora_pool_pages=64), progress=False)
     (root / "expected.json").write_text(json.dumps(reference(root / "compiled"), ensure_ascii=False, indent=1))
     print(f"compiled a tiny Llama (vocab {vocab}) into {root / 'compiled'}")
 
@@ -115,14 +119,14 @@ def compare(model_dir: Path, expected: list[dict], app: str) -> int:
             cmd += ["--prompt", p]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            print(f"app failed ({' '.join(extra) or 'defaults'}):\n{proc.stderr}")
+            print(f"app failed on {model_dir} ({' '.join(extra) or 'defaults'}):\n{proc.stderr}")
             return 1
         got = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
         for want, have in zip(expected, got, strict=True):
             same = have["text"] == want["text"] and have["output_ids"] == want["output_ids"] \
                 and have["finish_reason"] == want["finish_reason"]
             failures += not same
-            print(f"{'ok  ' if same else 'DIFF'} [{' '.join(extra) or 'batched'}] {want['prompt'][:40]!r}: "
+            print(f"{'ok  ' if same else 'DIFF'} [{model_dir.name} {' '.join(extra) or 'batched'}] {want['prompt'][:40]!r}: "
                   f"{len(want['output_ids'])} tokens ({want['finish_reason']})")
             if not same:
                 print(f"   python: {want['text']!r} {want['output_ids']}\n   c++:    {have['text']!r} {have['output_ids']}")
@@ -152,7 +156,8 @@ def main() -> int:
         return 0
     if args.mode == "check":
         return compare(args.dir, reference(args.dir), args.app)
-    return compare(args.dir / "compiled", json.loads((args.dir / "expected.json").read_text()), args.app)
+    expected = json.loads((args.dir / "expected.json").read_text())
+    return compare(args.dir / "compiled", expected, args.app) or compare(args.dir / "compiled_lora", expected, args.app)
 
 
 if __name__ == "__main__":
