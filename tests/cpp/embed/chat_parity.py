@@ -76,7 +76,7 @@ def prepare(root: Path) -> None:
     print(f"compiled a tiny Llama (vocab {vocab}) into {root / 'compiled'}")
 
 
-def reference(model_dir: Path) -> list[dict]:
+def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict]:
     import jinja2
     import numpy as np
     import tokenizers
@@ -90,7 +90,7 @@ def reference(model_dir: Path) -> list[dict]:
     stop = set(eos if isinstance(eos, list) else [eos]) | {tok.token_to_id(cfg["tokenizer"]["eos_token"])}
     runner = ModelRunner(model_dir)
     out = []
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         text = template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False).ids
         kv = runner.create_kv_cache(1, 512)
@@ -103,10 +103,10 @@ def reference(model_dir: Path) -> list[dict]:
                 finish = "stop"
                 break
             gen.append(nxt)
-            if len(gen) == MAX_TOKENS:
+            if len(gen) == max_tokens:
                 break
             logits = runner.decode(kv, [i], [nxt]).numpy()
-        out.append({"prompt": prompt, "prompt_ids": ids, "output_ids": gen, "finish_reason": finish,
+        out.append({"prompt": prompt, "max_tokens": max_tokens, "prompt_ids": ids, "output_ids": gen, "finish_reason": finish,
                     "text": tok.decode(gen, skip_special_tokens=True)})
     return out
 
@@ -114,9 +114,9 @@ def reference(model_dir: Path) -> list[dict]:
 def compare(model_dir: Path, expected: list[dict], app: str) -> int:
     failures = 0
     for extra in ([], ["--max-batch", "2", "--prefill-chunk", "16"]):
-        cmd = [app, str(model_dir), "--json", "--max-tokens", str(MAX_TOKENS), *extra]
-        for p in PROMPTS:
-            cmd += ["--prompt", p]
+        cmd = [app, str(model_dir), "--json", "--max-tokens", str(expected[0]["max_tokens"]), *extra]
+        for want in expected:
+            cmd += ["--prompt", want["prompt"]]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             print(f"app failed on {model_dir} ({' '.join(extra) or 'defaults'}):\n{proc.stderr}")
@@ -133,7 +133,7 @@ def compare(model_dir: Path, expected: list[dict], app: str) -> int:
         print(proc.stderr.strip())
     # Interactive mode streams the same text for a first turn.
     first = expected[0]
-    proc = subprocess.run([app, str(model_dir), "--max-tokens", str(MAX_TOKENS)], input=first["prompt"] + "\n/quit\n",
+    proc = subprocess.run([app, str(model_dir), "--max-tokens", str(first["max_tokens"])], input=first["prompt"] + "\n/quit\n",
                           capture_output=True, text=True, check=False)
     streamed = proc.stdout.removeprefix("> ").removesuffix("> ").removesuffix("\n")
     same = proc.returncode == 0 and streamed == first["text"]
@@ -150,12 +150,14 @@ def main() -> int:
     ap.add_argument("mode", choices=["prepare", "compare", "check"])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--app")
+    ap.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="check mode: the first N prompts")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="check mode")
     args = ap.parse_args()
     if args.mode == "prepare":
         prepare(args.dir)
         return 0
     if args.mode == "check":
-        return compare(args.dir, reference(args.dir), args.app)
+        return compare(args.dir, reference(args.dir, PROMPTS[: args.num_prompts], args.max_tokens), args.app)
     expected = json.loads((args.dir / "expected.json").read_text())
     return compare(args.dir / "compiled", expected, args.app) or compare(args.dir / "compiled_lora", expected, args.app)
 
