@@ -206,12 +206,13 @@ struct Tokenizer::Impl {
   }
 
   void BPE(const Piece& word, std::vector<int32_t>* out) const {
+    // The word's UTF-8 bytes, each as its printable stand-in character.
+    std::vector<std::string> chars;
     std::string mapped;
-    for (char32_t c : word) {
-      // word is text; its UTF-8 bytes go through the byte alphabet
-      std::string utf8;
-      detail::AppendUTF8(&utf8, c);
-      for (unsigned char b : utf8) detail::AppendUTF8(&mapped, Bytes().to_char[b]);
+    for (unsigned char b : detail::EncodeUTF8(word)) {
+      chars.emplace_back();
+      detail::AppendUTF8(&chars.back(), Bytes().to_char[b]);
+      mapped += chars.back();
     }
     if (ignore_merges) {
       auto it = vocab.find(mapped);
@@ -221,9 +222,7 @@ struct Tokenizer::Impl {
       }
     }
     std::vector<int32_t> sym;
-    for (char32_t c : detail::DecodeUTF8(mapped)) {
-      std::string ch;
-      detail::AppendUTF8(&ch, c);
+    for (const std::string& ch : chars) {
       auto it = vocab.find(ch);
       if (it != vocab.end()) {
         sym.push_back(it->second);
@@ -298,7 +297,7 @@ void AddPreTokenizer(const JSON& j, Tokenizer::Impl* t, bool* byte_level) {
     }
   } else if (type == "Digits") {
     PreStep s;
-      s.kind = PreStep::kDigits;
+    s.kind = PreStep::kDigits;
     s.individual_digits = j.get("individual_digits").bool_or(false);
     t->pre.push_back(s);
   } else if (type == "Split") {
