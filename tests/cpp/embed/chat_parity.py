@@ -12,6 +12,7 @@
 
 The Python reference is independent of the C++ code: jinja2 renders the chat template, the
 `tokenizers` library encodes and decodes, ModelRunner runs one request at a time with numpy argmax.
+The Python serving engine (MLCEngine, greedy) must give the same text too.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = M
 
     cfg = json.loads((model_dir / "mlc-lora-config.json").read_text())
     tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    template = jinja2.Environment().from_string(cfg["tokenizer"]["chat_template"])
+    # as transformers renders chat templates
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(cfg["tokenizer"]["chat_template"])
     eos = cfg["tokenizer"]["eos_token_id"]
     stop = set(eos if isinstance(eos, list) else [eos]) | {tok.token_to_id(cfg["tokenizer"]["eos_token"])}
     runner = ModelRunner(model_dir)
@@ -108,7 +110,24 @@ def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = M
             logits = runner.decode(kv, [i], [nxt]).numpy()
         out.append({"prompt": prompt, "max_tokens": max_tokens, "prompt_ids": ids, "output_ids": gen, "finish_reason": finish,
                     "text": tok.decode(gen, skip_special_tokens=True)})
+    del runner
+    engine_outputs(model_dir, out)
     return out
+
+
+def engine_outputs(model_dir: Path, expected: list[dict]) -> None:
+    """The Python serving engine's greedy answers (continuous batching, on-device argmax) must
+    agree with the plain reference; they are kept as `engine_text` and checked again in compare."""
+    import jinja2.ext  # noqa: F401  mlc_lora.tokenizer uses jinja2.ext without importing it
+
+    from mlc_lora.engine import MLCEngine
+
+    with MLCEngine(model_dir) as eng:
+        for want in expected:
+            r = eng.chat.completions.create(messages=[{"role": "user", "content": want["prompt"]}],
+                                            max_tokens=want["max_tokens"], temperature=0)
+            want["engine_text"] = r.choices[0].message.content
+            want["engine_finish_reason"] = r.choices[0].finish_reason
 
 
 def compare(model_dir: Path, expected: list[dict], app: str) -> int:
@@ -123,13 +142,14 @@ def compare(model_dir: Path, expected: list[dict], app: str) -> int:
             return 1
         got = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
         for want, have in zip(expected, got, strict=True):
-            same = have["text"] == want["text"] and have["output_ids"] == want["output_ids"] \
-                and have["finish_reason"] == want["finish_reason"]
+            same = have["text"] == want["text"] == want["engine_text"] and have["output_ids"] == want["output_ids"] \
+                and have["finish_reason"] == want["finish_reason"] == want["engine_finish_reason"]
             failures += not same
             print(f"{'ok  ' if same else 'DIFF'} [{model_dir.name} {' '.join(extra) or 'batched'}] {want['prompt'][:40]!r}: "
                   f"{len(want['output_ids'])} tokens ({want['finish_reason']})")
             if not same:
-                print(f"   python: {want['text']!r} {want['output_ids']}\n   c++:    {have['text']!r} {have['output_ids']}")
+                print(f"   python: {want['text']!r} {want['output_ids']}\n   engine: {want['engine_text']!r}\n"
+                      f"   c++:    {have['text']!r} {have['output_ids']}")
         print(proc.stderr.strip())
     # Interactive mode streams the same text for a first turn.
     first = expected[0]
