@@ -116,6 +116,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
             self.params = list(params)
         else:
             self.params = self._load_params(model_dir / self.config["params_file"])
+        self._base_arena = None  # zero LoRA arena for all-base batches, made on first use
         self._embed = self.vm["embed"]
         self._prefill = self.vm["prefill"]
         self._decode = self.vm["decode"]
@@ -175,12 +176,21 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
             return []
         if lora is None:
             M, R = len(self.lora["modules"]), self.lora["max_rank"]
-            if getattr(self, "_base_arena", None) is None:
+            if self._base_arena is None:
                 L, P, E = self.lora["num_layers"], self.lora["pool_pages"], self.lora["page_elems"]
-                self._base_arena = _tvm().runtime.tensor(np.zeros((L * P * E,), self.dtype), self.device)
+                dt = self.dtype
+                if dt == "bfloat16":
+                    import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+                    dt = ml_dtypes.bfloat16
+                self._base_arena = _tvm().runtime.tensor(np.zeros((L * P * E,), dt), self.device)
             lora = {"lora_arena": self._base_arena, "lora_token_slot": np.full((n_tok,), -1, np.int32),
                     "lora_rank": np.zeros((0,), np.int32), "lora_scale": np.zeros((0, M), np.float32),
                     "lora_a_off": np.zeros((0, M, R), np.int32), "lora_b_off": np.zeros((0, M, R), np.int32)}
+        if self.lora["kernel"] == "single" and lora["lora_rank"].shape[0] > 1:
+            # Stage 1 applies slot 0 to every adapter token; a second slot would be silently wrong.
+            raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
+                               f"use one adapter, got {lora['lora_rank'].shape[0]}")
         tvm = _tvm()
         return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self.device)
                 if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_INPUTS]
