@@ -5,7 +5,7 @@
 Requests: the first human->gpt turn of each conversation (dataset shuffled with seed 0); prompts
 and completions under 4 tokens are dropped, as are prompts over 1024 tokens or prompt + completion
 over 2048; each request generates exactly the reference completion's length (EOS ignored),
-optionally capped with --max-output-len. `--backend hf` runs the same requests through HF
+optionally capped with --max-output-len (and prompts cut with --max-prompt-len). `--backend hf` runs the same requests through HF
 transformers (batched generate, like vLLM's `--backend hf`); `both` runs both and prints the ratio.
 """
 
@@ -49,7 +49,7 @@ def read_conversations(path: Path):
 
 
 def sample_requests(tokenizer, num_prompts: int, seed: int = 0, max_output_len: int | None = None,
-                    path: Path | None = None):
+                    path: Path | None = None, max_prompt_len: int | None = None):
     """[(prompt_ids, output_len)] following vLLM's sample_requests."""
     pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"])
              for c in read_conversations(path or sharegpt_path())
@@ -64,7 +64,7 @@ def sample_requests(tokenizer, num_prompts: int, seed: int = 0, max_output_len: 
         n = len(tokenizer.encode(completion))
         if len(p) < 4 or n < 4 or len(p) > 1024 or len(p) + n > 2048:
             continue
-        out.append((p, min(n, max_output_len) if max_output_len else n))
+        out.append((p[:max_prompt_len] if max_prompt_len else p, min(n, max_output_len) if max_output_len else n))
     return out
 
 
@@ -156,6 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--max-output-len", type=int, default=None, help="cap each request's output length")
+    ap.add_argument("--max-prompt-len", type=int, default=None,
+                    help="truncate each sampled prompt (after vLLM's filtering) to keep CPU runs short")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="mlc_lora's batch limit")
     ap.add_argument("--hf-max-batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
 
     compiled = resolve_compiled(a.model, a.device)
     tokenizer = Tokenizer(compiled)
-    requests = sample_requests(tokenizer, a.num_prompts, a.seed, a.max_output_len)
+    requests = sample_requests(tokenizer, a.num_prompts, a.seed, a.max_output_len, max_prompt_len=a.max_prompt_len)
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, "
           f"{sum(n for _, n in requests)} output tokens")
     rates = {}

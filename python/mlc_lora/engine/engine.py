@@ -153,7 +153,11 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
         for i, s in zip(rows, sampled):
-            self._append(batch.seqs[i], s)
+            try:
+                self._append(batch.seqs[i], s)
+            except Exception as e:  # pylint: disable=broad-except
+                self.scheduler.finish(batch.seqs[i])
+                self._emit(batch.seqs[i], _Out("", [], "error", error=MLCLoraError(f"request failed: {e}")))
 
     def _forward(self, batch: Batch):
         ids = [s.seq_id for s in batch.seqs]

@@ -39,6 +39,8 @@ def test_sixteen_requests_batch_and_match_alone_and_hf(tiny_chat):
         batched = asyncio.run(run_all())
         stats = asyncio.run(eng.stats())
     assert stats["max_running"] == 16  # all 16 ran in one batch at some step
+    # prompts were prefilled in chunks of at most 64 tokens (decodes share those steps)
+    assert stats["num_prefill_steps"] >= sum(len(p) for p in prompts) / 64
     assert stats["num_steps"] < sum(lens) // 4  # far fewer steps than one request at a time
     assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == stats["waiting"] == 0
     with MLCEngine(compiled, "cpu") as eng:
