@@ -18,14 +18,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 def pool_pages(stats: dict[str, Any]) -> dict[str, int]:
     """Pages of the unified pool by kind (kv / adapter / free) from an engine stats() snapshot.
 
-    The pool reports `kv_pages`, `adapter_pages`, `free_pages` (`pool_stats`); an engine without
-    adapters reports only its KV cache (`kv_pages_total`, `kv_pages_free`).
+    A LoRA engine reports its pool (`pool_pages_kv`, `pool_pages_adapter`, `pool_pages_free`); an
+    engine without adapters only its KV cache (`kv_pages_total`, `kv_pages_free`).
     """
-    s = {**stats, **{f"pool_{k}": v for k, v in (stats.get("pool") or {}).items()}}
-    for pre in ("pool_", ""):
-        if f"{pre}kv_pages" in s and f"{pre}free_pages" in s:
-            return {"kv": int(s[f"{pre}kv_pages"]), "adapter": int(s.get(f"{pre}adapter_pages", 0)),
-                    "free": int(s[f"{pre}free_pages"])}
+    if "pool_pages_kv" in stats:
+        return {kind: int(stats[f"pool_pages_{kind}"]) for kind in ("kv", "adapter", "free")}
     total, free = int(stats["kv_pages_total"]), int(stats["kv_pages_free"])
     return {"kv": total - free, "adapter": 0, "free": free}
 
@@ -98,6 +95,11 @@ class _EngineCollector:
         yield GaugeMetricFamily(f"{PREFIX}_generation_tokens_per_second",
                                 f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s",
                                 value=self.m.tokens_per_second())
+        adapters = GaugeMetricFamily(f"{PREFIX}_adapters", "LoRA adapters loaded / resident in the pool",
+                                     labels=["state"])
+        for state in ("loaded", "resident"):
+            adapters.add_metric([state], len(s.get(f"adapters_{state}", ())))
+        yield adapters
         ev = next((k for k in _EVICTION_KEYS if k in s), None)
         if ev is not None:
             yield GaugeMetricFamily(f"{PREFIX}_adapter_evictions", "Adapters evicted from the pool (cumulative)",

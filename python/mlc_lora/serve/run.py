@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 from pathlib import Path
 from typing import Optional
@@ -37,7 +39,9 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
             for aname, path in adapters.items():
                 if aname == name:
                     raise LoraError(f"--adapter {aname}=...: the name is the base model's")
-                engine.load_adapter(aname, path)
+                loaded = engine.load_adapter(aname, path)
+                if inspect.isawaitable(loaded):  # AsyncMLCEngine's is a coroutine
+                    asyncio.run(loaded)
                 server.adapters[aname] = str(path)
                 server.metrics.adapter_loads.inc()
                 logger.info("loaded adapter %s from %s", aname, path)
