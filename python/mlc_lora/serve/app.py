@@ -112,6 +112,9 @@ class _EventStream(StreamingResponse):
             tg.start_soon(stream)
             await self.listen_for_disconnect(receive)
             tg.cancel_scope.cancel()
+        # cancelled mid-send, the generator sits at a yield: close it now (its finally aborts the
+        # request) rather than whenever it is garbage-collected
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 async def _disconnected(request: Request) -> None:
