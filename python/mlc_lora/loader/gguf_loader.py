@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from ..errors import ModelConfigError, WeightError
+from .gguf_file import read_gguf
 from .gguf_tokenizer import gguf_tokenizer
 from .source import ModelSource
 
@@ -56,45 +57,17 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_metadata(reader) -> dict[str, Any]:
-    """All key-value pairs of a GGUFReader as Python values (strings, numbers, lists)."""
-    return {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-
-
-def _field_value(field) -> Any:
-    from gguf import GGUFValueType  # pylint: disable=import-outside-toplevel
-
-    kind = field.types[0]
-    if kind == GGUFValueType.ARRAY:
-        if field.types[-1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        if not field.data:
-            return []
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    if kind == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-    value = field.parts[field.data[0]][0]
-    if value.dtype == np.float32:
-        return float(str(value))  # 1e-05, not 9.999999747378752e-06
-    return value.item()
-
-
 def load_gguf(path: str | Path) -> ModelSource:
     """A llama-architecture GGUF as a ModelSource; weights() dequantizes one tensor at a time."""
-    from gguf import GGUFReader  # pylint: disable=import-outside-toplevel
-
     path = Path(path)
-    try:
-        reader = GGUFReader(str(path), "r")
-    except (ValueError, OSError, KeyError) as e:
-        raise ModelConfigError(f"{path} is not a readable GGUF file: {e}") from e
-    meta = read_metadata(reader)
+    gf = read_gguf(path)
+    meta = gf.metadata
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ModelConfigError(
             f"{path.name}: GGUF architecture {arch!r} is not supported; mlc-lora reads llama GGUF files"
         )
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = gf.tensors
     config = llama_config(meta, tensors, path.name)
     names = {}  # gguf name -> hf name, checked before anything is dequantized
     for name in tensors:
@@ -106,10 +79,12 @@ def load_gguf(path: str | Path) -> ModelSource:
     def weights() -> Iterator[tuple[str, np.ndarray]]:
         for gname, hname in names.items():
             arr = dequantize_tensor(tensors[gname])
-            if hname.endswith("q_proj.weight"):
-                arr = unpermute_qk(arr, n_head)
-            elif hname.endswith("k_proj.weight"):
-                arr = unpermute_qk(arr, n_kv)
+            heads = n_head if hname.endswith("q_proj.weight") else n_kv if hname.endswith("k_proj.weight") else 0
+            if heads:
+                if arr.ndim != 2 or arr.shape[0] % (2 * heads):
+                    raise WeightError(f"weight {hname!r} (GGUF {gname!r}) has shape {arr.shape}: its rows "
+                                      f"are not {heads} heads of an even head_dim")
+                arr = unpermute_qk(arr, heads)
             yield hname, arr
 
     tokenizer_json, tokenizer_config = gguf_tokenizer(meta)
@@ -117,7 +92,7 @@ def load_gguf(path: str | Path) -> ModelSource:
         if key in tokenizer_config:
             config[key] = tokenizer_config[key]
     return ModelSource(
-        name=str(meta.get("general.name") or path.stem),
+        name=path.stem,
         config=config,
         weights=weights,
         num_weights=len(names),
@@ -127,13 +102,13 @@ def load_gguf(path: str | Path) -> ModelSource:
 
 
 def dequantize_tensor(t) -> np.ndarray:
-    """A GGUFReader tensor as float32 in numpy (slowest-first) order."""
+    """A GGUF tensor (gguf_file.GGUFTensor or gguf-py's ReaderTensor) as float32, numpy dim order."""
     from gguf import GGMLQuantizationType as Q  # pylint: disable=import-outside-toplevel
     from gguf.quants import dequantize  # pylint: disable=import-outside-toplevel
 
     shape = tuple(reversed([int(d) for d in t.shape]))
-    if t.tensor_type in (Q.F64,):
-        return np.asarray(t.data, dtype=np.float32).reshape(shape)
+    if t.tensor_type == Q.F64:
+        return t.data.view("<f8").astype(np.float32).reshape(shape)
     if t.tensor_type in (Q.I8, Q.I16, Q.I32, Q.I64):
         raise WeightError(f"GGUF tensor {t.name!r} holds integers ({t.tensor_type.name}), not weights")
     try:

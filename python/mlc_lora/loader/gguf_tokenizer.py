@@ -157,11 +157,17 @@ def _post_processor(cfg, tokens, default):
     single.append({"Sequence": {"id": "A", "type_id": 0}})
     pair = single + [{"Sequence": {"id": "B", "type_id": 1}}]
     if add_eos:
-        eos = tokens[cfg["eos_token_id"]]
+        eos_id = cfg["eos_token_id"][0] if isinstance(cfg["eos_token_id"], list) else cfg["eos_token_id"]
+        eos = tokens[eos_id]
         single = single + [{"SpecialToken": {"id": eos, "type_id": 0}}]
         pair = pair + [{"SpecialToken": {"id": eos, "type_id": 1}}]
-        special[eos] = {"id": eos, "ids": [cfg["eos_token_id"]], "tokens": [eos]}
+        special[eos] = {"id": eos, "ids": [eos_id], "tokens": [eos]}
     return {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special}
+
+
+# Control tokens that end generation although the file names another EOS (llama.cpp does the same).
+END_OF_GENERATION = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<EOT>", "_<EOT>", "<|end_of_text|>", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
 
 
 def _tokenizer_config(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]:
@@ -172,6 +178,13 @@ def _tokenizer_config(meta: dict[str, Any], tokens: list[str]) -> dict[str, Any]
         if tid is not None and 0 <= tid < len(tokens):
             cfg[f"{key}_token_id"] = int(tid)
             cfg[f"{key}_token"] = tokens[tid]
+    types = meta.get("tokenizer.ggml.token_type") or []
+    eog = [cfg["eos_token_id"]] if "eos_token_id" in cfg else []
+    eog += [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+    eog += [i for i, t in enumerate(tokens) if t in END_OF_GENERATION and i < len(types) and types[i] == CONTROL]
+    eog = list(dict.fromkeys(int(i) for i in eog if 0 <= i < len(tokens)))
+    if len(eog) > 1:  # the first stays the file's EOS; HF generation_config also takes a list
+        cfg["eos_token_id"] = eog
     model = meta.get("tokenizer.ggml.model")
     # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
     cfg["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama"))

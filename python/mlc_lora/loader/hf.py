@@ -33,11 +33,15 @@ def load_hf_folder(folder: Path) -> ModelSource:
 
     tok_json = folder / "tokenizer.json"
     tok_cfg_path = folder / "tokenizer_config.json"
-    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    tok_cfg = _read_json(tok_cfg_path) if tok_cfg_path.is_file() else {}
+    # transformers >= 4.43 saves the chat template beside tokenizer_config.json
+    template = folder / "chat_template.jinja"
+    if "chat_template" not in tok_cfg and template.is_file():
+        tok_cfg["chat_template"] = template.read_text()
     for extra in ("generation_config.json",):
         p = folder / extra
         if p.is_file():
-            gen = json.loads(p.read_text())
+            gen = _read_json(p)
             for key in ("bos_token_id", "eos_token_id"):
                 if key in gen:
                     tok_cfg.setdefault(key, gen[key])
@@ -52,6 +56,13 @@ def load_hf_folder(folder: Path) -> ModelSource:
         tokenizer_json=tok_json.read_text() if tok_json.is_file() else None,
         tokenizer_config=tok_cfg,
     )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path} is not valid JSON: {e}") from e
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

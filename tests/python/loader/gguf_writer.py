@@ -48,7 +48,7 @@ def byte_level_vocab(n: int) -> tuple[list[str], list[int], list[str]]:
 
 
 def write_llama_gguf(path: Path, hf_model, qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
-                     arch: str = "llama", tokens=None) -> Path:
+                     arch: str = "llama", tokens=None, permute: bool = True) -> Path:
     """Save a transformers LlamaForCausalLM as GGUF; `qtypes` maps HF names to quantization types."""
     cfg = hf_model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -87,7 +87,9 @@ def write_llama_gguf(path: Path, hf_model, qtypes: dict[str, gguf.GGMLQuantizati
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         arr = t.detach().float().numpy()
-        if name.endswith("q_proj.weight"):
+        if not permute:
+            pass
+        elif name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, cfg.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             arr = llama_cpp_permute(arr, cfg.num_key_value_heads)

