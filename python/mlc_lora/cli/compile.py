@@ -19,7 +19,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prefill-chunk-size", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--lora-pool-pages", type=int, default=0,
-                   help="pages of the unified KV/adapter pool; enables LoRA with --max-lora-rank")
+                   help="default size in pages of the unified KV/adapter pool (any size runs); "
+                        "enables LoRA with --max-lora-rank")
     p.add_argument("--max-lora-rank", type=int, default=0, help="largest adapter rank served")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="linears adapters may target (default: q k v o gate up down _proj)")
