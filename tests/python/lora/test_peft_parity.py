@@ -16,6 +16,7 @@ import torch
 from mlc_lora import _ffi_api as rt
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import MLCLoraError
+from mlc_lora.lora import pack_peft_adapter
 from mlc_lora.lora.layout import LoraSpec, NumpyArena, pack_adapter
 from mlc_lora.lora.peft import load_peft_adapter
 from mlc_lora.models.llama import LlamaConfig
@@ -157,10 +158,9 @@ def test_tables_from_the_cpp_pool_match_peft(lora_setup, kernel):
     pages in one arena) and the pool's own per-batch tables."""
     cfg, root, refs, compiled = lora_setup
     runner = ModelRunner(compiled[kernel])
-    spec = LoraSpec.from_json(runner.lora)
     kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
     for aid in (3, 1, 5, 2, 4):
-        p = pack_adapter(spec, load_peft_adapter(root / f"adapter{aid}", cfg, spec), np.float32)
+        p = pack_peft_adapter(root / f"adapter{aid}", runner.config)
         rt.pool_load_adapter(kv, aid, p.pages, p.a_off, p.b_off, p.rank, p.scale, False)
     batches = [list(range(len(REQUESTS)))] if kernel == "gather" else _one_adapter_batches()
     out, seqs = _run_batches(runner, "pool", batches, kv=kv)
