@@ -52,7 +52,10 @@ def lora_gather_ref(x, arena, layer, num_layers, slot, rank, scale, a_off, b_off
 
 def lora_gather_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_rank: int,
                        num_modules: int, dtype: str, target: tvm.target.Target):
-    """Build the stage-2 kernel of module `m` (semantics: `lora_gather_ref`).
+    """The stage-2 kernel of module `m`; reference: `lora_gather_ref`.
+
+    Semantics: delta[t] = scale[s, m] * (x[t] @ A[s, m].T) @ B[s, m].T for s = slot[t] >= 0, else 0;
+    the pass adds delta to the base output y[t] (and loops k < rank[s] only).
 
     Signature: (x (n, in_f), arena (size,), slot (n,), rank (S,), scale (S, M), a_off (S, M, R),
     b_off (S, M, R), layer: int64, delta (n, out_f) [out]).
@@ -191,7 +194,11 @@ def lora_dense_rows_ref(arena, layer, num_layers, rank, scale, a_off, b_off, m, 
 
 def lora_dense_rows_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_rank: int,
                            num_modules: int, dtype: str, target: tvm.target.Target):
-    """Build the stage-1 row gather of module `m` (semantics: `lora_dense_rows_ref`).
+    """The stage-1 row gather of module `m`; reference: `lora_dense_rows_ref`.
+
+    Semantics: A[k] = A[0, m][k], Bs[k] = scale[0, m] * B[0, m].T[k] for k < rank[0], zero rows
+    otherwise; the pass then adds ((x * (slot >= 0)) @ A.T) @ Bs to y, i.e. y[t] += scale[0, m] *
+    (x[t] @ A[0, m].T) @ B[0, m].T for every token on slot 0 (stage 1: one slot per batch).
 
     Signature: (arena (size,), rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R),
     layer: int64, A (R, in_f) [out], Bs (R, out_f) [out]).

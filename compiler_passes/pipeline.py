@@ -6,23 +6,33 @@ import tvm
 from tvm import relax
 
 from .attach_sampler import AttachSampler
+from .dispatch_cublas import DispatchCublas
 from .dispatch_kv_cache import DispatchKVCache
 from .lora_rewrite import LoraRewrite
 
+GEMM_BACKENDS = ("cublas", "tvm")
+
 
 def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
-                 lora: dict | None = None, stock_kv_cache: bool = False) -> tvm.transform.Pass:
+                 lora: dict | None = None, stock_kv_cache: bool = False,
+                 gemm: str = "cublas") -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
     `lora` (LoraRewrite's keyword arguments) and `extra_passes` run first, on the exported module,
     while linears are still `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
-    `stock_kv_cache` keeps TVM's own paged KV cache (tests compare the two).
+    `stock_kv_cache` keeps TVM's own paged KV cache (tests compare the two). `gemm` picks who runs
+    the base linears on CUDA: "cublas" (our runtime's cuBLAS extern) or "tvm" (dlight kernels).
     """
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, not {gemm!r}")
     passes = []
     if lora is not None:
         # Paged-adapter tables on prefill/decode, base + delta on every target linear.
         passes.append(LoraRewrite(target=target, **lora))
     passes += list(extra_passes or [])
+    if target.kind.name == "cuda" and gemm == "cublas":
+        # After LoraRewrite: it keeps the base matmul and adds its delta to the output.
+        passes.append(DispatchCublas())
     if not stock_kv_cache:
         # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
         passes.append(DispatchKVCache())

@@ -34,6 +34,8 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     context_window_size: int | None = None
     prefill_chunk_size: int = 2048
     max_batch_size: int = 64
+    gemm: str = "cublas"  # cuda only: base linears on cuBLAS ("cublas") or TVM's kernels ("tvm")
+    cuda_graph: bool = True  # cuda only: capture decode in CUDA graphs
     # LoRA (off unless max_lora_rank > 0): pages of the unified pool, max rank, targets, kernel stage.
     lora_pool_pages: int = 0
     max_lora_rank: int = 0
@@ -169,18 +171,34 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
 
     from .compiler_passes import get_pipeline  # pylint: disable=import-outside-toplevel
 
+    if options.gemm not in ("cublas", "tvm"):
+        raise CompileError(f"unsupported gemm {options.gemm!r}; choose cublas or tvm")
     if options.target == "cuda":
         prepare_cuda_build()
     target = make_target(options)
     mod, param_names = export_model(arch_module, cfg, dtype, target)
     lora_opts = lora_pass_options(lora, cfg, arch_module, param_names) if lora is not None else None
-    with target:
-        ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target, extra_passes=extra_passes,
-                                                                  lora=lora_opts))
+    use_graph = options.target == "cuda" and options.cuda_graph
+    if use_graph:
+        mod = _decode_graph_attrs(mod, options.max_batch_size)
+    pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, gemm=options.gemm)
+    with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": use_graph}):
+        ex = tvm.compile(mod, target, relax_pipeline=pipeline)
         ex.export_library(str(lib_path))
     if options.target == "cuda":
         _check_cubin(lib_path)
     return param_names
+
+
+def _decode_graph_attrs(mod, max_batch_size: int):
+    """RewriteCUDAGraph captures decode only when its batch size is bounded and named capturable."""
+    func = mod["decode"].with_attrs({
+        "tir_var_upper_bound": {"batch_size": max_batch_size},
+        "tir_non_negative_var": ["batch_size"],
+        "relax.rewrite_cuda_graph.capture_symbolic_vars": ["batch_size"],
+    })
+    mod.update_func(mod.get_global_var("decode"), func)
+    return mod
 
 
 def convert_weights(source: ModelSource, weight_map, cfg, dtype: str, path: Path,

@@ -36,6 +36,41 @@ def load_cuda_runtime() -> None:
                                     extra_lib_paths=tvm.libinfo.package_lib_paths())
 
 
+def load_cublas(device) -> None:
+    """Ready the cuBLAS extern of models compiled with `--gemm cublas`: preload libcublas(Lt).so.13
+    from the nvidia-cublas wheel when the loader cannot find them, then make the device's handle and
+    workspace now, before any CUDA-graph capture (which cannot allocate)."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    tvm = _tvm()
+    init = tvm.get_global_func("mlc_lora.runtime.cublas_init", allow_missing=True)
+    if init is None:
+        raise MLCLoraError("this model runs its GEMMs through cuBLAS (--gemm cublas), but the mlc_lora "
+                           "runtime library with mlc_lora.runtime.cublas_gemm is not loaded")
+    for name in ("libcublasLt.so.13", "libcublas.so.13"):
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            continue
+        except OSError:
+            pass
+        for path in _nvidia_lib_dirs():
+            if (path / name).is_file():
+                ctypes.CDLL(str(path / name), mode=ctypes.RTLD_GLOBAL)
+                break
+        else:
+            raise MLCLoraError(f"{name} not found: pip install 'mlc-lora[cuda]' (the nvidia-cublas "
+                               "wheel), or compile with --gemm tvm")
+    init(device.index)
+
+
+def _nvidia_lib_dirs() -> list[Path]:
+    try:
+        import nvidia  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return []
+    return [Path(p) / sub / "lib" for p in nvidia.__path__ for sub in ("cu13", "cublas")]
+
+
 def device_of(name: str):
     tvm = _tvm()
     if name == "cpu":
@@ -53,7 +88,9 @@ def device_of(name: str):
 class ModelRunner:  # pylint: disable=too-many-instance-attributes
     """A compiled model on one device: weights, VM functions and KV-cache builtins."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu"):
+    def __init__(self, model_dir: str | Path, device: str = "cpu", params: Sequence | None = None):
+        """`params`: the weights already on the device, in `param_names` order (e.g. made there by
+        a benchmark); by default they are read from the model folder."""
         model_dir = Path(model_dir)
         cfg_path = model_dir / CONFIG_FILE
         if not cfg_path.is_file():
@@ -68,9 +105,18 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
             )
         tvm = _tvm()
         self.device = device_of(device)
+        if want == "cuda" and self.config.get("compile_options", {}).get("gemm") == "cublas":
+            load_cublas(self.device)
         lib = tvm.runtime.load_module(str(model_dir / self.config["library"]))
         self.vm = tvm.runtime.vm.VirtualMachine(lib, self.device)
-        self.params = self._load_params(model_dir / self.config["params_file"])
+        if params is not None:
+            if len(params) != len(self.config["param_names"]):
+                raise MLCLoraError(f"{len(params)} params given, the model has "
+                                   f"{len(self.config['param_names'])}")
+            self.params = list(params)
+        else:
+            self.params = self._load_params(model_dir / self.config["params_file"])
+        self._base_arena = None  # zero LoRA arena for all-base batches, made on first use
         self._embed = self.vm["embed"]
         self._prefill = self.vm["prefill"]
         self._decode = self.vm["decode"]
@@ -130,12 +176,21 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
             return []
         if lora is None:
             M, R = len(self.lora["modules"]), self.lora["max_rank"]
-            if getattr(self, "_base_arena", None) is None:
+            if self._base_arena is None:
                 L, P, E = self.lora["num_layers"], self.lora["pool_pages"], self.lora["page_elems"]
-                self._base_arena = _tvm().runtime.tensor(np.zeros((L * P * E,), self.dtype), self.device)
+                dt = self.dtype
+                if dt == "bfloat16":
+                    import ml_dtypes  # pylint: disable=import-outside-toplevel
+
+                    dt = ml_dtypes.bfloat16
+                self._base_arena = _tvm().runtime.tensor(np.zeros((L * P * E,), dt), self.device)
             lora = {"lora_arena": self._base_arena, "lora_token_slot": np.full((n_tok,), -1, np.int32),
                     "lora_rank": np.zeros((0,), np.int32), "lora_scale": np.zeros((0, M), np.float32),
                     "lora_a_off": np.zeros((0, M, R), np.int32), "lora_b_off": np.zeros((0, M, R), np.int32)}
+        if self.lora["kernel"] == "single" and lora["lora_rank"].shape[0] > 1:
+            # Stage 1 applies slot 0 to every adapter token; a second slot would be silently wrong.
+            raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
+                               f"use one adapter, got {lora['lora_rank'].shape[0]}")
         tvm = _tvm()
         return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self.device)
                 if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_INPUTS]

@@ -88,7 +88,7 @@ _TEMPLATES: dict[str, Any] = {}
 
 def _compiled_template(source: str):
     if source not in _TEMPLATES:
-        import jinja2  # pylint: disable=import-outside-toplevel
+        import jinja2.ext  # pylint: disable=import-outside-toplevel
         from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
 
         def raise_exception(message):

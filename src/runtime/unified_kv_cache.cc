@@ -596,17 +596,17 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
     }
     // S >= 1: a batch without adapters gets one inert slot (rank 0, scale 0).
     const int64_t S = std::max<int64_t>(1, slots.size());
-    std::vector<int32_t> rank(S, 0), a_off(S * M_ * R_, 0), b_off(S * M_ * R_, 0);
+    std::vector<int32_t> rank(S, 0), a_off(S * M_ * R_, -1), b_off(S * M_ * R_, -1);
     std::vector<float> scale(S * M_, 0.0f);
     for (int64_t s = 0; s < static_cast<int64_t>(slots.size()); ++s) {
       const HostAdapter& h = host_adapters_.at(slots[s]);
       const std::vector<int32_t>& pages = pool_.AdapterPages(slots[s]);
       rank[s] = h.rank;
       std::copy(h.scale.begin(), h.scale.end(), scale.begin() + s * M_);
-      // Local offsets -> offsets inside a layer region; unused entries stay 0, a valid address,
-      // so that a predicated-off load can never fault.
+      // Local offsets -> offsets inside a layer region; -1 (unused) stays -1. The kernels read
+      // rows k < rank of modules with scale != 0 only.
       auto global = [&](int32_t off) {
-        return off < 0 ? 0
+        return off < 0 ? -1
                        : static_cast<int32_t>(pages[off / page_elems_] * page_elems_ +
                                               off % page_elems_);
       };

@@ -18,6 +18,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--context-window-size", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--gemm", choices=["cublas", "tvm"], default="cublas",
+                   help="cuda: base linears on cuBLAS (needs mlc-lora[cuda] where it runs) or TVM kernels")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="cuda: do not capture decode in CUDA graphs")
     p.add_argument("--lora-pool-pages", type=int, default=0,
                    help="pages of the unified KV/adapter pool; enables LoRA with --max-lora-rank")
     p.add_argument("--max-lora-rank", type=int, default=0, help="largest adapter rank served")
@@ -30,7 +34,8 @@ def main(argv: list[str]) -> int:
                           context_window_size=a.context_window_size,
                           prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,
                           lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
-                          lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel)
+                          lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
+                          gemm=a.gemm, cuda_graph=a.cuda_graph)
     out = compile_model(a.model, a.output, opts)
     print(f"compiled {a.model} -> {out}")
     return 0

@@ -6,6 +6,7 @@ import sys
 
 SUBCOMMANDS = {
     "compile": "mlc_lora.cli.compile",
+    "chat": "mlc_lora.cli.chat",
 }
 
 

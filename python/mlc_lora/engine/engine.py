@@ -167,22 +167,24 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         p, st = seq.params, seq.state
         seq.output_ids.append(s.token)
         self.counters["num_generated_tokens"] += 1
-        finish = None
+        finish, cut = None, False
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
         if (s.token in eos and not p.ignore_eos) or s.token in p.stop_token_ids:
             finish = "stop"
-        elif st.detok is not None:
+        prev = len(st.text)
+        if finish is None and st.detok is not None:
             st.text += st.detok.push(s.token)
         if finish is None and p.stop:
-            start = max(0, len(st.text) - len(st.detok.ids) * 0 - sum(len(x) for x in p.stop) - 64)
+            # only a stop string that ends in the new text can be new
+            start = max(0, prev - st.holdback)
             hits = [i for i in (st.text.find(x, start) for x in p.stop) if i >= 0]
             if hits:
-                st.text, finish = st.text[:min(hits)], "stop"
+                st.text, finish, cut = st.text[:min(hits)], "stop", True
         if finish is None and len(seq.output_ids) >= p.max_tokens:
             finish = "length"
         if finish is not None:
-            if finish == "length" and st.detok is not None:
-                st.text += st.detok.flush()
+            if st.detok is not None and not cut:
+                st.text += st.detok.flush()  # an incomplete character held back at the end
             seq.finish_reason = finish
             self.scheduler.finish(seq)
             self.counters["num_finished"] += 1
@@ -329,7 +331,8 @@ class _Request:
         model = self.engine.model_name
         if self.chat:
             return P.ChatCompletion(self.id, self.created, model, [P.ChatCompletionChoice(
-                0, P.ChatCompletionMessage("assistant", text), last.finish_reason, lp)], usage)
+                0, P.ChatCompletionMessage("assistant", text), last.finish_reason, lp,
+                [s.token for s in tokens])], usage)
         if lp is not None:  # text offsets of each token in the returned text
             pos, offs = 0, []
             for o in outs:
@@ -337,7 +340,8 @@ class _Request:
                 pos += len(o.text)
             lp.text_offset = offs
         return P.Completion(self.id, self.created, model,
-                            [P.CompletionChoice(0, text, last.finish_reason, lp)], usage)
+                            [P.CompletionChoice(0, text, last.finish_reason, lp, [s.token for s in tokens])],
+                            usage)
 
 
 class MLCEngine:

@@ -53,6 +53,7 @@ class ChatCompletionChoice(_Obj):
     message: ChatCompletionMessage
     finish_reason: Optional[str]
     logprobs: Optional[ChoiceLogprobs] = None
+    token_ids: Optional[list[int]] = None  # extension (as vLLM's): the generated ids
 
 
 @dataclass
@@ -103,6 +104,7 @@ class CompletionChoice(_Obj):
     text: str
     finish_reason: Optional[str]
     logprobs: Optional[CompletionLogprobs] = None
+    token_ids: Optional[list[int]] = None  # extension (as vLLM's): the generated ids
 
 
 @dataclass

@@ -186,6 +186,11 @@ def _read_config(path: Path) -> dict[str, Any]:
     tm = cfg.get("target_modules")
     if tm is not None and not isinstance(tm, (str, list)):
         raise LoraError(f"{f}: target_modules must be a list or a regex string")
+    if isinstance(tm, list):  # a regex string is checked through the tensors it produced
+        bad = [t for t in tm if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in ALL_MODULES]
+        if bad:
+            raise LoraError(f"{f}: target_modules {bad} are not supported; mlc-lora serves LoRA on "
+                            f"{', '.join(ALL_MODULES)}")
     return cfg
 
 

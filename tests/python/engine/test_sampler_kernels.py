@@ -1,5 +1,7 @@
 """The on-device sampling kernels (compiler_passes/attach_sampler.py) against their numpy references."""
 
+import shutil
+
 import numpy as np
 import pytest
 import tvm
@@ -8,16 +10,55 @@ from tvm import relax
 from mlc_lora.compiler_passes import attach_sampler as S
 
 
-@pytest.fixture(scope="module")
-def vm():
-    target = tvm.target.Target("llvm")
-    mod = S.AttachSampler(target)(tvm.IRModule())
-    ex = tvm.compile(mod, target, relax_pipeline=relax.get_pipeline("default"))
-    return relax.VirtualMachine(ex, tvm.cpu())
+def _cuda_target():
+    return tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+
+
+def _has_gpu():
+    try:
+        return tvm.cuda(0).exist
+    except Exception:  # pylint: disable=broad-except
+        return False
+
+
+DEVICES = ["cpu"] + (["cuda"] if _has_gpu() else [])
+_DEV = {}
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def vm(request):
+    """The sampling functions built alone: plain loops on llvm, thread-bound kernels on a GPU."""
+    if request.param == "cpu":
+        target = tvm.target.Target("llvm")
+        ex = tvm.compile(S.AttachSampler(target)(tvm.IRModule()), target,
+                         relax_pipeline=relax.get_pipeline("default"))
+    else:
+        target = _cuda_target()
+        with target:
+            ex = tvm.compile(S.AttachSampler(target)(tvm.IRModule()), target,
+                             relax_pipeline=relax.get_default_pipeline(target))
+    _DEV["dev"] = tvm.cpu() if request.param == "cpu" else tvm.cuda(0)
+    return relax.VirtualMachine(ex, _DEV["dev"])
 
 
 def _t(a):
-    return tvm.runtime.tensor(np.ascontiguousarray(a), tvm.cpu())
+    return tvm.runtime.tensor(np.ascontiguousarray(a), _DEV["dev"])
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_gpu_kernels_build_to_cubin(tmp_path):
+    """The thread-bound variants compile for sm_90a (they run in the cuda-parametrized tests on a GPU)."""
+    from mlc_lora.compile import _check_cubin, prepare_cuda_build
+
+    prepare_cuda_build()
+    target = _cuda_target()
+    mod = S.AttachSampler(target)(tvm.IRModule())
+    for name in ("sample_argmax_kernel", "sample_top_p_kernel", "top_logprobs_kernel", "chosen_logprobs_kernel"):
+        assert mod[name].attrs["tirx.is_scheduled"]
+    with target:
+        ex = tvm.compile(mod, target, relax_pipeline=relax.get_default_pipeline(target))
+    ex.export_library(str(tmp_path / "sampler.so"))
+    _check_cubin(tmp_path / "sampler.so")
 
 
 def _logits(rng, b, v):

@@ -102,6 +102,7 @@ def test_weights_file_problems(tmp_path):
     ("bias", "all"), ("bias", "lora_only"), ("use_dora", True), ("modules_to_save", ["lm_head"]),
     ("lora_bias", True), ("target_parameters", ["mlp.experts.down_proj"]), ("layer_replication", [[0, 1]]),
     ("trainable_token_indices", [1, 2]), ("peft_type", "IA3"), ("init_lora_weights", "pissa"),
+    ("target_modules", ["q_proj", "lm_head"]), ("target_modules", 7),
 ])
 def test_unsupported_options_are_named(tmp_path, option, value):
     f = _write(tmp_path / "opt", config={option: value})

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mlc_lora.compile import CompileOptions, compile_model
+from mlc_lora.errors import MLCLoraError
 from mlc_lora.lora.layout import LoraSpec, NumpyArena, pack_adapter
 from mlc_lora.lora.peft import load_peft_adapter
 from mlc_lora.models.llama import LlamaConfig
@@ -93,6 +94,15 @@ def _run_batches(runner, arena, batches):
     return out, seqs
 
 
+def _one_adapter_batches():
+    """Stage 1 batches: one adapter each; the base requests ride along with the first (slot -1)."""
+    by_adapter = {}
+    for i, (aid, _) in enumerate(REQUESTS):
+        by_adapter.setdefault(aid, []).append(i)
+    base = by_adapter.pop(None)
+    return [by_adapter[a] + (base if n == 0 else []) for n, a in enumerate(sorted(by_adapter))]
+
+
 def _arena(runner, cfg, root):
     spec = LoraSpec.from_json(runner.lora)
     arena = NumpyArena(spec, np.float32)
@@ -129,14 +139,11 @@ def test_mixed_adapter_batch_matches_peft_gather(lora_setup):
 def test_single_adapter_batches_match_peft_and_gather(lora_setup):
     cfg, root, refs, compiled = lora_setup
     single = ModelRunner(compiled["single"])
-    # Stage 1: one adapter per batch (base requests ride along with slot -1).
-    by_adapter = {}
-    for i, (aid, _) in enumerate(REQUESTS):
-        by_adapter.setdefault(aid, []).append(i)
-    base = by_adapter.pop(None)
-    batches = [by_adapter[a] + (base if n == 0 else []) for n, a in enumerate(sorted(by_adapter))]
+    batches = _one_adapter_batches()
     out1, seqs = _run_batches(single, _arena(single, cfg, root), batches)
     print(f"single, one adapter per batch: max abs error vs PEFT {_check_against_peft(refs, out1, seqs):.2e}")
+    with pytest.raises(MLCLoraError, match="compiled with --lora-kernel single: a batch may use one adapter"):
+        _run_batches(single, _arena(single, cfg, root), [[0, 2]])
     gather = ModelRunner(compiled["gather"])
     out2, _ = _run_batches(gather, _arena(gather, cfg, root), batches)
     for i in out1:
@@ -157,3 +164,23 @@ def test_base_only_batch_and_config_record(lora_setup):
     r.kv_add(kv, 0)
     got = r.prefill(kv, [0], [[4, 5, 6]]).numpy()[0]  # no tables: every token on the base model
     np.testing.assert_allclose(got, _peft_logits(refs[None], [4, 5, 6]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kernel", ["gather", "single"])
+def test_mixed_adapter_batch_matches_peft_cuda(lora_setup, kernel):
+    """The same on a GPU (float32; hand-scheduled kernels). Skipped where no GPU is visible."""
+    from mlc_lora.runner import device_of
+
+    try:
+        device_of("cuda")
+    except (MLCLoraError, OSError, RuntimeError):
+        pytest.skip("no CUDA GPU visible")
+    cfg, root, refs, _ = lora_setup
+    compiled = compile_model(root / "hf", root / f"lora-cuda-{kernel}",
+                             CompileOptions(target="cuda", dtype="float32", prefill_chunk_size=128,
+                                            max_batch_size=16, lora_pool_pages=96, max_lora_rank=64,
+                                            lora_kernel=kernel), progress=False)
+    runner = ModelRunner(compiled, device="cuda")
+    batches = [list(range(len(REQUESTS)))] if kernel == "gather" else _one_adapter_batches()
+    out, seqs = _run_batches(runner, _arena(runner, cfg, root), batches)
+    print(f"cuda {kernel}: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")

@@ -1,0 +1,48 @@
+/*!
+ * \file safetensors.h
+ * \brief A memory-mapped .safetensors file: 8-byte little-endian header size, JSON header, raw data.
+ */
+#ifndef MLC_LORA_CPP_SAFETENSORS_H_
+#define MLC_LORA_CPP_SAFETENSORS_H_
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace mlc_lora {
+namespace detail {
+
+class SafeTensorsFile {
+ public:
+  struct Entry {
+    std::string dtype;  // safetensors code: F32, F16, BF16, I32, ...
+    std::vector<int64_t> shape;
+    const uint8_t* data;
+    size_t nbytes;
+  };
+  /*! \brief Map and index `path`; throws ModelError on a missing or malformed file. */
+  explicit SafeTensorsFile(const std::string& path);
+  ~SafeTensorsFile();
+  SafeTensorsFile(const SafeTensorsFile&) = delete;
+  SafeTensorsFile& operator=(const SafeTensorsFile&) = delete;
+
+  bool has(const std::string& name) const { return entries_.count(name) != 0; }
+  /*! \brief Throws ModelError naming the file when `name` is absent. */
+  const Entry& at(const std::string& name) const;
+  const std::unordered_map<std::string, Entry>& entries() const { return entries_; }
+
+ private:
+  std::string path_;
+  void* map_ = nullptr;
+  size_t size_ = 0;
+  std::unordered_map<std::string, Entry> entries_;
+};
+
+/*! \brief Bytes per element of a safetensors dtype code; 0 if unknown. */
+int DTypeBytes(const std::string& code);
+
+}  // namespace detail
+}  // namespace mlc_lora
+
+#endif  // MLC_LORA_CPP_SAFETENSORS_H_

@@ -1,0 +1,316 @@
+"""A Llama-2-7B-shaped model on one GPU: decode step time against the bandwidth floor, prefill
+against a plain PyTorch implementation of the same model (cuBLAS + SDPA), and where the time goes.
+
+Two steps, so that no 13 GB of weights travel:
+  compile (any machine, no GPU):  python scripts/bench_decode.py compile --out OUT
+  run (the GPU machine):          python scripts/bench_decode.py run --model OUT [--ext libcublas_gemm.so]
+The run makes seeded random fp16 weights on the GPU with torch and hands them to ModelRunner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+LLAMA2_7B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "num_hidden_layers": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+}
+PROMPT = 512  # tokens per prompt (prefill) and context before the timed decode steps
+PEAK_BW = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate (read + write)
+
+
+def compile_variants(out: Path, layers: int) -> None:
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora import compile as C  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models import llama, llama_loader  # pylint: disable=import-outside-toplevel
+
+    cfg_dict = dict(LLAMA2_7B, num_hidden_layers=layers)
+    for name, graph in (("graph", True), ("nograph", False)):
+        opts = C.CompileOptions(target="cuda", dtype="float16", prefill_chunk_size=16 * PROMPT,
+                                max_batch_size=64, gemm="cublas", cuda_graph=graph)
+        d = out / name
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = llama.LlamaConfig.from_dict(cfg_dict, prefill_chunk_size=opts.prefill_chunk_size,
+                                          context_window_size=opts.prefill_chunk_size,
+                                          max_batch_size=opts.max_batch_size)
+        t0 = time.time()
+        names = C.build_library(llama, cfg, "float16", opts, d / "lib.cuda.so")
+        print(f"{name}: built in {time.time() - t0:.0f} s, {(d / 'lib.cuda.so').stat().st_size >> 10} KiB")
+        shapes = llama_loader.param_shapes(cfg)
+        (d / C.CONFIG_FILE).write_text(json.dumps({
+            "model_name": "llama-2-7b-shape-random", "architecture": "llama",
+            "model_config": dataclasses.asdict(cfg), "dtype": "float16",
+            "target": {"kind": "cuda", "arch": opts.cuda_arch}, "library": "lib.cuda.so",
+            "params_file": None, "param_names": names,
+            "param_shapes": {n: list(shapes[n]) for n in names},
+            "compile_options": dataclasses.asdict(opts),
+        }, indent=1))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU side
+
+
+def make_params(cfg_json, torch, seed=0):
+    """Seeded random weights on the GPU: N(0, 0.02) matrices, unit norms (HF's init)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for name in cfg_json["param_names"]:
+        shape = cfg_json["param_shapes"][name]
+        if len(shape) == 1:
+            out[name] = torch.ones(shape, dtype=torch.float16, device="cuda")
+        else:
+            out[name] = (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * 0.02).half()
+    return out
+
+
+class TorchLlama:
+    """The same model in plain PyTorch: cuBLAS linears, SDPA attention, HF's RoPE and RMSNorm."""
+
+    def __init__(self, p, mc, torch):
+        self.p, self.mc, self.t = p, mc, torch
+        d = mc["head_dim"]
+        inv = 1.0 / (mc["rope_theta"] ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+        pos = torch.arange(PROMPT, device="cuda", dtype=torch.float32)
+        ang = torch.outer(pos, inv)
+        ang = torch.cat([ang, ang], dim=-1)
+        self.cos, self.sin = ang.cos().half(), ang.sin().half()
+
+    def norm(self, x, w):
+        t = self.t
+        xf = x.float()
+        return (xf * t.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.mc["rms_norm_eps"])).half() * w
+
+    def rope(self, x):  # x (B, heads, S, D)
+        h = x.shape[-1] // 2
+        rot = self.t.cat([-x[..., h:], x[..., :h]], dim=-1)
+        return x * self.cos + rot * self.sin
+
+    def prefill(self, ids):  # ids (B, S) -> last-token logits (B, V) float32
+        t, p, mc = self.t, self.p, self.mc
+        F = t.nn.functional
+        nh, nkv, d = mc["num_attention_heads"], mc["num_key_value_heads"], mc["head_dim"]
+        b, s = ids.shape
+        x = F.embedding(ids, p["model.embed_tokens.weight"])
+        for l in range(mc["num_hidden_layers"]):
+            pre = f"model.layers.{l}."
+            qkv = F.linear(self.norm(x, p[pre + "input_layernorm.weight"]), p[pre + "self_attn.qkv_proj.weight"])
+            qkv = qkv.view(b, s, nh + 2 * nkv, d).transpose(1, 2)
+            q, k, v = qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
+            o = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True,
+                                               enable_gqa=nh != nkv)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, s, nh * d), p[pre + "self_attn.o_proj.weight"])
+            gu = F.linear(self.norm(x, p[pre + "post_attention_layernorm.weight"]), p[pre + "mlp.gate_up_proj.weight"])
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+        x = self.norm(x[:, -1], p["model.norm.weight"])
+        return F.linear(x, p["lm_head.weight"]).float()
+
+
+def kernel_breakdown(prof, steps):
+    """GPU kernel time (ms per step) by kind, from a torch.profiler trace."""
+    cats = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        dt = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if dt <= 0 or e.key.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "Memcpy", "Memset")):
+            continue
+        if getattr(e, "device_type", None) is not None and "CUDA" not in str(e.device_type):
+            continue
+        k = e.key.lower()
+        if any(s in k for s in ("gemm", "gemv", "nvjet", "sm90_xmma", "cutlass", "cublas")):
+            cats["gemm"] += dt
+        elif any(s in k for s in ("attention", "paged_kv", "ragged_kv", "merge_state", "flash",
+                                  "fmha", "sdpa", "_kv_cache", "rope")):
+            cats["attention"] += dt
+        else:
+            cats["other"] += dt
+    return {k: v / 1e3 / steps for k, v in cats.items()}, prof.key_averages()
+
+
+def run(args) -> int:
+    import torch  # pylint: disable=import-outside-toplevel  (loads libcublas first)
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.runner import ModelRunner, _tvm, load_cuda_runtime  # pylint: disable=import-outside-toplevel
+
+    tvm = _tvm()
+    load_cuda_runtime()
+    ext = tvm_ffi.load_module(args.ext) if args.ext else None  # keep: unloading drops the globals
+    out_dir = Path(args.log_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir / "bench_decode.log", "w")  # pylint: disable=consider-using-with
+
+    def say(msg):
+        print(msg, flush=True)
+        log.write(msg + "\n")
+        log.flush()
+
+    model = Path(args.model)
+    cfg_json = json.loads((model / "graph" / "mlc-lora-config.json").read_text())
+    mc = cfg_json["model_config"]
+    t0 = time.time()
+    p = make_params(cfg_json, torch)
+    torch.cuda.synchronize()
+    say(f"params: {sum(v.numel() for v in p.values()) / 1e9:.2f} B on GPU in {time.time() - t0:.1f} s")
+    names = cfg_json["param_names"]
+    tparams = [tvm_ffi.from_dlpack(p[n]) for n in names]
+    variants = [v for v in ("graph", "nograph") if (model / v).is_dir()]
+    runners = {v: ModelRunner(model / v, "cuda", params=tparams) for v in variants}
+
+    L, H, V = mc["num_hidden_layers"], mc["hidden_size"], mc["vocab_size"]
+    kv_bytes_tok = L * 2 * mc["num_key_value_heads"] * mc["head_dim"] * 2
+    w_bytes = sum(v.numel() * 2 for n, v in p.items() if n != "model.embed_tokens.weight")
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    rows = []
+
+    # --- prefill: ours vs plain torch, same weights, same prompts -------------------------------
+    ref = TorchLlama(p, mc, torch)
+    r = runners["graph"]
+    for b in (1, 4, 16):
+        ids = torch.randint(0, V, (b, PROMPT), generator=gen)
+        toks = [row.tolist() for row in ids]
+        times, ttimes = [], []
+        for rep in range(4):
+            kv = r.create_kv_cache(64, 16 * PROMPT + 1024)
+            for i in range(b):
+                r.kv_add(kv, i)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            logits = r.prefill(kv, list(range(b)), toks)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            del kv
+            ids_c = ids.cuda()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with torch.no_grad():
+                tl = ref.prefill(ids_c)
+            torch.cuda.synchronize()
+            ttimes.append(time.perf_counter() - t)
+        ours = torch.from_dlpack(logits).float()
+        err = ((ours - tl).norm() / tl.norm()).item()
+        ms, tms = statistics.median(times[1:]) * 1e3, statistics.median(ttimes[1:]) * 1e3
+        rows.append(("prefill", f"{b}x{PROMPT}", ms, tms, tms / ms, err))
+        say(f"prefill {b}x{PROMPT}: ours {ms:.2f} ms, torch {tms:.2f} ms, speed {tms / ms:.2f}x, "
+            f"logits rel err {err:.2e}, argmax agree {(ours.argmax(-1) == tl.argmax(-1)).float().mean():.2f}")
+
+    # --- decode at batch 1, 16, 64 with PROMPT tokens of context --------------------------------
+    dec = []
+    steps = 20
+    for v, r in runners.items():
+        for b in (1, 16, 64):
+            kv = r.create_kv_cache(64, 64 * (PROMPT + 64))
+            for i in range(b):
+                r.kv_add(kv, i)
+            for s in range(0, b, 16):
+                chunk = list(range(s, min(b, s + 16)))
+                r.prefill(kv, chunk, [torch.randint(0, V, (PROMPT,), generator=gen).tolist() for _ in chunk])
+            seqs = list(range(b))
+            tok = [1] * b
+            for _ in range(3):  # the first step captures the graphs
+                r.decode(kv, seqs, tok)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                r.decode(kv, seqs, tok)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t) / steps * 1e3
+            ctx = PROMPT + 3 + steps // 2
+            floor = (w_bytes + b * ctx * kv_bytes_tok) / PEAK_BW * 1e3
+            bd = None
+            if v == "graph":
+                from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        r.decode(kv, seqs, tok)
+                    torch.cuda.synchronize()
+                bd, ka = kernel_breakdown(prof, 5)
+                if b in (1, 64):
+                    (out_dir / f"decode{b}_kernels.txt").write_text(
+                        ka.table(sort_by="device_time_total", row_limit=25))
+            dec.append((v, b, ms, floor, bd))
+            say(f"decode[{v}] b={b}: {ms:.3f} ms/step, floor {floor:.3f} ms "
+                f"({floor / ms * 100:.0f}% of the floor's bandwidth)" + (f", kernels {bd}" if bd else ""))
+            del kv
+
+    # --- attention kernels vs SDPA on the same shapes ------------------------------------------
+    nh, d = mc["num_attention_heads"], mc["head_dim"]
+    F = torch.nn.functional
+
+    def sdpa_ms(q, k, v, causal):
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(20):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        e1.record()
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / 20
+
+    att = []
+    for b in (1, 16, 64):
+        q = torch.randn(b, nh, 1, d, device="cuda", dtype=torch.float16)
+        k = torch.randn(b, nh, PROMPT + 13, d, device="cuda", dtype=torch.float16)
+        ours = next(x[4]["attention"] for x in dec if x[0] == "graph" and x[1] == b)
+        att.append(("decode", b, ours, sdpa_ms(q, k, k.clone(), False) * L))
+    r = runners["graph"]
+    for b in (1, 4, 16):
+        kv = r.create_kv_cache(64, 16 * PROMPT + 1024)
+        for i in range(b):
+            r.kv_add(kv, i)
+        toks = [torch.randint(0, V, (PROMPT,), generator=gen).tolist() for _ in range(b)]
+        from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            r.prefill(kv, list(range(b)), toks)
+            torch.cuda.synchronize()
+        bd, ka = kernel_breakdown(prof, 1)
+        q = torch.randn(b, nh, PROMPT, d, device="cuda", dtype=torch.float16)
+        att.append(("prefill", b, bd["attention"], sdpa_ms(q, q.clone(), q.clone(), True) * L))
+        say(f"prefill {b}x{PROMPT} kernels: {bd}")
+        if b == 16:
+            (out_dir / "prefill16_kernels.txt").write_text(ka.table(sort_by="device_time_total", row_limit=25))
+        del kv
+
+    say("\n| phase | shape | ours ms | torch ms | torch/ours | rel err |\n|---|---|---|---|---|---|")
+    for ph, shape, ms, tms, sp, err in rows:
+        say(f"| {ph} | {shape} | {ms:.2f} | {tms:.2f} | {sp:.2f} | {err:.1e} |")
+    say("\n| decode | batch | ms/step | floor ms | % of floor bw | gemm ms | attn ms | other ms |\n"
+        "|---|---|---|---|---|---|---|---|")
+    for v, b, ms, floor, bd in dec:
+        g = f"{bd['gemm']:.3f} | {bd['attention']:.3f} | {bd['other']:.3f}" if bd else "- | - | -"
+        say(f"| {v} | {b} | {ms:.3f} | {floor:.3f} | {floor / ms * 100:.0f}% | {g} |")
+    say("\n| attention | batch | paged-KV kernels ms (all layers) | SDPA ms (x layers) | ratio |\n|---|---|---|---|---|")
+    for ph, b, ours, sd in att:
+        say(f"| {ph} | {b} | {ours:.3f} | {sd:.3f} | {ours / sd:.2f} |")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile")
+    c.add_argument("--out", required=True)
+    c.add_argument("--layers", type=int, default=32)
+    rr = sub.add_parser("run")
+    rr.add_argument("--model", required=True)
+    rr.add_argument("--ext", default=None, help="built src/runtime/cublas_gemm.cc, if not in mlc_lora")
+    rr.add_argument("--log-dir", default="bench_logs")
+    a = ap.parse_args()
+    if a.cmd == "compile":
+        compile_variants(Path(a.out), a.layers)
+        return 0
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

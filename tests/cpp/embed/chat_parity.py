@@ -1,0 +1,186 @@
+"""The C++ chat app must print exactly the Python greedy output for the same prompts.
+
+  chat_parity.py prepare DIR     a tiny Llama (random weights) with a BPE tokenizer trained on
+                                 ShareGPT and SmolLM2's ChatML template, compiled by mlc_lora into
+                                 DIR/compiled and, with LoRA inputs, DIR/compiled_lora; the Python
+                                 reference outputs go to DIR/expected.json
+  chat_parity.py compare DIR --app PATH
+                                 runs the app (batched, and with tiny batches and prefill chunks)
+                                 and compares text and ids
+  chat_parity.py check MODEL_DIR --app PATH
+                                 the same for any compiled model (e.g. SmolLM2): reference first
+
+The Python reference is independent of the C++ code: jinja2 renders the chat template, the
+`tokenizers` library encodes and decodes, ModelRunner runs one request at a time with numpy argmax.
+The Python serving engine (MLCEngine, greedy) must give the same text too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion to a five year old, with an example in Python.",
+    "hi",
+    "List three colors: red, ... and what else? Ünïcödé too!",
+    "Summarize the plot of Hamlet in two sentences.",
+]
+MAX_TOKENS = 24
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def prepare(root: Path) -> None:
+    import torch
+    import transformers
+    from make_tokenizer_cases import sharegpt_messages, train_tiny
+
+    from mlc_lora.compile import CompileOptions, compile_model
+
+    hf = root / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    tok_json = train_tiny(sharegpt_messages(120), vocab_size=600)
+    (hf / "tokenizer.json").write_text(tok_json, encoding="utf-8")
+    vocab = len(json.loads(tok_json)["model"]["vocab"])
+    (hf / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": SMOLLM2_TEMPLATE, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "add_bos_token": False}))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=vocab,
+                                   max_position_embeddings=512, tie_word_embeddings=True,
+                                   bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper logits than the 0.02-std init: fewer near-ties, varied text
+        for p in model.parameters():
+            p.mul_(4.0)
+    model.save_pretrained(hf, safe_serialization=True)
+    compile_model(hf, root / "compiled", CompileOptions(prefill_chunk_size=128, max_batch_size=8), progress=False)
+    # The same model with LoRA table inputs: its base-model output must not change.
+    compile_model(hf, root / "compiled_lora", CompileOptions(prefill_chunk_size=128, max_batch_size=8,
+                                                             max_lora_rank=8, lora_pool_pages=64), progress=False)
+    (root / "expected.json").write_text(json.dumps(reference(root / "compiled"), ensure_ascii=False, indent=1))
+    print(f"compiled a tiny Llama (vocab {vocab}) into {root / 'compiled'}")
+
+
+def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict]:
+    import jinja2
+    import numpy as np
+    import tokenizers
+
+    from mlc_lora.runner import ModelRunner
+
+    cfg = json.loads((model_dir / "mlc-lora-config.json").read_text())
+    tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    # as transformers renders chat templates
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(cfg["tokenizer"]["chat_template"])
+    eos = cfg["tokenizer"]["eos_token_id"]
+    stop = set(eos if isinstance(eos, list) else [eos]) | {tok.token_to_id(cfg["tokenizer"]["eos_token"])}
+    runner = ModelRunner(model_dir)
+    out = []
+    for i, prompt in enumerate(prompts):
+        text = template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False).ids
+        kv = runner.create_kv_cache(1, 512)
+        runner.kv_add(kv, i)
+        logits = runner.prefill(kv, [i], [ids]).numpy()
+        gen, finish = [], "length"
+        while True:
+            nxt = int(np.argmax(logits[0]))
+            if nxt in stop:
+                finish = "stop"
+                break
+            gen.append(nxt)
+            if len(gen) == max_tokens:
+                break
+            logits = runner.decode(kv, [i], [nxt]).numpy()
+        out.append({"prompt": prompt, "max_tokens": max_tokens, "prompt_ids": ids, "output_ids": gen, "finish_reason": finish,
+                    "text": tok.decode(gen, skip_special_tokens=True)})
+    del runner
+    engine_outputs(model_dir, out)
+    return out
+
+
+def engine_outputs(model_dir: Path, expected: list[dict]) -> None:
+    """The Python serving engine's greedy answers (continuous batching, on-device argmax) must
+    agree with the plain reference; they are kept as `engine_text` and checked again in compare."""
+    import jinja2.ext  # noqa: F401  mlc_lora.tokenizer uses jinja2.ext without importing it
+
+    from mlc_lora.engine import MLCEngine
+
+    with MLCEngine(model_dir) as eng:
+        for want in expected:
+            r = eng.chat.completions.create(messages=[{"role": "user", "content": want["prompt"]}],
+                                            max_tokens=want["max_tokens"], temperature=0)
+            want["engine_text"] = r.choices[0].message.content
+            want["engine_finish_reason"] = r.choices[0].finish_reason
+
+
+def compare(model_dir: Path, expected: list[dict], app: str) -> int:
+    failures = 0
+    for extra in ([], ["--max-batch", "2", "--prefill-chunk", "16"]):
+        cmd = [app, str(model_dir), "--json", "--max-tokens", str(expected[0]["max_tokens"]), *extra]
+        for want in expected:
+            cmd += ["--prompt", want["prompt"]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            print(f"app failed on {model_dir} ({' '.join(extra) or 'defaults'}):\n{proc.stderr}")
+            return 1
+        got = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+        for want, have in zip(expected, got, strict=True):
+            same = have["text"] == want["text"] == want["engine_text"] and have["output_ids"] == want["output_ids"] \
+                and have["finish_reason"] == want["finish_reason"] == want["engine_finish_reason"]
+            failures += not same
+            print(f"{'ok  ' if same else 'DIFF'} [{model_dir.name} {' '.join(extra) or 'batched'}] {want['prompt'][:40]!r}: "
+                  f"{len(want['output_ids'])} tokens ({want['finish_reason']})")
+            if not same:
+                print(f"   python: {want['text']!r} {want['output_ids']}\n   engine: {want['engine_text']!r}\n"
+                      f"   c++:    {have['text']!r} {have['output_ids']}")
+        print(proc.stderr.strip())
+    # Interactive mode streams the same text for a first turn.
+    first = expected[0]
+    proc = subprocess.run([app, str(model_dir), "--max-tokens", str(first["max_tokens"])], input=first["prompt"] + "\n/quit\n",
+                          capture_output=True, text=True, check=False)
+    streamed = proc.stdout.removeprefix("> ").removesuffix("> ").removesuffix("\n")
+    same = proc.returncode == 0 and streamed == first["text"]
+    failures += not same
+    print(f"{'ok  ' if same else 'DIFF'} [interactive, streamed] {first['prompt'][:40]!r}")
+    if not same:
+        print(f"   python: {first['text']!r}\n   c++:    {streamed!r}\n{proc.stderr}")
+    print("PASSED" if failures == 0 else f"FAILED ({failures} differences)")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["prepare", "compare", "check"])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--app")
+    ap.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="check mode: the first N prompts")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="check mode")
+    args = ap.parse_args()
+    if args.mode == "prepare":
+        prepare(args.dir)
+        return 0
+    if args.mode == "check":
+        return compare(args.dir, reference(args.dir, PROMPTS[: args.num_prompts], args.max_tokens), args.app)
+    expected = json.loads((args.dir / "expected.json").read_text())
+    return compare(args.dir / "compiled", expected, args.app) or compare(args.dir / "compiled_lora", expected, args.app)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""DispatchCublas: the linears become calls of our cuBLAS extern; everything else stays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from mlc_lora.compiler_passes import get_pipeline
+from mlc_lora.compiler_passes.dispatch_cublas import CUBLAS_GEMM, DispatchCublas
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@tvm.script.ir_module
+class Before:
+    @R.function
+    def linear(x: R.Tensor(("n", 1, 64), "float16"), w: R.Tensor((32, 64), "float16")):
+        n = T.int64()
+        with R.dataflow():
+            wt = R.permute_dims(w)
+            y = R.matmul(x, wt)
+            z = R.add(y, y)
+            R.output(z)
+        return z
+
+    @R.function
+    def packed(x: R.Tensor(("n", 64), "bfloat16"),
+               params: R.Tuple(R.Tensor((16, 64), "bfloat16"), R.Tensor((64,), "bfloat16"))):
+        n = T.int64()
+        with R.dataflow():
+            w = params[0]
+            y = R.matmul(x, R.permute_dims(w, axes=[1, 0]))
+            R.output(y)
+        return y
+
+    @R.function
+    def untouched(x: R.Tensor((1, 64), "float16"), a: R.Tensor(("m", 64), "float16"),
+                  w3: R.Tensor((2, 32, 64), "float16"), w: R.Tensor((32, 64), "float16")):
+        m = T.int64()
+        with R.dataflow():
+            # static single row: dlight's GEMV stays
+            y1 = R.matmul(x, R.permute_dims(w))
+            # an activation times an activation: not a weight
+            y2 = R.matmul(x, R.permute_dims(R.add(a, a)))
+            # a 3-D weight (batched matmul)
+            y3 = R.matmul(x, R.permute_dims(w3, axes=[0, 2, 1]))
+            R.output(y1, y2, y3)
+        return (y1, y2, y3)
+
+
+@tvm.script.ir_module
+class Expected:
+    @R.function
+    def linear(x: R.Tensor(("n", 1, 64), "float16"), w: R.Tensor((32, 64), "float16")):
+        n = T.int64()
+        with R.dataflow():
+            y = R.call_dps_packed("mlc_lora.runtime.cublas_gemm", (x, w),
+                                  out_ty=R.Tensor((n, 1, 32), "float16"))
+            z = R.add(y, y)
+            R.output(z)
+        return z
+
+    @R.function
+    def packed(x: R.Tensor(("n", 64), "bfloat16"),
+               params: R.Tuple(R.Tensor((16, 64), "bfloat16"), R.Tensor((64,), "bfloat16"))):
+        n = T.int64()
+        with R.dataflow():
+            w = params[0]
+            y = R.call_dps_packed("mlc_lora.runtime.cublas_gemm", (x, w),
+                                  out_ty=R.Tensor((n, 16), "bfloat16"))
+            R.output(y)
+        return y
+
+    @R.function
+    def untouched(x: R.Tensor((1, 64), "float16"), a: R.Tensor(("m", 64), "float16"),
+                  w3: R.Tensor((2, 32, 64), "float16"), w: R.Tensor((32, 64), "float16")):
+        m = T.int64()
+        with R.dataflow():
+            y1 = R.matmul(x, R.permute_dims(w))
+            y2 = R.matmul(x, R.permute_dims(R.add(a, a)))
+            y3 = R.matmul(x, R.permute_dims(w3, axes=[0, 2, 1]))
+            R.output(y1, y2, y3)
+        return (y1, y2, y3)
+
+
+def test_before_after():
+    after = DispatchCublas()(Before)
+    relax.analysis.well_formed(after)
+    tvm.ir.assert_structural_equal(after, Expected)
+
+
+def _tiny_llama(target):
+    from mlc_lora.compile import export_model
+    from mlc_lora.models import llama
+
+    cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=1, vocab_size=80,
+                            prefill_chunk_size=64, max_batch_size=4)
+    mod, names = export_model(llama, cfg, "float32", target)
+    return llama, cfg, mod, names
+
+
+def _count_cublas(mod) -> int:
+    return sum(f.script().count(CUBLAS_GEMM) for _, f in mod.functions_items()
+               if isinstance(f, relax.Function))
+
+
+def test_every_model_linear_is_rewritten():
+    """4 linears per layer + lm_head, in prefill and in decode; embed has none."""
+    _, cfg, mod, _ = _tiny_llama(tvm.target.Target("llvm"))
+    after = DispatchCublas()(mod)
+    per_fn = 4 * cfg.num_hidden_layers + 1
+    assert after["prefill"].script().count(CUBLAS_GEMM) == per_fn
+    assert after["decode"].script().count(CUBLAS_GEMM) == per_fn
+    assert "permute_dims" not in after["decode"].script()
+    assert _count_cublas(after) == 2 * per_fn
+
+
+def test_pipeline_dispatches_on_cuda_only():
+    linear = tvm.IRModule({"linear": Before["linear"]})
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    with cuda:
+        assert CUBLAS_GEMM in get_pipeline(cuda, gemm="cublas")(linear)["linear"].script()
+        assert CUBLAS_GEMM not in get_pipeline(cuda, gemm="tvm")(linear)["linear"].script()
+    assert CUBLAS_GEMM not in get_pipeline(tvm.target.Target("llvm"))(linear)["linear"].script()
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        get_pipeline(cuda, gemm="cutlass")
+
+
+@pytest.fixture(scope="module")
+def cublas_gemm(tmp_path_factory):
+    """The extern, from the loaded runtime library or built here from src/runtime/cublas_gemm.cc."""
+    f = tvm.get_global_func(CUBLAS_GEMM, allow_missing=True)
+    if f is None:
+        import tvm_ffi.cpp
+
+        try:
+            tvm_ffi.cpp.load("mlc_lora_cublas_gemm", cpp_files=[str(ROOT / "src/runtime/cublas_gemm.cc")],
+                             extra_ldflags=["-ldl"],
+                             build_directory=str(tmp_path_factory.mktemp("cublas_gemm_build")))
+        except Exception as e:  # pylint: disable=broad-except
+            pytest.skip(f"cannot build src/runtime/cublas_gemm.cc here: {e}")
+        f = tvm.get_global_func(CUBLAS_GEMM)
+    return f
+
+
+def test_extern_reference_path_matches_numpy(cublas_gemm):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2, 40)).astype("float32")
+    w = rng.standard_normal((24, 40)).astype("float32")
+    out = np.full((3, 2, 24), np.nan, dtype="float32")
+    cublas_gemm(x, w, out)
+    np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_extern_rejects_bad_shapes(cublas_gemm):
+    x = np.zeros((2, 8), "float32")
+    out = np.zeros((2, 4), "float32")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        cublas_gemm(x, np.zeros((4, 6), "float32"), out)
+    with pytest.raises(TypeError, match="mixed dtypes"):
+        cublas_gemm(x, np.zeros((4, 8), "float16"), out)
+    with pytest.raises(TypeError, match="float32 only"):
+        cublas_gemm(x.astype("float16"), np.zeros((4, 8), "float16"), out.astype("float16"))
+
+
+def test_compiled_model_through_extern_matches_tvm_matmul(cublas_gemm):
+    """The whole tiny model with every linear on the extern (its float32 CPU path) gives the logits
+    of the same model on TVM's own matmul: the call_dps_packed plumbing (shapes, views, packed
+    weights, KV cache in between) is right."""
+    import tvm.runtime.vm  # noqa: F401
+
+    del cublas_gemm
+    target = tvm.target.Target("llvm")
+    llama, cfg, _, names = _tiny_llama(target)
+    rng = np.random.default_rng(1)
+    from mlc_lora.models.llama_loader import param_shapes
+
+    shapes = param_shapes(cfg)
+    params = [tvm.runtime.tensor((0.2 * rng.standard_normal(shapes[n])).astype("float32")) for n in names]
+    s = tvm.runtime.ShapeTuple
+    g = tvm.get_global_func
+    results = []
+    for extra in ([], [DispatchCublas()]):
+        _, _, mod, _ = _tiny_llama(target)
+        with target:
+            ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target, extra_passes=extra))
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        kv = vm["create_paged_kv_cache"](s([4]), s([128]), s([64]), s([16]), s([0]))
+        for i in range(2):
+            g("vm.builtin.kv_state_add_sequence")(kv, i)
+        ids = tvm.runtime.tensor(np.arange(9, dtype="int32") % cfg.vocab_size)
+        emb = vm["embed"](ids, params).numpy().reshape(1, 9, cfg.hidden_size)
+        g("vm.builtin.kv_state_begin_forward")(kv, s([0, 1]), s([5, 4]))
+        pl, _ = vm["prefill"](tvm.runtime.tensor(emb), tvm.runtime.tensor(np.array([4, 8], "int32")), kv, params)
+        g("vm.builtin.kv_state_end_forward")(kv)
+        g("vm.builtin.kv_state_begin_forward")(kv, s([0, 1]), s([1, 1]))
+        demb = vm["embed"](tvm.runtime.tensor(np.array([3, 7], "int32")), params).numpy().reshape(2, 1, -1)
+        dl, _ = vm["decode"](tvm.runtime.tensor(demb), kv, params)
+        g("vm.builtin.kv_state_end_forward")(kv)
+        results.append((pl.numpy(), dl.numpy()))
+    for a, b in zip(results[0], results[1]):
+        assert np.abs(a).max() > 0.1
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_extern_on_gpu(cublas_gemm):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from mlc_lora.runner import device_of, load_cublas
+
+    load_cublas(device_of("cuda"))
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(37, 256, device="cuda", dtype=dtype)
+        w = torch.randn(96, 256, device="cuda", dtype=dtype)
+        out = torch.empty(37, 96, device="cuda", dtype=dtype)
+        cublas_gemm(x, w, out)
+        ref = x.double() @ w.double().T
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("kernel", ["gather", "single"])
+def test_composes_with_lora_rewrite(kernel):
+    """After LoraRewrite only the base linears move to cuBLAS; the adapter ops stay as they are."""
+    from mlc_lora.compiler_passes.lora_rewrite import LoraRewrite
+
+    from .test_lora_rewrite import Before as LoraBefore, _opts
+
+    lora = LoraRewrite(**_opts(kernel))(LoraBefore)
+    after = DispatchCublas()(lora)
+    text, lora_text = after["decode"].script(), lora["decode"].script()
+    base = LoraBefore["decode"].script().count("R.matmul")
+    assert text.count(CUBLAS_GEMM) == base
+    assert text.count("call_tir") == lora_text.count("call_tir")
+    assert text.count("R.matmul") == lora_text.count("R.matmul") - base

@@ -1,0 +1,196 @@
+"""MLCEngine end to end on a tiny random Llama: batching, streaming, sampling, stops, logprobs, errors."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from mlc_lora import AsyncMLCEngine, MLCEngine
+from mlc_lora.errors import RequestError
+
+MSG = [{"role": "user", "content": "Hello, how are you today?"}]
+
+
+def _hf_greedy(hf, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _prompts(k, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, int(rng.integers(3, 150))).tolist() for _ in range(k)]
+
+
+def test_sixteen_requests_batch_and_match_alone_and_hf(tiny_chat):
+    hf, compiled = tiny_chat
+    prompts = _prompts(16)
+    lens = [40 + 2 * i for i in range(16)]
+    # a small prefill chunk so the long prompts are prefilled in several chunks beside decodes
+    with AsyncMLCEngine(compiled, "cpu", prefill_chunk_size=64) as eng:
+        async def run_all():
+            return await asyncio.gather(*[
+                eng.completions.create(prompt=p, max_tokens=n, temperature=0, ignore_eos=True)
+                for p, n in zip(prompts, lens)])
+
+        batched = asyncio.run(run_all())
+        stats = asyncio.run(eng.stats())
+    assert stats["max_running"] == 16  # all 16 ran in one batch at some step
+    # prompts were prefilled in chunks of at most 64 tokens (decodes share those steps)
+    assert stats["num_prefill_steps"] >= sum(len(p) for p in prompts) / 64
+    assert stats["num_steps"] < sum(lens) // 4  # far fewer steps than one request at a time
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == stats["waiting"] == 0
+    with MLCEngine(compiled, "cpu") as eng:
+        for i, (p, n, r) in enumerate(zip(prompts, lens, batched)):
+            alone = eng.completions.create(prompt=p, max_tokens=n, temperature=0, ignore_eos=True)
+            got = r.choices[0].token_ids
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == n == len(got)
+            assert got == alone.choices[0].token_ids
+            assert r.choices[0].text == eng.tokenizer.decode(got)
+            if i % 4 == 0:
+                assert got == _hf_greedy(hf, p, n)
+
+
+def test_preemption_under_page_pressure_keeps_outputs(tiny_chat):
+    """A cache of 8 pages cannot hold 6 sequences of ~70 tokens: requests wait or are preempted."""
+    _, compiled = tiny_chat
+    prompts = [p[:40] for p in _prompts(6, seed=1)]
+    with MLCEngine(compiled, "cpu") as ref:
+        want = [ref.completions.create(prompt=p, max_tokens=30, temperature=0, ignore_eos=True).choices[0].text
+                for p in prompts]
+    with AsyncMLCEngine(compiled, "cpu", max_total_tokens=8 * 16) as eng:
+        async def run_all():
+            return await asyncio.gather(*[
+                eng.completions.create(prompt=p, max_tokens=30, temperature=0, ignore_eos=True)
+                for p in prompts])
+
+        got = asyncio.run(run_all())
+        stats = asyncio.run(eng.stats())
+    assert [r.choices[0].text for r in got] == want
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_stream_equals_non_stream(engine):
+    for kw in (dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=7)):
+        whole = engine.chat.completions.create(messages=MSG, max_tokens=40, **kw)
+        chunks = list(engine.chat.completions.create(messages=MSG, max_tokens=40, stream=True, **kw))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        pieces = list(engine.completions.create(prompt="The quick brown", max_tokens=25, stream=True, **kw))
+        text = engine.completions.create(prompt="The quick brown", max_tokens=25, **kw).choices[0].text
+        assert "".join(c.choices[0].text for c in pieces) == text
+
+
+def test_seed_gives_same_text(engine):
+    kw = dict(messages=MSG, max_tokens=30, temperature=1.0, top_k=50, top_p=0.95)
+    a = engine.chat.completions.create(seed=11, **kw).choices[0].message.content
+    b = engine.chat.completions.create(seed=11, **kw).choices[0].message.content
+    c = engine.chat.completions.create(seed=12, **kw).choices[0].message.content
+    assert a == b
+    assert a != c
+
+
+def test_finish_reasons(engine):
+    greedy = engine.completions.create(prompt="Hello", max_tokens=30, temperature=0, ignore_eos=True)
+    ids = greedy.choices[0].token_ids
+    text = greedy.choices[0].text
+    assert greedy.choices[0].finish_reason == "length" and greedy.usage.completion_tokens == 30
+    # a stop string: the text ends just before it, finish_reason "stop"
+    stop = text[10:13]
+    r = engine.completions.create(prompt="Hello", max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:text.index(stop)]
+    streamed = list(engine.completions.create(prompt="Hello", max_tokens=30, temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    # a stop token id
+    r = engine.completions.create(prompt="Hello", max_tokens=30, temperature=0, stop_token_ids=[ids[4]])
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 5
+    # EOS: make the 6th greedy token the model's EOS
+    tok = engine.tokenizer
+    saved = tok.eos_token_ids
+    try:
+        tok.eos_token_ids = [ids[5]]
+        r = engine.completions.create(prompt="Hello", max_tokens=30, temperature=0)
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 6
+        r = engine.completions.create(prompt="Hello", max_tokens=30, temperature=0, ignore_eos=True)
+        assert r.choices[0].finish_reason == "length" and r.choices[0].text == text
+    finally:
+        tok.eos_token_ids = saved
+
+
+def _hf_logprobs(hf, prompt, out):
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + out])).logits[0].double(), -1).numpy()
+    return ref[len(prompt) - 1:-1]  # row j: the distribution that produced out[j]
+
+
+def test_logprobs_match_hf(tiny_chat, engine):
+    hf, _ = tiny_chat
+    prompt = engine.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+        r = engine.completions.create(prompt=prompt, max_tokens=12, logprobs=5, ignore_eos=True, **kw)
+        lp, out = r.choices[0].logprobs, r.choices[0].token_ids
+        steps = _hf_logprobs(hf, prompt, out)
+        assert len(lp.token_logprobs) == len(out) == 12
+        np.testing.assert_allclose(lp.token_logprobs, steps[np.arange(12), out], atol=1e-3)
+    # chat: the top_logprobs list (ids kept apart even where their text is the same)
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(MSG), add_special_tokens=False)
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=3)):
+        c = engine.chat.completions.create(messages=MSG, max_tokens=8, logprobs=True, top_logprobs=4,
+                                           ignore_eos=True, **kw)
+        content, out = c.choices[0].logprobs.content, c.choices[0].token_ids
+        steps = _hf_logprobs(hf, prompt, out)
+        np.testing.assert_allclose([t.logprob for t in content], steps[np.arange(8), out], atol=1e-3)
+        for j, t in enumerate(content):
+            np.testing.assert_allclose([x.logprob for x in t.top_logprobs], np.sort(steps[j])[::-1][:4], atol=1e-3)
+            assert [x.token for x in t.top_logprobs] == [tok.token_text(int(i)) for i in np.argsort(-steps[j])[:4]]
+        if kw["temperature"] == 0:
+            assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-6) for t in content)
+
+
+def test_bad_requests_error_and_engine_keeps_serving(engine):
+    before = engine.completions.create(prompt="Hello", max_tokens=8, temperature=0).choices[0].text
+    bad = [
+        dict(messages=[]),
+        dict(messages=[{"role": "wizard", "content": "hi"}]),
+        dict(messages=MSG, max_tokens=0),
+        dict(messages=MSG, max_tokens=10_000),
+        dict(messages=[{"role": "user", "content": "hello " * 600}]),
+        dict(messages=MSG, adapter_id="my-lora"),
+        dict(messages=MSG, temperature=-1),
+        dict(messages=MSG, top_p=0),
+        dict(messages=MSG, top_logprobs=21),
+    ]
+    for kw in bad:
+        with pytest.raises(RequestError):
+            engine.chat.completions.create(**kw)
+    with pytest.raises(RequestError, match="context"):
+        engine.completions.create(prompt=list(range(3, 300)) * 2, max_tokens=4)
+    with pytest.raises(RequestError, match="token ids"):
+        engine.completions.create(prompt=[5, 100000], max_tokens=4)
+    # aborting a stream half way frees its pages
+    stream = engine.chat.completions.create(messages=MSG, max_tokens=50, stream=True)
+    next(stream)
+    stream.close()
+    assert engine.completions.create(prompt="Hello", max_tokens=8, temperature=0).choices[0].text == before
+    s = engine.stats()
+    assert s["running"] == 0 and s["kv_pages_free"] == s["kv_pages_total"]
+
+
+def test_chat_template_like_transformers(tiny_chat, engine):
+    from transformers import PreTrainedTokenizerFast
+
+    hf_dir = tiny_chat[1].parent / "hf"
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
+    ref.chat_template = engine.tokenizer.chat_template
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Ünïcödé 🙂?"}]
+    for m in (msgs, msgs[1:]):
+        want = ref.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+        assert engine.tokenizer.apply_chat_template(m) == want
