@@ -16,6 +16,9 @@ from .errors import MLCLoraError
 CONFIG_FILE = "mlc-lora-config.json"
 # Extra inputs of prefill/decode in a model compiled with LoRA (docs/DESIGN.md, per-batch tables).
 LORA_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
+# `lora=POOL` in prefill/decode: take the tables the KV cache's unified pool built in begin_forward
+# from each sequence's adapter (pool_set_sequence_adapter).
+POOL = "pool"
 
 
 def _tvm():
@@ -167,8 +170,19 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
     def lora(self) -> dict | None:
         return self.config.get("lora")
 
-    def _lora_args(self, lora: dict | None, n_tok: int) -> list:
-        """The LoRA inputs (arrays or device tensors keyed by LORA_INPUTS); None = all base model."""
+    def _lora_args(self, lora, n_tok: int, kv=None) -> list:
+        """The LoRA inputs (arrays or device tensors keyed by LORA_INPUTS); None = all base model;
+        POOL = the tables the unified pool built for this batch (after begin_forward)."""
+        if lora == POOL and self.lora:
+            from . import _ffi_api  # pylint: disable=import-outside-toplevel
+
+            tables = list(_ffi_api.pool_lora_tables(kv))
+            lora = dict(zip(LORA_INPUTS, tables))
+            slots = int(tables[2].shape[0])
+            if self.lora["kernel"] == "single" and slots > 1:
+                raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
+                                   f"use one adapter, got {slots}")
+            return tables
         if not self.lora:
             if lora is not None:
                 raise MLCLoraError(f"{self.model_dir} was compiled without LoRA; recompile with "
@@ -206,8 +220,10 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         emb = self.embed(flat)
         emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access
         last = tvm.runtime.tensor(np.cumsum(lengths).astype(np.int32) - 1, self.device)
-        extra = self._lora_args(lora, len(flat))
+        extra = [] if lora == POOL else self._lora_args(lora, len(flat))
         self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple(lengths))
+        if lora == POOL:
+            extra = self._lora_args(lora, len(flat), kv)
         logits, _ = self._prefill(emb, last, kv, *extra, self.params)
         self._kv_end(kv)
         return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
@@ -218,8 +234,10 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         b = len(seq_ids)
         emb = self.embed(np.asarray(tokens, dtype=np.int32))
         emb = emb._create_view((b, 1, emb.shape[-1]))  # pylint: disable=protected-access
-        extra = self._lora_args(lora, b)
+        extra = [] if lora == POOL else self._lora_args(lora, b)
         self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple([1] * b))
+        if lora == POOL:
+            extra = self._lora_args(lora, b, kv)
         logits, _ = self._decode(emb, kv, *extra, self.params)
         self._kv_end(kv)
         return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access

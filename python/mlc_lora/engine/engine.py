@@ -17,12 +17,13 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import MLCLoraError, RequestError
-from ..runner import CONFIG_FILE, ModelRunner
+from ..errors import MLCLoraError, PoolExhaustedError, RequestError
+from ..runner import CONFIG_FILE, POOL, ModelRunner
 from ..tokenizer import Detokenizer, Tokenizer, check_messages
 from . import protocol as P
 from .sampler import TOP_LOGPROBS_MAX, Sampled, Sampler
-from .scheduler import PAGE_SIZE, Batch, SamplingParams, Scheduler, Sequence
+from .adapters import AdapterTable
+from .scheduler import PAGE_SIZE, Batch, SamplingParams, Scheduler, Sequence, Status
 
 
 def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtype: Optional[str] = None) -> Path:
@@ -71,7 +72,17 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.max_num_seqs = max_num_seqs or mc.get("max_batch_size", 64)
         chunk = prefill_chunk_size or mc["prefill_chunk_size"]
         total = max_total_tokens or max(self.context_window, 8192)
+        lora = self.runner.lora
+        if lora:
+            # The compiled arena is the pool: its page count was fixed by --lora-pool-pages.
+            pool_tokens = (lora["pool_pages"] - 1) * PAGE_SIZE
+            if max_total_tokens is not None and max_total_tokens != pool_tokens:
+                raise MLCLoraError(f"{model_dir} was compiled with --lora-pool-pages {lora['pool_pages']}: "
+                                   f"its pool holds {pool_tokens} tokens of KV (shared with adapters), "
+                                   f"max_total_tokens={max_total_tokens} cannot change that")
+            total = pool_tokens
         self.kv = self.runner.create_kv_cache(self.max_num_seqs, total, chunk)
+        self.adapters = AdapterTable(self.runner, self.kv)
         self.sampler = Sampler(self.runner)
         try:
             self.tokenizer: Optional[Tokenizer] = Tokenizer(model_dir, self.runner.config.get("tokenizer", {}))
@@ -81,9 +92,10 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.kv_pages_total = int(r.kv_available_pages(self.kv))
         # the longest sequence the engine can hold: the context window or the whole cache
         self.max_seq_len = min(self.context_window, (self.kv_pages_total - 1) * PAGE_SIZE)
-        self.scheduler = Scheduler(lambda: int(r.kv_available_pages(self.kv)),
-                                   lambda s: r.kv_add(self.kv, s), lambda s: r.kv_remove(self.kv, s),
-                                   self.max_num_seqs, chunk)
+        ad = self.adapters
+        self.scheduler = Scheduler(ad.available_pages, ad.add_sequence, lambda s: r.kv_remove(self.kv, s),
+                                   self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
+                                   one_adapter_per_batch=bool(lora) and lora["kernel"] == "single")
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
 
@@ -91,7 +103,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams, adapter_id=None, sink=None) -> Sequence:
         if adapter_id is not None:
-            raise RequestError(f"adapter_id={adapter_id!r}: this engine has no LoRA adapters loaded")
+            self.adapters.get(adapter_id)  # UnknownAdapterError naming it
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         vocab = self.runner.vocab_size
@@ -114,13 +126,23 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         return seq
 
     def add(self, seq: Sequence) -> None:
+        try:
+            self.adapters.attach(seq)  # an adapter unloaded since the request was checked fails here
+        except RequestError as e:
+            seq.status = Status.FINISHED
+            self._emit(seq, _Out("", [], "error", error=e))
+            return
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq.status.name != "FINISHED":
             self.scheduler.finish(seq)
+            self._release(seq)
             seq.finish_reason = "abort"
             self.counters["num_aborted"] += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.adapters.detach(seq)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -129,12 +151,17 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     kv_pages_total=self.kv_pages_total,
                     kv_pages_free=int(self.runner.kv_available_pages(self.kv)),
-                    num_preemptions=self.scheduler.num_preemptions, **self.counters)
+                    num_preemptions=self.scheduler.num_preemptions, **self.counters,
+                    **self.adapters.stats())
 
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
+        for seq in self.scheduler.rejected:
+            self._emit(seq, _Out("", [], "error", error=self.adapters.exhausted(seq)))
+            self._release(seq)
+        self.scheduler.rejected.clear()
         if batch is None:
             return
         c = self.counters
@@ -146,9 +173,11 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             sampled = self.sampler.sample(logits, batch.seqs, rows) if rows else []
         except Exception as e:  # pylint: disable=broad-except
             # a failed forward fails only its own requests; the engine keeps serving
+            cls = PoolExhaustedError if isinstance(e, PoolExhaustedError) else MLCLoraError
             for seq in batch.seqs:
                 self.scheduler.finish(seq)
-                self._emit(seq, _Out("", [], "error", error=MLCLoraError(f"engine step failed: {e}")))
+                self._release(seq)
+                self._emit(seq, _Out("", [], "error", error=cls(f"engine step failed: {e}")))
             return
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
@@ -157,11 +186,12 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
 
     def _forward(self, batch: Batch):
         ids = [s.seq_id for s in batch.seqs]
+        lora = POOL if self.runner.lora else None  # the pool's tables from each sequence's adapter
         if batch.is_decode:
             self.counters["num_decode_steps"] += 1
-            return self.runner.decode(self.kv, ids, [c[0] for c in batch.chunks])
+            return self.runner.decode(self.kv, ids, [c[0] for c in batch.chunks], lora=lora)
         self.counters["num_prefill_steps"] += 1
-        return self.runner.prefill(self.kv, ids, batch.chunks)
+        return self.runner.prefill(self.kv, ids, batch.chunks, lora=lora)
 
     def _append(self, seq: Sequence, s: Sampled) -> None:
         p, st = seq.params, seq.state
@@ -187,6 +217,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                 st.text += st.detok.flush()  # an incomplete character held back at the end
             seq.finish_reason = finish
             self.scheduler.finish(seq)
+            self._release(seq)
             self.counters["num_finished"] += 1
         end = len(st.text) if finish else max(st.sent, len(st.text) - st.holdback)
         delta, st.sent = st.text[st.sent:end], end
@@ -258,10 +289,22 @@ class _Loop:
     def call(self, fn):
         """Run fn() between steps (the engine is not thread-safe)."""
         done: queue.Queue = queue.Queue()
+
+        def run():
+            try:
+                done.put((fn(), None))
+            except Exception as e:  # pylint: disable=broad-except
+                done.put((None, e))
+
         with self.cv:
-            self.incoming.append(lambda: done.put(fn()))  # type: ignore[arg-type]
+            if self.closed:
+                raise MLCLoraError("the engine is closed")
+            self.incoming.append(run)  # type: ignore[arg-type]
             self.cv.notify()
-        return done.get()
+        out, err = done.get()
+        if err is not None:
+            raise err
+        return out
 
     def _run(self) -> None:
         eng = self.engine
@@ -368,6 +411,21 @@ class MLCEngine:
     def stats(self) -> dict[str, Any]:
         return self._loop.call(self.engine.stats)
 
+    # --- LoRA adapters (between steps, on the engine thread) ----------------------------------
+
+    def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:
+        """Validate a PEFT folder against the compiled library and load it into the unified pool;
+        `pin` keeps it resident (never evicted for KV). Returns its list_adapters() entry."""
+        return self._loop.call(lambda: self.engine.adapters.load(name, path, pin))
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget `name` now; its pages go back to the pool when its running requests end."""
+        self._loop.call(lambda: self.engine.adapters.unload(name))
+
+    def list_adapters(self) -> list[dict[str, Any]]:
+        """name, path, rank, lora_alpha, use_rslora, scales, target_modules, pinned, resident, pages."""
+        return self._loop.call(self.engine.adapters.list)
+
     def close(self) -> None:
         self._loop.close()
 
@@ -469,6 +527,15 @@ class AsyncMLCEngine(MLCEngine):
 
     async def stats(self) -> dict[str, Any]:  # type: ignore[override]
         return await asyncio.get_running_loop().run_in_executor(None, self._loop.call, self.engine.stats)
+
+    async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:  # type: ignore[override]
+        return await asyncio.get_running_loop().run_in_executor(None, MLCEngine.load_adapter, self, name, path, pin)
+
+    async def unload_adapter(self, name: str) -> None:  # type: ignore[override]
+        await asyncio.get_running_loop().run_in_executor(None, MLCEngine.unload_adapter, self, name)
+
+    async def list_adapters(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return await asyncio.get_running_loop().run_in_executor(None, MLCEngine.list_adapters, self)
 
 
 class _AsyncCreator(_Creator):
