@@ -125,6 +125,11 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
 
+    def reject(self, seq: Sequence) -> None:
+        """Drop a request that cannot fit the pool; the engine fails it with PoolExhaustedError."""
+        self.finish(seq)
+        self.rejected.append(seq)
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute: drop the KV, keep the tokens; the sequence prefills them again later."""
         self.kv_remove(seq.seq_id)
@@ -163,6 +168,9 @@ class Scheduler:
                 self.preempt(queue.pop())
                 free = self.kv_pages() - used
             if need > free:
+                if len(self.running) == 1:  # alone and out of pages: it can never finish
+                    self.reject(seq)
+                    continue
                 self.preempt(seq)
                 free = self.kv_pages() - used
                 continue
@@ -198,17 +206,14 @@ class Scheduler:
             budget -= n
             charged.add(seq.adapter_id)
             rows.append((seq, seq.tokens[seq.num_cached:seq.num_cached + n]))
-        if not rows and self.running:
+        if not rows and len(self.running) > 1:
             # every running sequence is stuck mid-prefill without pages: free the newest
             self.preempt(self.running[-1])
             return self.schedule()
-        if not rows and self.waiting:
-            # nothing runs and the next request still does not fit (pinned adapters, or its
-            # adapter and first page exceed the pool): it can never run
-            seq = next(s for s in self.waiting if fits(s))
-            self.waiting.remove(seq)
-            seq.status = Status.FINISHED
-            self.rejected.append(seq)
+        if not rows and (self.running or self.waiting):
+            # nothing else holds pages and the next request still does not fit (pinned adapters
+            # hold the rest, or its adapter plus KV exceed the pool): it can never run
+            self.reject(self.running[0] if self.running else next(s for s in self.waiting if fits(s)))
             return self.schedule()
         if not rows:
             return None
