@@ -26,17 +26,20 @@ from .adapters import AdapterTable
 from .scheduler import PAGE_SIZE, Batch, SamplingParams, Scheduler, Sequence, Status
 
 
-def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtype: Optional[str] = None) -> Path:
-    """A compiled folder as is; anything else is compiled once into the user's cache directory."""
+def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtype: Optional[str] = None,
+                     max_lora_rank: int = 0, lora_pool_pages: int = 0) -> Path:
+    """A compiled folder as is; anything else is compiled once into the user's cache directory
+    (with LoRA when `max_lora_rank` and `lora_pool_pages` are given)."""
     path = Path(model)
     if (path / CONFIG_FILE).is_file():
         return path
     from ..compile import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
 
     target = "llvm" if device == "cpu" else "cuda"
-    opts = CompileOptions(target=target, dtype=dtype)
+    opts = CompileOptions(target=target, dtype=dtype, max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
     cache = Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora"))
-    out = cache / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}"
+    lora = f"-lora{max_lora_rank}x{lora_pool_pages}" if max_lora_rank or lora_pool_pages else ""
+    out = cache / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}{lora}"
     if not (out / CONFIG_FILE).is_file():
         compile_model(model, out, opts, progress=progress)
     return out
@@ -391,13 +394,17 @@ class MLCEngine:
     """`MLCEngine(model, device)`: `engine.chat.completions.create(...)`, `engine.completions.create(...)`.
 
     `model` is a compiled folder, or an embedded name / HF folder / .gguf compiled once into
-    ~/.cache/mlc_lora. Requests from several threads (or an AsyncMLCEngine's tasks) batch together.
+    ~/.cache/mlc_lora (with LoRA when `max_lora_rank` and `lora_pool_pages` are given). Requests
+    from several threads (or an AsyncMLCEngine's tasks) batch together; `adapter_id=NAME` picks a
+    LoRA adapter loaded with `load_adapter` per request (None: the base model).
     """
 
     def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
                  max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
-                 prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True):
-        model_dir = resolve_compiled(model, device, progress=progress, dtype=dtype)
+                 prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
+                 max_lora_rank: int = 0, lora_pool_pages: int = 0):
+        model_dir = resolve_compiled(model, device, progress=progress, dtype=dtype,
+                                     max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
         self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size)
         self.model_name = self.engine.runner.config.get("model_name", str(model))
         self._loop = _Loop(self.engine)

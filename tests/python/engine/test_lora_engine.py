@@ -38,14 +38,14 @@ def peft_greedy(model, prompt, n):
     return ids[len(prompt):], lps
 
 
-def save_adapter(base, folder, seed, **kw):
+def save_adapter(base, folder, seed, b_std=0.2, **kw):
     """A seeded PEFT adapter with non-zero B, saved to `folder`; returns PEFT's model loading it."""
     torch.manual_seed(seed)
     pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kw))
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
-                p.copy_(0.2 * torch.randn_like(p))
+                p.copy_(b_std * torch.randn_like(p))
     pm.save_pretrained(folder)
     return peft.PeftModel.from_pretrained(copy.deepcopy(base), folder).eval()
 
