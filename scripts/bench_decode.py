@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -144,7 +143,9 @@ def run(args) -> int:
 
     tvm = _tvm()
     load_cuda_runtime()
-    ext = tvm_ffi.load_module(args.ext) if args.ext else None  # keep: unloading drops the globals
+    ext = None  # keep it alive: unloading would drop the globals it registered
+    if args.ext and tvm_ffi.get_global_func("mlc_lora.runtime.cublas_gemm", allow_missing=True) is None:
+        ext = tvm_ffi.load_module(args.ext)
     out_dir = Path(args.log_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "bench_decode.log", "w")  # pylint: disable=consider-using-with
@@ -303,7 +304,8 @@ def main() -> int:
     c.add_argument("--layers", type=int, default=32)
     rr = sub.add_parser("run")
     rr.add_argument("--model", required=True)
-    rr.add_argument("--ext", default=None, help="built src/runtime/cublas_gemm.cc, if not in mlc_lora")
+    rr.add_argument("--ext", default=None, help="src/runtime/cublas_gemm.cc built alone (scripts/build_cublas_gemm.sh), "
+                   "for a runtime library without it")
     rr.add_argument("--log-dir", default="bench_logs")
     a = ap.parse_args()
     if a.cmd == "compile":

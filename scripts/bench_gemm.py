@@ -61,7 +61,9 @@ def run(args) -> int:  # pylint: disable=too-many-locals
 
     tvm = _tvm()
     load_cuda_runtime()
-    ext = tvm_ffi.load_module(args.ext) if args.ext else None  # keep: unloading drops the globals
+    ext = None  # keep it alive: unloading would drop the globals it registered
+    if args.ext and tvm_ffi.get_global_func("mlc_lora.runtime.cublas_gemm", allow_missing=True) is None:
+        ext = tvm_ffi.load_module(args.ext)
     dev = tvm.cuda(0)
     load_cublas(dev)
     vm = tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(args.lib), dev)
@@ -174,7 +176,8 @@ def main() -> int:
     c.add_argument("--out", required=True)
     r = sub.add_parser("run")
     r.add_argument("--lib", required=True)
-    r.add_argument("--ext", default=None, help="built src/runtime/cublas_gemm.cc, if not in mlc_lora")
+    r.add_argument("--ext", default=None, help="src/runtime/cublas_gemm.cc built alone (scripts/build_cublas_gemm.sh), "
+                   "for a runtime library without it")
     r.add_argument("--log-dir", default="bench_logs")
     a = ap.parse_args()
     if a.cmd == "compile":

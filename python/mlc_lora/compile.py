@@ -160,7 +160,8 @@ def lora_pass_options(spec, cfg, arch_module, param_names: list[str]) -> dict:
         "num_layers": spec.num_layers,
         "max_rank": spec.max_rank,
         "kernel": spec.kernel,
-        "arena_elems": spec.arena_elems,
+        # Symbolic: the pool's size (KV + adapter pages) is chosen when the cache is created.
+        "arena_elems": None,
     }
 
 

@@ -16,9 +16,6 @@ from .errors import MLCLoraError
 CONFIG_FILE = "mlc-lora-config.json"
 # Extra inputs of prefill/decode in a model compiled with LoRA (docs/DESIGN.md, per-batch tables).
 LORA_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
-# `lora=POOL` in prefill/decode: take the tables the KV cache's unified pool built in begin_forward
-# from each sequence's adapter (pool_set_sequence_adapter).
-POOL = "pool"
 
 
 def _tvm():
@@ -155,9 +152,14 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
                         prefill_chunk_size: int | None = None, page_size: int = 16):
         s = _tvm().runtime.ShapeTuple
         chunk = prefill_chunk_size or self.model_config["prefill_chunk_size"]
-        return self.vm["create_paged_kv_cache"](
+        kv = self.vm["create_paged_kv_cache"](
             s([max_batch_size]), s([max_total_seq_len]), s([chunk]), s([page_size]), s([0])
         )
+        if self.lora:  # the cache is the unified pool: size its per-batch tables
+            from . import _ffi_api  # pylint: disable=import-outside-toplevel
+
+            _ffi_api.pool_configure_lora(kv, len(self.lora["modules"]), self.lora["max_rank"])
+        return kv
 
     # --- forward passes -----------------------------------------------------------------------
 
@@ -170,19 +172,9 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
     def lora(self) -> dict | None:
         return self.config.get("lora")
 
-    def _lora_args(self, lora, n_tok: int, kv=None) -> list:
-        """The LoRA inputs (arrays or device tensors keyed by LORA_INPUTS); None = all base model;
-        POOL = the tables the unified pool built for this batch (after begin_forward)."""
-        if lora == POOL and self.lora:
-            from . import _ffi_api  # pylint: disable=import-outside-toplevel
-
-            tables = list(_ffi_api.pool_lora_tables(kv))
-            lora = dict(zip(LORA_INPUTS, tables))
-            slots = int(tables[2].shape[0])
-            if self.lora["kernel"] == "single" and slots > 1:
-                raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
-                                   f"use one adapter, got {slots}")
-            return tables
+    def _lora_args(self, lora: dict | None, n_tok: int) -> list:
+        """The LoRA inputs (arrays or device tensors keyed by LORA_INPUTS); None = all base model.
+        ("pool": the pool's own tables, fetched after begin_forward by `_pool_tables`.)"""
         if not self.lora:
             if lora is not None:
                 raise MLCLoraError(f"{self.model_dir} was compiled without LoRA; recompile with "
@@ -191,27 +183,50 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         if lora is None:
             M, R = len(self.lora["modules"]), self.lora["max_rank"]
             if self._base_arena is None:
-                L, P, E = self.lora["num_layers"], self.lora["pool_pages"], self.lora["page_elems"]
+                L, E = self.lora["num_layers"], self.lora["page_elems"]  # one page: never read
                 dt = self.dtype
                 if dt == "bfloat16":
                     import ml_dtypes  # pylint: disable=import-outside-toplevel
 
                     dt = ml_dtypes.bfloat16
-                self._base_arena = _tvm().runtime.tensor(np.zeros((L * P * E,), dt), self.device)
+                self._base_arena = _tvm().runtime.tensor(np.zeros((L * E,), dt), self.device)
             lora = {"lora_arena": self._base_arena, "lora_token_slot": np.full((n_tok,), -1, np.int32),
                     "lora_rank": np.zeros((0,), np.int32), "lora_scale": np.zeros((0, M), np.float32),
                     "lora_a_off": np.zeros((0, M, R), np.int32), "lora_b_off": np.zeros((0, M, R), np.int32)}
-        if self.lora["kernel"] == "single" and lora["lora_rank"].shape[0] > 1:
-            # Stage 1 applies slot 0 to every adapter token; a second slot would be silently wrong.
-            raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
-                               f"use one adapter, got {lora['lora_rank'].shape[0]}")
+        self._check_slots(lora["lora_rank"].shape[0])
         tvm = _tvm()
         return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self.device)
                 if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_INPUTS]
 
+    def _check_slots(self, num_slots: int) -> None:
+        if self.lora["kernel"] == "single" and num_slots > 1:
+            # Stage 1 applies slot 0 to every adapter token; a second slot would be silently wrong.
+            raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
+                               f"use one adapter, got {num_slots}")
+
+    def _begin(self, kv, seq_ids, lengths, lora, n_tok: int) -> list:
+        """begin_forward, and the LoRA inputs of the batch (after it, for the pool's tables)."""
+        tvm = _tvm()
+        extra = self._lora_args(lora, n_tok) if not isinstance(lora, str) else None
+        self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple(lengths))
+        if extra is None:
+            if lora != "pool" or not self.lora:
+                self._kv_end(kv)
+                raise MLCLoraError(f"lora={lora!r}: pass a dict of tables, 'pool' (LoRA models), or None")
+            from . import _ffi_api  # pylint: disable=import-outside-toplevel
+
+            extra = list(_ffi_api.pool_lora_tables(kv))
+            try:
+                self._check_slots(extra[2].shape[0])
+            except MLCLoraError:
+                self._kv_end(kv)
+                raise
+        return extra
+
     def prefill(self, kv, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], lora: dict | None = None):
         """One ragged prefill over several sequences; returns last-token logits (b, V) on device.
-        `lora`: the LoRA inputs for the concatenated tokens (models compiled with LoRA)."""
+        `lora` (models compiled with LoRA): a dict of the LoRA inputs for the concatenated tokens,
+        "pool" for the tables the pool builds from pool_set_sequence_adapter, or None (base model)."""
         tvm = _tvm()
         lengths = [len(t) for t in tokens]
         if min(lengths) < 1:
@@ -220,10 +235,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         emb = self.embed(flat)
         emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access
         last = tvm.runtime.tensor(np.cumsum(lengths).astype(np.int32) - 1, self.device)
-        extra = [] if lora == POOL else self._lora_args(lora, len(flat))
-        self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple(lengths))
-        if lora == POOL:
-            extra = self._lora_args(lora, len(flat), kv)
+        extra = self._begin(kv, seq_ids, lengths, lora, len(flat))
         logits, _ = self._prefill(emb, last, kv, *extra, self.params)
         self._kv_end(kv)
         return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
@@ -234,10 +246,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         b = len(seq_ids)
         emb = self.embed(np.asarray(tokens, dtype=np.int32))
         emb = emb._create_view((b, 1, emb.shape[-1]))  # pylint: disable=protected-access
-        extra = [] if lora == POOL else self._lora_args(lora, b)
-        self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple([1] * b))
-        if lora == POOL:
-            extra = self._lora_args(lora, b, kv)
+        extra = self._begin(kv, seq_ids, [1] * b, lora, b)
         logits, _ = self._decode(emb, kv, *extra, self.params)
         self._kv_end(kv)
         return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access

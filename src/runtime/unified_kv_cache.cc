@@ -80,6 +80,12 @@ Tensor View(const Tensor& base, int64_t byte_offset, std::vector<int64_t> shape,
 
 int64_t Bytes(DLDataType t) { return (t.bits * t.lanes + 7) / 8; }
 
+/*! \brief First element of a host tensor (DLPack producers may set byte_offset). */
+template <typename T>
+const T* HostData(const ffi::TensorView& t) {
+  return reinterpret_cast<const T*>(static_cast<const char*>(t.data_ptr()) + t.byte_offset());
+}
+
 constexpr DLDataType kInt32{kDLInt, 32, 1};
 constexpr DLDataType kFloat32{kDLFloat, 32, 1};
 constexpr int kRoPEInline = 2;  // TVM's RoPEMode: 0 none, 1 normal (split_rotary), 2 inline
@@ -515,9 +521,9 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
     HostAdapter h;
     h.n_pages = static_cast<int32_t>(pages.size(1));
     h.rank = static_cast<int32_t>(rank);
-    const int32_t* a = static_cast<const int32_t*>(a_off.data_ptr());
-    const int32_t* b = static_cast<const int32_t*>(b_off.data_ptr());
-    const float* sc = static_cast<const float*>(scale.data_ptr());
+    const int32_t* a = HostData<int32_t>(a_off);
+    const int32_t* b = HostData<int32_t>(b_off);
+    const float* sc = HostData<float>(scale);
     h.a_off.assign(a, a + M_ * R_);
     h.b_off.assign(b, b + M_ * R_);
     h.scale.assign(sc, sc + M_);
@@ -543,7 +549,7 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
     }
     h.pages = Tensor::Empty({cfg_.num_layers, h.n_pages, page_elems_}, cfg_.dtype,
                             tvm::runtime::GetPreferredHostDevice(cfg_.device));
-    std::memcpy(h.pages->data, pages.data_ptr(),
+    std::memcpy(h.pages->data, HostData<char>(pages),
                 cfg_.num_layers * h.n_pages * page_elems_ * Bytes(cfg_.dtype));
     return h;
   }

@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="cuda: do not capture decode in CUDA graphs")
     p.add_argument("--lora-pool-pages", type=int, default=0,
-                   help="pages of the unified KV/adapter pool; enables LoRA with --max-lora-rank")
+                   help="default size in pages of the unified KV/adapter pool (any size runs); "
+                        "enables LoRA with --max-lora-rank")
     p.add_argument("--max-lora-rank", type=int, default=0, help="largest adapter rank served")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="linears adapters may target (default: q k v o gate up down _proj)")

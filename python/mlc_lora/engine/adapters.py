@@ -52,9 +52,8 @@ class AdapterTable:
 
     def __init__(self, runner, kv):
         self.runner, self.kv = runner, kv
+        # (runner.create_kv_cache configured the pool for LoRA)
         self.spec: Optional[LoraSpec] = LoraSpec.from_json(runner.lora) if runner.lora else None
-        if self.spec is not None:
-            rt.pool_configure_lora(kv, len(self.spec.modules), self.spec.max_rank)
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}  # also adapters unloading while sequences finish
         self._next_id = itertools.count()
@@ -74,10 +73,10 @@ class AdapterTable:
         spec = self.spec
         adapter = load_peft_adapter(path, types.SimpleNamespace(**self.runner.model_config), spec, name)
         packed = pack_adapter(spec, adapter, _numpy_dtype(self.runner.dtype))
-        n = int(packed.pages.shape[1])
-        if n > spec.pool_pages:
+        n, total = int(packed.pages.shape[1]), self.pool_stats()["total_pages"]
+        if n > total:
             raise LoraError(f"adapter {name} (rank {adapter.rank}, {', '.join(adapter.modules)}) needs {n} "
-                            f"pages, but the whole pool has {spec.pool_pages} (--lora-pool-pages)")
+                            f"pages, but the whole pool has {total}")
         aid = next(self._next_id)
         try:
             rt.pool_load_adapter(self.kv, aid, packed.pages, packed.a_off, packed.b_off, packed.rank,

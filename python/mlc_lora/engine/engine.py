@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import MLCLoraError, PoolExhaustedError, RequestError
-from ..runner import CONFIG_FILE, POOL, ModelRunner
+from ..runner import CONFIG_FILE, ModelRunner
 from ..tokenizer import Detokenizer, Tokenizer, check_messages
 from . import protocol as P
 from .sampler import TOP_LOGPROBS_MAX, Sampled, Sampler
@@ -76,14 +76,9 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         chunk = prefill_chunk_size or mc["prefill_chunk_size"]
         total = max_total_tokens or max(self.context_window, 8192)
         lora = self.runner.lora
-        if lora:
-            # The compiled arena is the pool: its page count was fixed by --lora-pool-pages.
-            pool_tokens = (lora["pool_pages"] - 1) * PAGE_SIZE
-            if max_total_tokens is not None and max_total_tokens != pool_tokens:
-                raise MLCLoraError(f"{model_dir} was compiled with --lora-pool-pages {lora['pool_pages']}: "
-                                   f"its pool holds {pool_tokens} tokens of KV (shared with adapters), "
-                                   f"max_total_tokens={max_total_tokens} cannot change that")
-            total = pool_tokens
+        if lora and max_total_tokens is None:
+            # the pool (KV and adapter pages) defaults to the compiled --lora-pool-pages
+            total = (lora["pool_pages"] - 1) * PAGE_SIZE
         self.kv = self.runner.create_kv_cache(self.max_num_seqs, total, chunk)
         self.adapters = AdapterTable(self.runner, self.kv)
         self.sampler = Sampler(self.runner)
@@ -185,11 +180,16 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
         for i, s in zip(rows, sampled):
-            self._append(batch.seqs[i], s)
+            try:
+                self._append(batch.seqs[i], s)
+            except Exception as e:  # pylint: disable=broad-except
+                self.scheduler.finish(batch.seqs[i])
+                self._release(batch.seqs[i])
+                self._emit(batch.seqs[i], _Out("", [], "error", error=MLCLoraError(f"request failed: {e}")))
 
     def _forward(self, batch: Batch):
         ids = [s.seq_id for s in batch.seqs]
-        lora = POOL if self.runner.lora else None  # the pool's tables from each sequence's adapter
+        lora = "pool" if self.runner.lora else None  # the pool's tables from each sequence's adapter
         if batch.is_decode:
             self.counters["num_decode_steps"] += 1
             return self.runner.decode(self.kv, ids, [c[0] for c in batch.chunks], lora=lora)

@@ -38,7 +38,7 @@ class LoraSpec:
     page_elems: int  # E
     modules: tuple[LoraModule, ...]
     max_rank: int
-    pool_pages: int
+    pool_pages: int  # default pool size (KV + adapter pages); the compiled model takes any size
     kernel: str = "gather"
 
     @property

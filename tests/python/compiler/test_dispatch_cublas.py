@@ -95,14 +95,14 @@ def test_before_after():
     tvm.ir.assert_structural_equal(after, Expected)
 
 
-def _tiny_llama(target):
+def _tiny_llama(target, dtype="float32"):
     from mlc_lora.compile import export_model
     from mlc_lora.models import llama
 
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                             num_key_value_heads=2, num_hidden_layers=1, vocab_size=80,
                             prefill_chunk_size=64, max_batch_size=4)
-    mod, names = export_model(llama, cfg, "float32", target)
+    mod, names = export_model(llama, cfg, dtype, target)
     return llama, cfg, mod, names
 
 
@@ -241,3 +241,24 @@ def test_composes_with_lora_rewrite(kernel):
     assert text.count(CUBLAS_GEMM) == base
     assert text.count("call_tir") == lora_text.count("call_tir")
     assert text.count("R.matmul") == lora_text.count("R.matmul") - base
+
+
+def test_decode_cuda_graphs_capture_the_cublas_calls():
+    """With decode's graph attributes, RewriteCUDAGraph lifts the cuBLAS calls into the captured
+    functions; the KV-cache attention calls stay in decode itself. (fp16: the lm_head GEMM writes
+    an intermediate, the float32 cast the output; a GEMM writing decode's output directly would
+    stay outside, as the output is allocated per call.)"""
+    from mlc_lora.compile import _decode_graph_attrs
+
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    _, cfg, mod, _ = _tiny_llama(cuda, "float16")
+    mod = _decode_graph_attrs(mod, 4)
+    with cuda, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
+        lowered = get_pipeline(cuda, stock_kv_cache=True)(mod)
+    captured = [f.script() for gv, f in lowered.functions_items()
+                if gv.name_hint.startswith("decode_cuda_graph_capture")]
+    assert captured, "decode was not captured"
+    assert sum(s.count(CUBLAS_GEMM) for s in captured) == 4 * cfg.num_hidden_layers + 1
+    decode = lowered["decode"].script()
+    assert CUBLAS_GEMM not in decode
+    assert decode.count("vm.builtin.cuda_graph.run_or_capture") >= cfg.num_hidden_layers + 1

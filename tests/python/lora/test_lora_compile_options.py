@@ -45,3 +45,7 @@ def test_without_lora_flags_the_model_has_no_lora_inputs(tiny_models):
     r.kv_add(kv, 0)
     with pytest.raises(Exception, match="compiled without LoRA"):
         r.prefill(kv, [0], [[1, 2]], lora={})
+    from mlc_lora.lora import pack_peft_adapter
+
+    with pytest.raises(LoraError, match="compiled without LoRA"):
+        pack_peft_adapter(compiled, r.config)

@@ -13,8 +13,10 @@ import peft
 import pytest
 import torch
 
+from mlc_lora import _ffi_api as rt
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import MLCLoraError
+from mlc_lora.lora import pack_peft_adapter
 from mlc_lora.lora.layout import LoraSpec, NumpyArena, pack_adapter
 from mlc_lora.lora.peft import load_peft_adapter
 from mlc_lora.models.llama import LlamaConfig
@@ -68,26 +70,34 @@ def _peft_logits(model, tokens):
         return model(torch.tensor([tokens])).logits[0, -1].numpy()
 
 
-def _run_batches(runner, arena, batches):
+def _run_batches(runner, arena, batches, kv=None):
     """Prefill then DECODE_STEPS decodes for each batch (a list of request indices).
+    `arena`: a NumpyArena (tables from the numpy builder) or "pool" (the C++ pool's tables, `kv`).
     Returns {request index: [logits after prefill, after decode 1, ...]} and the token sequences."""
     rng = np.random.default_rng(7)
     next_tokens = {i: rng.integers(0, runner.vocab_size, DECODE_STEPS).tolist() for i in range(len(REQUESTS))}
     out, seqs = {}, {}
-    kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=512, prefill_chunk_size=128)
+    if kv is None:
+        kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=512, prefill_chunk_size=128)
+
+    def tables(token_adapter):
+        if arena == "pool":
+            return "pool"
+        return arena.tables(token_adapter) | {"lora_arena": arena.data}
+
     for batch in batches:
         for i in batch:
             runner.kv_add(kv, i)
+            if arena == "pool":
+                rt.pool_set_sequence_adapter(kv, i, -1 if REQUESTS[i][0] is None else REQUESTS[i][0])
             seqs[i] = list(REQUESTS[i][1])
         token_adapter = [REQUESTS[i][0] for i in batch for _ in REQUESTS[i][1]]
-        tables = arena.tables(token_adapter) | {"lora_arena": arena.data}
-        logits = runner.prefill(kv, batch, [REQUESTS[i][1] for i in batch], lora=tables).numpy()
+        logits = runner.prefill(kv, batch, [REQUESTS[i][1] for i in batch], lora=tables(token_adapter)).numpy()
         for row, i in enumerate(batch):
             out[i] = [logits[row].copy()]
         for step in range(DECODE_STEPS):
             toks = [next_tokens[i][step] for i in batch]
-            tables = arena.tables([REQUESTS[i][0] for i in batch]) | {"lora_arena": arena.data}
-            logits = runner.decode(kv, batch, toks, lora=tables).numpy()
+            logits = runner.decode(kv, batch, toks, lora=tables([REQUESTS[i][0] for i in batch])).numpy()
             for row, i in enumerate(batch):
                 seqs[i].append(toks[row])
                 out[i].append(logits[row].copy())
@@ -113,11 +123,17 @@ def _arena(runner, cfg, root):
     return arena
 
 
+_PEFT_CACHE = {}
+
+
 def _check_against_peft(refs, out, seqs):
     worst = 0.0
     for i, (aid, prompt) in enumerate(REQUESTS):
         for step, got in enumerate(out[i]):
-            want = _peft_logits(refs[aid], seqs[i][: len(prompt) + step])
+            toks = tuple(seqs[i][: len(prompt) + step])
+            if (aid, toks) not in _PEFT_CACHE:  # the same requests recur across tests
+                _PEFT_CACHE[aid, toks] = _peft_logits(refs[aid], list(toks))
+            want = _PEFT_CACHE[aid, toks]
             err = float(np.abs(got - want).max())
             assert err < 1e-4, f"request {i} (adapter {aid}) step {step}: max abs error {err}"
             worst = max(worst, err)
@@ -134,6 +150,22 @@ def test_mixed_adapter_batch_matches_peft_gather(lora_setup):
     for i, (aid, prompt) in enumerate(REQUESTS):
         if aid is not None:
             assert np.abs(out[i][0] - _peft_logits(refs[None], prompt)).max() > 1e-2, f"adapter {aid}"
+
+
+@pytest.mark.parametrize("kernel", ["gather", "single"])
+def test_tables_from_the_cpp_pool_match_peft(lora_setup, kernel):
+    """The same requests with the adapters loaded into the C++ unified pool (KV pages and adapter
+    pages in one arena) and the pool's own per-batch tables."""
+    cfg, root, refs, compiled = lora_setup
+    runner = ModelRunner(compiled[kernel])
+    kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
+    for aid in (3, 1, 5, 2, 4):
+        p = pack_peft_adapter(root / f"adapter{aid}", runner.config)
+        rt.pool_load_adapter(kv, aid, p.pages, p.a_off, p.b_off, p.rank, p.scale, False)
+    batches = [list(range(len(REQUESTS)))] if kernel == "gather" else _one_adapter_batches()
+    out, seqs = _run_batches(runner, "pool", batches, kv=kv)
+    print(f"{kernel} with the C++ pool: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
+    rt.pool_check_invariants(kv)
 
 
 def test_single_adapter_batches_match_peft_and_gather(lora_setup):
