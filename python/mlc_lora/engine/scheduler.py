@@ -1,5 +1,10 @@
 """Sequences and the continuous-batching scheduler (decodes first, then chunked prefills, bounded
-by free KV pages; preemption by recompute when the pages run out)."""
+by free KV pages; preemption by recompute when the pages run out).
+
+LoRA: KV and adapters share the unified pool's pages. A batch counts, beside its KV pages, the
+pages of every adapter it must page in or keep from eviction; a request that cannot fit even with
+nothing else running is rejected (PoolExhaustedError), never retried forever. Stage-1 (`single`)
+libraries get one adapter per batch (plus base-model rows), the least recently served first."""
 
 from __future__ import annotations
 
