@@ -67,7 +67,7 @@ inline __attribute__((always_inline)) void Tile(const float* __restrict x, const
 }
 
 /*! \brief Rows [0, m) of x against w rows [n0, n1): 4x3 tiles (12 accumulators fit 16 registers). */
-inline __attribute__((always_inline)) void Block(const float* x, const float* w, float* out,
+inline __attribute__((always_inline)) void Panel(const float* x, const float* w, float* out,
                                                  int64_t m, int64_t n, int64_t k, int64_t n0,
                                                  int64_t n1) {
   constexpr int MR = 4, NR = 3;
@@ -82,6 +82,22 @@ inline __attribute__((always_inline)) void Block(const float* x, const float* w,
     int64_t j = n0;
     for (; j + 4 <= n1; j += 4) Tile<1, 4>(x + i * k, w + j * k, out + i * n + j, k, n);
     for (; j < n1; ++j) Tile<1, 1>(x + i * k, w + j * k, out + i * n + j, k, n);
+  }
+}
+
+/*!
+ * \brief w rows [n0, n1) against all of x, in L2-sized pieces: ~128 KiB of x rows times ~96 KiB
+ * of w rows at a time, so neither streams from memory once per tile.
+ */
+inline __attribute__((always_inline)) void Block(const float* x, const float* w, float* out,
+                                                 int64_t m, int64_t n, int64_t k, int64_t n0,
+                                                 int64_t n1) {
+  const int64_t mc = std::max<int64_t>(4, (128 * 1024 / (4 * k)) / 4 * 4);
+  const int64_t nc = std::max<int64_t>(12, (96 * 1024 / (4 * k)) / 12 * 12);
+  for (int64_t i = 0; i < m; i += mc) {
+    for (int64_t j = n0; j < n1; j += nc) {
+      Panel(x + i * k, w, out + i * n, std::min(mc, m - i), n, k, j, std::min(n1, j + nc));
+    }
   }
 }
 
