@@ -24,6 +24,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <unistd.h>
 #include <vector>
 
 namespace mlc_lora {
@@ -131,7 +132,7 @@ BlockFn PickBlock() {
  */
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads) {
+  explicit ThreadPool(int threads) : pid_(getpid()) {
     for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { Work(); });
   }
   ~ThreadPool() {
@@ -146,7 +147,8 @@ class ThreadPool {
 
   void Run(int64_t tasks, const std::function<void(int64_t)>& fn) {
     std::lock_guard<std::mutex> run_lock(run_mu_);
-    if (workers_.empty() || tasks <= 1) {
+    // A forked child has this object but not the threads: it runs everything itself.
+    if (workers_.empty() || tasks <= 1 || getpid() != pid_) {
       for (int64_t t = 0; t < tasks; ++t) fn(t);
       return;
     }
@@ -184,6 +186,7 @@ class ThreadPool {
     }
   }
 
+  const pid_t pid_;
   std::vector<std::thread> workers_;
   std::mutex mu_, run_mu_;
   std::condition_variable cv_, done_cv_;

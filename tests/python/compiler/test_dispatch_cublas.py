@@ -198,6 +198,36 @@ def test_extern_cpu_gemm_random_shapes(cublas_gemm, m, n, k):
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.sqrt(k))
 
 
+def test_extern_cpu_gemm_in_forked_child(cublas_gemm):
+    """A child forked after the thread pool started has no workers: it must compute, not hang."""
+    import os
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 300)).astype("float32")
+    w = rng.standard_normal((500, 300)).astype("float32")
+    out = np.zeros((64, 500), "float32")
+    cublas_gemm(x, w, out)  # starts the pool in this process
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if the result is right
+        try:
+            out[:] = 0
+            cublas_gemm(x, w, out)
+            os._exit(0 if np.allclose(out, x @ w.T, rtol=1e-4, atol=1e-3) else 1)
+        except BaseException:  # pylint: disable=broad-except
+            os._exit(2)
+    import signal
+    import time
+
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the GEMM hung in a forked child")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
 def test_extern_rejects_bad_shapes(cublas_gemm):
     x = np.zeros((2, 8), "float32")
     out = np.zeros((2, 4), "float32")
