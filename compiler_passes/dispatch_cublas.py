@@ -1,4 +1,4 @@
-"""Send the model's linears to cuBLAS (fp32 accumulation) through our runtime's extern GEMM."""
+"""Send the model's linears to our runtime's extern GEMM: cuBLAS on CUDA, cpu_gemm.cc on CPU."""
 
 from __future__ import annotations
 
@@ -9,14 +9,20 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 # Registered by src/runtime/cublas_gemm.cc: out (..., N) = x (..., K) @ w (N, K)^T.
 CUBLAS_GEMM = "mlc_lora.runtime.cublas_gemm"
 DTYPES = ("float16", "bfloat16", "float32")
+CPU_DTYPES = ("float32",)  # what the extern's CPU path (src/runtime/cpu_gemm.cc) takes
 
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchCublas")
 class DispatchCublas:  # pylint: disable=too-few-public-methods
     """Rewrite matmul(x, permute_dims(W)) with a 2-D weight W into call_dps_packed(cublas_gemm)."""
 
+    def __init__(self, cpu: bool = False):
+        # CPU: float32 only, and single rows too (TVM's CPU matmul is an unscheduled scalar loop;
+        # on CUDA, dlight's GEMV beats cuBLAS for one static row).
+        self.cpu = cpu
+
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        rewriter = _Rewriter(mod)
+        rewriter = _Rewriter(mod, self.cpu)
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
@@ -26,8 +32,10 @@ class DispatchCublas:  # pylint: disable=too-few-public-methods
 
 @mutator
 class _Rewriter(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule):
+    def __init__(self, mod: tvm.IRModule, cpu: bool):
         super().__init__(mod)
+        self._dtypes = CPU_DTYPES if cpu else DTYPES
+        self._cpu = cpu
         self._matmul = tvm.ir.Op.get("relax.matmul")
         self._permute = tvm.ir.Op.get("relax.permute_dims")
 
@@ -43,12 +51,12 @@ class _Rewriter(PyExprMutator):
         if not isinstance(x_ty, relax.TensorType) or x_ty.shape is None or x_ty.ndim < 1:
             return call
         out_dtype = call.attrs.out_dtype
-        if x_ty.dtype != w_ty.dtype or x_ty.dtype not in DTYPES or (
+        if x_ty.dtype != w_ty.dtype or x_ty.dtype not in self._dtypes or (
             out_dtype and str(out_dtype) not in ("", "void", x_ty.dtype)
         ):
             return call
         rows = x_ty.shape.values[:-1]
-        if _is_static_one(rows):
+        if not self._cpu and _is_static_one(rows):
             # One static row: dlight's GEMV beats cuBLAS there (measured 0.8x of its time).
             return call
         n = w_ty.shape.values[0]

@@ -21,7 +21,8 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
     `lora` (LoraRewrite's keyword arguments) and `extra_passes` run first, on the exported module,
     while linears are still `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
     `stock_kv_cache` keeps TVM's own paged KV cache (tests compare the two). `gemm` picks who runs
-    the base linears on CUDA: "cublas" (our runtime's cuBLAS extern) or "tvm" (dlight kernels).
+    the base linears: "cublas" (our runtime's GEMM extern: cuBLAS on CUDA, its multi-threaded
+    float32 GEMM on llvm) or "tvm" (dlight kernels on CUDA, unscheduled loops on llvm).
     """
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, not {gemm!r}")
@@ -30,9 +31,9 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
         # Paged-adapter tables on prefill/decode, base + delta on every target linear.
         passes.append(LoraRewrite(target=target, **lora))
     passes += list(extra_passes or [])
-    if target.kind.name == "cuda" and gemm == "cublas":
+    if target.kind.name in ("cuda", "llvm") and gemm == "cublas":
         # After LoraRewrite: it keeps the base matmul and adds its delta to the output.
-        passes.append(DispatchCublas())
+        passes.append(DispatchCublas(cpu=target.kind.name == "llvm"))
     if not stock_kv_cache:
         # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
         passes.append(DispatchKVCache())

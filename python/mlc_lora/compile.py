@@ -34,7 +34,7 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     context_window_size: int | None = None
     prefill_chunk_size: int = 2048
     max_batch_size: int = 64
-    gemm: str = "cublas"  # cuda only: base linears on cuBLAS ("cublas") or TVM's kernels ("tvm")
+    gemm: str = "cublas"  # base linears on our runtime GEMM (cuBLAS / CPU) or TVM's kernels ("tvm")
     cuda_graph: bool = True  # cuda only: capture decode in CUDA graphs
     # LoRA (off unless max_lora_rank > 0): pages of the unified pool, max rank, targets, kernel stage.
     lora_pool_pages: int = 0

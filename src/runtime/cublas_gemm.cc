@@ -12,8 +12,8 @@
  * stream; each device gets one handle with a fixed workspace, made by `cublas_init` before any
  * capture (a capture cannot allocate).
  *
- * On CPU tensors (float32 only) the same function runs a plain loop: the reference the tests use to
- * check the compiled call's plumbing on machines without a GPU.
+ * On CPU tensors (float32 only) the same function runs cpu_gemm.cc's blocked, multi-threaded GEMM:
+ * DispatchCublas sends the linears of llvm-target models here too.
  */
 #include <dlfcn.h>
 #include <tvm/ffi/container/tensor.h>
@@ -26,6 +26,8 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+
+#include "cpu_gemm.h"
 
 namespace mlc_lora {
 namespace {
@@ -177,21 +179,13 @@ char* DataOf(const ffi::TensorView& t) {
   return static_cast<char*>(t.data_ptr()) + t.byte_offset();
 }
 
-void CpuReference(const ffi::TensorView& x, const ffi::TensorView& w, const ffi::TensorView& out,
-                  int64_t m, int64_t n, int64_t k) {
-  if (x.dtype().code != kDLFloat || x.dtype().bits != 32) {
+void CpuGemm(const ffi::TensorView& x, const ffi::TensorView& w, const ffi::TensorView& out,
+             int64_t m, int64_t n, int64_t k) {
+  if (x.dtype().code != kDLFloat || x.dtype().bits != 32 || x.dtype().lanes != 1) {
     TVM_FFI_THROW(TypeError) << "cublas_gemm on CPU tensors supports float32 only";
   }
-  const float* xp = reinterpret_cast<const float*>(DataOf(x));
-  const float* wp = reinterpret_cast<const float*>(DataOf(w));
-  float* op = reinterpret_cast<float*>(DataOf(out));
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < n; ++j) {
-      double acc = 0;
-      for (int64_t l = 0; l < k; ++l) acc += double(xp[i * k + l]) * double(wp[j * k + l]);
-      op[i * n + j] = static_cast<float>(acc);
-    }
-  }
+  CpuGemmF32(reinterpret_cast<const float*>(DataOf(x)), reinterpret_cast<const float*>(DataOf(w)),
+             reinterpret_cast<float*>(DataOf(out)), m, n, k);
 }
 
 /*! \brief out (..., N) = x (..., K) @ w (N, K)^T; destination-passing (out is written). */
@@ -219,7 +213,7 @@ void CublasGemm(ffi::TensorView x, ffi::TensorView w, ffi::TensorView out) {
     }
   }
   if (m == 0 || n == 0) return;
-  if (x.device().device_type == kDLCPU) return CpuReference(x, w, out, m, n, k);
+  if (x.device().device_type == kDLCPU) return CpuGemm(x, w, out, m, n, k);
   if (x.device().device_type != kDLCUDA) {
     TVM_FFI_THROW(ValueError) << "cublas_gemm runs on CUDA (or float32 CPU) tensors only";
   }

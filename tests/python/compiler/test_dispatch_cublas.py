@@ -1,4 +1,4 @@
-"""DispatchCublas: the linears become calls of our cuBLAS extern; everything else stays."""
+"""DispatchCublas: the linears become calls of our GEMM extern (cuBLAS / CPU); everything else stays."""
 
 from __future__ import annotations
 
@@ -122,15 +122,39 @@ def test_every_model_linear_is_rewritten():
     assert _count_cublas(after) == 2 * per_fn
 
 
-def test_pipeline_dispatches_on_cuda_only():
+def test_pipeline_dispatches_on_cuda_and_llvm():
     linear = tvm.IRModule({"linear": Before["linear"]})
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     with cuda:
         assert CUBLAS_GEMM in get_pipeline(cuda, gemm="cublas")(linear)["linear"].script()
         assert CUBLAS_GEMM not in get_pipeline(cuda, gemm="tvm")(linear)["linear"].script()
-    assert CUBLAS_GEMM not in get_pipeline(tvm.target.Target("llvm"))(linear)["linear"].script()
+    llvm = tvm.target.Target("llvm")
+    # The CPU path takes float32 only: the float16 linear stays on TVM's matmul.
+    assert CUBLAS_GEMM not in get_pipeline(llvm)(linear)["linear"].script()
+    f32 = tvm.IRModule({"linear": F32["linear"]})
+    assert CUBLAS_GEMM in get_pipeline(llvm)(f32)["linear"].script()
+    assert CUBLAS_GEMM not in get_pipeline(llvm, gemm="tvm")(f32)["linear"].script()
     with pytest.raises(ValueError, match="gemm must be one of"):
         get_pipeline(cuda, gemm="cutlass")
+
+
+@tvm.script.ir_module
+class F32:
+    @R.function
+    def linear(x: R.Tensor((1, 64), "float32"), w: R.Tensor((32, 64), "float32")):
+        with R.dataflow():
+            y = R.matmul(x, R.permute_dims(w))
+            R.output(y)
+        return y
+
+
+def test_cpu_mode_takes_float32_and_single_rows():
+    """On CPU a static single row goes to the extern too (TVM's CPU matmul is a scalar loop);
+    half-precision linears stay, as the extern's CPU path is float32 only."""
+    assert CUBLAS_GEMM in DispatchCublas(cpu=True)(F32)["linear"].script()
+    assert CUBLAS_GEMM not in DispatchCublas()(F32)["linear"].script()
+    half = tvm.IRModule({"linear": Before["linear"]})
+    assert CUBLAS_GEMM not in DispatchCublas(cpu=True)(half)["linear"].script()
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +165,9 @@ def cublas_gemm(tmp_path_factory):
         import tvm_ffi.cpp
 
         try:
-            tvm_ffi.cpp.load("mlc_lora_cublas_gemm", cpp_files=[str(ROOT / "src/runtime/cublas_gemm.cc")],
-                             extra_ldflags=["-ldl"],
+            tvm_ffi.cpp.load("mlc_lora_cublas_gemm", cpp_files=[str(ROOT / "src/runtime/cublas_gemm.cc"),
+                                                                  str(ROOT / "src/runtime/cpu_gemm.cc")],
+                             extra_ldflags=["-ldl", "-lpthread"],
                              build_directory=str(tmp_path_factory.mktemp("cublas_gemm_build")))
         except Exception as e:  # pylint: disable=broad-except
             pytest.skip(f"cannot build src/runtime/cublas_gemm.cc here: {e}")
@@ -157,6 +182,50 @@ def test_extern_reference_path_matches_numpy(cublas_gemm):
     out = np.full((3, 2, 24), np.nan, dtype="float32")
     cublas_gemm(x, w, out)
     np.testing.assert_allclose(out, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 576, 576), (3, 37, 13), (17, 100, 129),
+                                   (64, 49, 7), (8, 1536, 576), (130, 300, 65)])
+def test_extern_cpu_gemm_random_shapes(cublas_gemm, m, n, k):
+    """Odd sizes: rows and columns not multiples of the 4x3 tile, K not a multiple of 8, and
+    products large enough to go multi-threaded."""
+    rng = np.random.default_rng(m * 1000 + n + k)
+    x = rng.standard_normal((m, k)).astype("float32")
+    w = rng.standard_normal((n, k)).astype("float32")
+    out = np.full((m, n), np.nan, dtype="float32")
+    cublas_gemm(x, w, out)
+    ref = x.astype("float64") @ w.astype("float64").T
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_extern_cpu_gemm_in_forked_child(cublas_gemm):
+    """A child forked after the thread pool started has no workers: it must compute, not hang."""
+    import os
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((64, 300)).astype("float32")
+    w = rng.standard_normal((500, 300)).astype("float32")
+    out = np.zeros((64, 500), "float32")
+    cublas_gemm(x, w, out)  # starts the pool in this process
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if the result is right
+        try:
+            out[:] = 0
+            cublas_gemm(x, w, out)
+            os._exit(0 if np.allclose(out, x @ w.T, rtol=1e-4, atol=1e-3) else 1)
+        except BaseException:  # pylint: disable=broad-except
+            os._exit(2)
+    import signal
+    import time
+
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the GEMM hung in a forked child")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_extern_rejects_bad_shapes(cublas_gemm):

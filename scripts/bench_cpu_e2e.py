@@ -1,0 +1,68 @@
+"""SmolLM2-135M on CPU: one 64-token prefill and batch-1 decode steps, base linears on the runtime's
+CPU GEMM (--gemm cublas, the default) vs TVM's own CPU matmul (--gemm tvm).
+
+  python scripts/bench_cpu_e2e.py [--gemm cublas tvm] [--prompt-len 64] [--steps 8] [--workdir DIR]
+
+Compiles into --workdir/<gemm> (kept: a second run reuses it) and prints seconds per prefill and
+per decode step (median), and whether both backends produce the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def run(model_dir: Path, prompt_len: int, steps: int):
+    from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
+
+    runner = ModelRunner(model_dir)
+    kv = runner.create_kv_cache(max_batch_size=1, max_total_seq_len=prompt_len + steps + 8,
+                                prefill_chunk_size=prompt_len)
+    runner.kv_add(kv, 0)
+    prompt = (np.arange(prompt_len) * 37 % 5000 + 100).tolist()
+    t0 = time.perf_counter()
+    nxt = int(runner.prefill(kv, [0], [prompt]).numpy()[0].argmax())
+    prefill_s = time.perf_counter() - t0
+    tokens, times = [nxt], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        nxt = int(runner.decode(kv, [0], [nxt]).numpy()[0].argmax())
+        times.append(time.perf_counter() - t0)
+        tokens.append(nxt)
+    return prefill_s, statistics.median(times), tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gemm", nargs="+", default=["cublas", "tvm"], choices=["cublas", "tvm"])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "mlc_lora_bench_cpu_e2e"))
+    args = p.parse_args()
+
+    from mlc_lora.compile import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
+
+    results = {}
+    for gemm in args.gemm:
+        out = Path(args.workdir) / gemm
+        if not (out / "mlc-lora-config.json").exists():
+            compile_model("smollm2-135m", out, CompileOptions(target="llvm", gemm=gemm, max_batch_size=4,
+                                                              prefill_chunk_size=args.prompt_len))
+        results[gemm] = run(out, args.prompt_len, args.steps)
+        pre, dec, _ = results[gemm]
+        print(f"gemm={gemm:6s}  prefill {args.prompt_len} tokens: {pre:7.3f} s   decode step (batch 1): "
+              f"{dec * 1e3:8.1f} ms", flush=True)
+    if len(results) == 2:
+        (pa, da, ta), (pb, db, tb) = results.values()
+        print(f"speed-up {args.gemm[0]} over {args.gemm[1]}: prefill {pb / pa:.1f}x, decode {db / da:.1f}x; "
+              f"same greedy tokens: {ta == tb}")
+
+
+if __name__ == "__main__":
+    main()
