@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite: Python tests (CPU; GPU tests skip without a GPU) and the C++ unit tests.
+# The test suite: Python tests (CPU; GPU tests skip without a GPU), then the C++ tests (ctest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/python -m pytest -q tests/python "$@"
@@ -8,3 +8,8 @@ PATH="$PWD/.venv/bin:$PATH" cmake -S . -B build/cpp-tests -G Ninja -DMLC_LORA_BU
   -DPython_EXECUTABLE="$PWD/.venv/bin/python" > /dev/null
 PATH="$PWD/.venv/bin:$PATH" cmake --build build/cpp-tests --target test_page_pool > /dev/null
 PATH="$PWD/.venv/bin:$PATH" ctest --test-dir build/cpp-tests --output-on-failure
+# The C++ embedding API (cpp/): tokenizer vs the tokenizers library, the example chat app vs the
+# Python engine, bad-input handling.
+PATH="$PWD/.venv/bin:$PATH" cmake -S cpp -B build/cpp -G Ninja -DMLC_LORA_PYTHON="$PWD/.venv/bin/python" > /dev/null
+PATH="$PWD/.venv/bin:$PATH" cmake --build build/cpp > /dev/null
+PATH="$PWD/.venv/bin:$PATH" ctest --test-dir build/cpp -j2 --output-on-failure

@@ -1,7 +1,7 @@
 """A GGUF file's header (key-values and tensor table) parsed in one pass, tensors memory-mapped.
 
 gguf-py's GGUFReader builds a numpy view per array element (seconds for a 49k-token vocabulary);
-this reads the same layout with struct and keeps the tensor bytes on disk until asked for.
+this reads the same layout with struct over an mmap and leaves the tensor bytes on disk until asked for.
 Layout: magic "GGUF", version, tensor count, kv count, kvs, tensor infos, padding to
 general.alignment (32), tensor data. Little-endian only.
 """
@@ -9,6 +9,7 @@ general.alignment (32), tensor data. Little-endian only.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,11 @@ class GGUFTensor:
     tensor_type: Any  # gguf.GGMLQuantizationType
     offset: int
     n_bytes: int
-    _file: np.memmap
+    _file: np.ndarray  # the whole mapped file as uint8
 
     @property
     def data(self) -> np.ndarray:
-        # a plain ndarray over the mapped bytes: numpy's memmap subclass costs per view in dequantize
-        raw = self._file[self.offset:self.offset + self.n_bytes].view(np.ndarray)
+        raw = self._file[self.offset:self.offset + self.n_bytes]
         np_dims = tuple(reversed(self.shape))
         return raw.reshape(*np_dims[:-1], -1) if np_dims else raw
 
@@ -65,7 +65,7 @@ class _Cursor:
         n = self.unpack("<Q")
         if self.pos + n > len(self.buf):
             raise ModelConfigError(f"{self.path} is not a readable GGUF file: truncated header")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        s = self.buf[self.pos:self.pos + n].decode("utf-8", errors="replace")
         self.pos += n
         return s
 
@@ -93,12 +93,14 @@ def read_gguf(path: str | Path) -> GGUFFile:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # pylint: disable=import-outside-toplevel
 
     path = Path(path)
+    # mmap, not np.memmap: slicing it gives bytes, where every np.memmap view costs microseconds
     try:
-        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as e:
         raise ModelConfigError(f"{path} is not a readable GGUF file: {e}") from e
     cur = _Cursor(mm, path)
-    if bytes(mm[:4]) != b"GGUF":
+    if mm[:4] != b"GGUF":
         raise ModelConfigError(f"{path} is not a readable GGUF file: no GGUF magic at its start")
     cur.pos = 4
     version = cur.unpack("<I")
@@ -121,6 +123,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
         except ValueError as e:
             raise ModelConfigError(f"{path}: tensor {name!r} has unknown GGML type {raw_type}") from e
         infos.append((name, dims, qtype, offset))
+    data = np.frombuffer(mm, dtype=np.uint8)
     align = int(meta.get("general.alignment", 32))
     start = -(-cur.pos // align) * align
     tensors = {}
@@ -134,5 +137,5 @@ def read_gguf(path: str | Path) -> GGUFFile:
             raise ModelConfigError(f"{path} is truncated: tensor {name!r} lies past the end of the file")
         if name in tensors:
             raise ModelConfigError(f"{path}: tensor {name!r} appears twice")
-        tensors[name] = GGUFTensor(name, dims, qtype, start + offset, n_bytes, mm)
+        tensors[name] = GGUFTensor(name, dims, qtype, start + offset, n_bytes, data)
     return GGUFFile(path, version, meta, tensors)

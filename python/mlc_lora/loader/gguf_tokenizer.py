@@ -54,7 +54,7 @@ def gguf_tokenizer(meta: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
         return None, _tokenizer_config(meta, tokens or [])
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if model == "gpt2":
-        tok = _byte_level_bpe(meta, tokens, types)
+        tok = _byte_level_bpe(meta, tokens)
     elif model == "llama":
         tok = _sentencepiece_bpe(meta, tokens, types)
     else:
@@ -72,7 +72,7 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
     return vocab
 
 
-def _byte_level_bpe(meta, tokens, types) -> dict[str, Any]:
+def _byte_level_bpe(meta, tokens) -> dict[str, Any]:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ModelConfigError(
@@ -80,7 +80,6 @@ def _byte_level_bpe(meta, tokens, types) -> dict[str, Any]:
         )
     steps, ignore_merges = PRE_TOKENIZERS[pre]
     merges = [m.split(" ", 1) for m in meta.get("tokenizer.ggml.merges") or []]
-    del types
     return {
         "version": "1.0",
         "truncation": None,
