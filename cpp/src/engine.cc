@@ -455,13 +455,13 @@ struct Engine::Impl {
           Running* r = &runs[next++];
           r->seq_id = next_seq_id++;
           kv_add(kv, r->seq_id);
+          free_pages -= r->reserved_pages;
+          active.push_back(r);  // before anything else can throw: the cleanup below removes it
+          admitted.push_back(r);
           if (lora_arena_elems > 0) {
             const std::string& a = reqs[r->index].adapter;
             pool_set_seq(kv, r->seq_id, a.empty() ? int64_t{-1} : adapters.at(a));
           }
-          free_pages -= r->reserved_pages;
-          active.push_back(r);
-          admitted.push_back(r);
         }
         PrefillAll(admitted, reqs, cb);
         std::vector<Running*> stepping;
