@@ -27,3 +27,7 @@ class PoolExhaustedError(MLCLoraError, RuntimeError):
 
 class RequestError(MLCLoraError, ValueError):
     """A request is malformed: messages, sampling parameters, lengths or an unknown adapter."""
+
+
+class UnknownAdapterError(RequestError):
+    """A request names a LoRA adapter that is not loaded (HTTP servers answer 404)."""

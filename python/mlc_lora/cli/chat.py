@@ -1,11 +1,29 @@
-"""`mlc_lora chat [MODEL] [--prompt TEXT]`: chat on the terminal (interactive, or one shot)."""
+"""`mlc_lora chat [MODEL] [--prompt TEXT] [--adapter NAME_OR_PATH]`: chat on the terminal
+(interactive, or one shot), on the base model or through a LoRA adapter."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from ..errors import LoraError
 from ..loader.source import DEFAULT_MODEL
+
+# The demo adapters of a source checkout (adapters/README.md), usable by name.
+DEMO_ADAPTERS = Path(__file__).resolve().parents[3] / "adapters"
+
+
+def adapter_folder(name_or_path: str) -> tuple[str, Path]:
+    """(name, folder) of --adapter: a PEFT folder, or the name of a demo adapter."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path.resolve().name, path
+    if (DEMO_ADAPTERS / name_or_path).is_dir():
+        return name_or_path, DEMO_ADAPTERS / name_or_path
+    demos = sorted(p.name for p in DEMO_ADAPTERS.iterdir() if p.is_dir()) if DEMO_ADAPTERS.is_dir() else []
+    raise LoraError(f"--adapter {name_or_path!r} is neither a PEFT adapter folder nor a demo adapter "
+                    f"({', '.join(demos) or 'none found'})")
 
 
 def main(argv: list[str]) -> int:
@@ -20,13 +38,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--adapter", metavar="NAME_OR_PATH",
+                   help="answer through this LoRA adapter: a PEFT folder or a demo adapter (all-caps, "
+                        "pirate); a model that is not a compiled folder is then compiled with LoRA")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="when compiling for --adapter")
+    p.add_argument("--lora-pool-pages", type=int, default=512, help="when compiling for --adapter")
     a = p.parse_args(argv)
+    adapter = adapter_folder(a.adapter) if a.adapter else None
 
     from ..engine import MLCEngine  # pylint: disable=import-outside-toplevel
 
     sampling = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                     seed=a.seed)
-    with MLCEngine(a.model, a.device) as engine:
+    lora = dict(max_lora_rank=a.max_lora_rank, lora_pool_pages=a.lora_pool_pages) if adapter else {}
+    with MLCEngine(a.model, a.device, **lora) as engine:
+        if adapter is not None:
+            info = engine.load_adapter(*adapter)
+            print(f"adapter {info['name']}: rank {info['rank']}, alpha {info['lora_alpha']}, "
+                  f"{', '.join(info['target_modules'])}", file=sys.stderr)
+        sampling["adapter_id"] = adapter[0] if adapter else None
         history = [{"role": "system", "content": a.system}] if a.system else []
 
         def answer(text: str) -> None:

@@ -7,6 +7,7 @@ import sys
 SUBCOMMANDS = {
     "compile": "mlc_lora.cli.compile",
     "chat": "mlc_lora.cli.chat",
+    "serve": "mlc_lora.cli.serve",
 }
 
 

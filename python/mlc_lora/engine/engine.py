@@ -17,25 +17,29 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import MLCLoraError, RequestError
+from ..errors import MLCLoraError, PoolExhaustedError, RequestError
 from ..runner import CONFIG_FILE, ModelRunner
 from ..tokenizer import Detokenizer, Tokenizer, check_messages
 from . import protocol as P
 from .sampler import TOP_LOGPROBS_MAX, Sampled, Sampler
-from .scheduler import PAGE_SIZE, Batch, SamplingParams, Scheduler, Sequence
+from .adapters import AdapterTable
+from .scheduler import PAGE_SIZE, Batch, SamplingParams, Scheduler, Sequence, Status
 
 
-def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtype: Optional[str] = None) -> Path:
-    """A compiled folder as is; anything else is compiled once into the user's cache directory."""
+def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtype: Optional[str] = None,
+                     max_lora_rank: int = 0, lora_pool_pages: int = 0) -> Path:
+    """A compiled folder as is; anything else is compiled once into the user's cache directory
+    (with LoRA when `max_lora_rank` and `lora_pool_pages` are given)."""
     path = Path(model)
     if (path / CONFIG_FILE).is_file():
         return path
     from ..compile import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
 
     target = "llvm" if device == "cpu" else "cuda"
-    opts = CompileOptions(target=target, dtype=dtype)
+    opts = CompileOptions(target=target, dtype=dtype, max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
     cache = Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora"))
-    out = cache / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}"
+    lora = f"-lora{max_lora_rank}x{lora_pool_pages}" if max_lora_rank or lora_pool_pages else ""
+    out = cache / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}{lora}"
     if not (out / CONFIG_FILE).is_file():
         compile_model(model, out, opts, progress=progress)
     return out
@@ -71,7 +75,12 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.max_num_seqs = max_num_seqs or mc.get("max_batch_size", 64)
         chunk = prefill_chunk_size or mc["prefill_chunk_size"]
         total = max_total_tokens or max(self.context_window, 8192)
+        lora = self.runner.lora
+        if lora and max_total_tokens is None:
+            # the pool (KV and adapter pages) defaults to the compiled --lora-pool-pages
+            total = (lora["pool_pages"] - 1) * PAGE_SIZE
         self.kv = self.runner.create_kv_cache(self.max_num_seqs, total, chunk)
+        self.adapters = AdapterTable(self.runner, self.kv)
         self.sampler = Sampler(self.runner)
         try:
             self.tokenizer: Optional[Tokenizer] = Tokenizer(model_dir, self.runner.config.get("tokenizer", {}))
@@ -81,9 +90,10 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.kv_pages_total = int(r.kv_available_pages(self.kv))
         # the longest sequence the engine can hold: the context window or the whole cache
         self.max_seq_len = min(self.context_window, (self.kv_pages_total - 1) * PAGE_SIZE)
-        self.scheduler = Scheduler(lambda: int(r.kv_available_pages(self.kv)),
-                                   lambda s: r.kv_add(self.kv, s), lambda s: r.kv_remove(self.kv, s),
-                                   self.max_num_seqs, chunk)
+        ad = self.adapters
+        self.scheduler = Scheduler(ad.available_pages, ad.add_sequence, lambda s: r.kv_remove(self.kv, s),
+                                   self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
+                                   one_adapter_per_batch=bool(lora) and lora["kernel"] == "single")
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
 
@@ -91,7 +101,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
 
     def make_sequence(self, prompt_ids: list[int], params: SamplingParams, adapter_id=None, sink=None) -> Sequence:
         if adapter_id is not None:
-            raise RequestError(f"adapter_id={adapter_id!r}: this engine has no LoRA adapters loaded")
+            self.adapters.get(adapter_id)  # UnknownAdapterError naming it
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         vocab = self.runner.vocab_size
@@ -114,13 +124,23 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         return seq
 
     def add(self, seq: Sequence) -> None:
+        try:
+            self.adapters.attach(seq)  # an adapter unloaded since the request was checked fails here
+        except RequestError as e:
+            seq.status = Status.FINISHED
+            self._emit(seq, _Out("", [], "error", error=e))
+            return
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq.status.name != "FINISHED":
             self.scheduler.finish(seq)
+            self._release(seq)
             seq.finish_reason = "abort"
             self.counters["num_aborted"] += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.adapters.detach(seq)
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -129,12 +149,17 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     kv_pages_total=self.kv_pages_total,
                     kv_pages_free=int(self.runner.kv_available_pages(self.kv)),
-                    num_preemptions=self.scheduler.num_preemptions, **self.counters)
+                    num_preemptions=self.scheduler.num_preemptions, **self.counters,
+                    **self.adapters.stats())
 
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> None:
         batch = self.scheduler.schedule()
+        for seq in self.scheduler.rejected:
+            self._emit(seq, _Out("", [], "error", error=self.adapters.exhausted(seq)))
+            self._release(seq)
+        self.scheduler.rejected.clear()
         if batch is None:
             return
         c = self.counters
@@ -146,9 +171,11 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             sampled = self.sampler.sample(logits, batch.seqs, rows) if rows else []
         except Exception as e:  # pylint: disable=broad-except
             # a failed forward fails only its own requests; the engine keeps serving
+            cls = PoolExhaustedError if isinstance(e, PoolExhaustedError) else MLCLoraError
             for seq in batch.seqs:
                 self.scheduler.finish(seq)
-                self._emit(seq, _Out("", [], "error", error=MLCLoraError(f"engine step failed: {e}")))
+                self._release(seq)
+                self._emit(seq, _Out("", [], "error", error=cls(f"engine step failed: {e}")))
             return
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
@@ -157,15 +184,17 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                 self._append(batch.seqs[i], s)
             except Exception as e:  # pylint: disable=broad-except
                 self.scheduler.finish(batch.seqs[i])
+                self._release(batch.seqs[i])
                 self._emit(batch.seqs[i], _Out("", [], "error", error=MLCLoraError(f"request failed: {e}")))
 
     def _forward(self, batch: Batch):
         ids = [s.seq_id for s in batch.seqs]
+        lora = "pool" if self.runner.lora else None  # the pool's tables from each sequence's adapter
         if batch.is_decode:
             self.counters["num_decode_steps"] += 1
-            return self.runner.decode(self.kv, ids, [c[0] for c in batch.chunks])
+            return self.runner.decode(self.kv, ids, [c[0] for c in batch.chunks], lora=lora)
         self.counters["num_prefill_steps"] += 1
-        return self.runner.prefill(self.kv, ids, batch.chunks)
+        return self.runner.prefill(self.kv, ids, batch.chunks, lora=lora)
 
     def _append(self, seq: Sequence, s: Sampled) -> None:
         p, st = seq.params, seq.state
@@ -191,6 +220,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                 st.text += st.detok.flush()  # an incomplete character held back at the end
             seq.finish_reason = finish
             self.scheduler.finish(seq)
+            self._release(seq)
             self.counters["num_finished"] += 1
         end = len(st.text) if finish else max(st.sent, len(st.text) - st.holdback)
         delta, st.sent = st.text[st.sent:end], end
@@ -262,10 +292,22 @@ class _Loop:
     def call(self, fn):
         """Run fn() between steps (the engine is not thread-safe)."""
         done: queue.Queue = queue.Queue()
+
+        def run():
+            try:
+                done.put((fn(), None))
+            except Exception as e:  # pylint: disable=broad-except
+                done.put((None, e))
+
         with self.cv:
-            self.incoming.append(lambda: done.put(fn()))  # type: ignore[arg-type]
+            if self.closed:
+                raise MLCLoraError("the engine is closed")
+            self.incoming.append(run)  # type: ignore[arg-type]
             self.cv.notify()
-        return done.get()
+        out, err = done.get()
+        if err is not None:
+            raise err
+        return out
 
     def _run(self) -> None:
         eng = self.engine
@@ -352,13 +394,17 @@ class MLCEngine:
     """`MLCEngine(model, device)`: `engine.chat.completions.create(...)`, `engine.completions.create(...)`.
 
     `model` is a compiled folder, or an embedded name / HF folder / .gguf compiled once into
-    ~/.cache/mlc_lora. Requests from several threads (or an AsyncMLCEngine's tasks) batch together.
+    ~/.cache/mlc_lora (with LoRA when `max_lora_rank` and `lora_pool_pages` are given). Requests
+    from several threads (or an AsyncMLCEngine's tasks) batch together; `adapter_id=NAME` picks a
+    LoRA adapter loaded with `load_adapter` per request (None: the base model).
     """
 
     def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
                  max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
-                 prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True):
-        model_dir = resolve_compiled(model, device, progress=progress, dtype=dtype)
+                 prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
+                 max_lora_rank: int = 0, lora_pool_pages: int = 0):
+        model_dir = resolve_compiled(model, device, progress=progress, dtype=dtype,
+                                     max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
         self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size)
         self.model_name = self.engine.runner.config.get("model_name", str(model))
         self._loop = _Loop(self.engine)
@@ -371,6 +417,21 @@ class MLCEngine:
 
     def stats(self) -> dict[str, Any]:
         return self._loop.call(self.engine.stats)
+
+    # --- LoRA adapters (between steps, on the engine thread) ----------------------------------
+
+    def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:
+        """Validate a PEFT folder against the compiled library and load it into the unified pool;
+        `pin` keeps it resident (never evicted for KV). Returns its list_adapters() entry."""
+        return self._loop.call(lambda: self.engine.adapters.load(name, path, pin))
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget `name` now; its pages go back to the pool when its running requests end."""
+        self._loop.call(lambda: self.engine.adapters.unload(name))
+
+    def list_adapters(self) -> list[dict[str, Any]]:
+        """name, path, rank, lora_alpha, use_rslora, scales, target_modules, pinned, resident, pages."""
+        return self._loop.call(self.engine.adapters.list)
 
     def close(self) -> None:
         self._loop.close()
@@ -473,6 +534,15 @@ class AsyncMLCEngine(MLCEngine):
 
     async def stats(self) -> dict[str, Any]:  # type: ignore[override]
         return await asyncio.get_running_loop().run_in_executor(None, self._loop.call, self.engine.stats)
+
+    async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:  # type: ignore[override]
+        return await asyncio.get_running_loop().run_in_executor(None, MLCEngine.load_adapter, self, name, path, pin)
+
+    async def unload_adapter(self, name: str) -> None:  # type: ignore[override]
+        await asyncio.get_running_loop().run_in_executor(None, MLCEngine.unload_adapter, self, name)
+
+    async def list_adapters(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return await asyncio.get_running_loop().run_in_executor(None, MLCEngine.list_adapters, self)
 
 
 class _AsyncCreator(_Creator):

@@ -1,5 +1,10 @@
 """Sequences and the continuous-batching scheduler (decodes first, then chunked prefills, bounded
-by free KV pages; preemption by recompute when the pages run out)."""
+by free KV pages; preemption by recompute when the pages run out).
+
+LoRA: KV and adapters share the unified pool's pages. A batch counts, beside its KV pages, the
+pages of every adapter it must page in or keep from eviction; a request that cannot fit even with
+nothing else running is rejected (PoolExhaustedError), never retried forever. Stage-1 (`single`)
+libraries get one adapter per batch (plus base-model rows), the least recently served first."""
 
 from __future__ import annotations
 
@@ -47,7 +52,8 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
         self.output_ids: list[int] = []
         self.params = params
         # The LoRA work plugs in here: the batch carries each row's adapter (None = base model).
-        self.adapter_id = adapter_id
+        self.adapter_id = adapter_id  # the name until the engine takes the adapter, then its pool id
+        self.adapter_name = adapter_id
         self.status = Status.WAITING
         self.num_cached = 0  # tokens whose KV is in the cache
         self.finish_reason: Optional[str] = None
@@ -94,8 +100,17 @@ class Scheduler:
     """FIFO admission; running decodes first; pages checked before every step."""
 
     def __init__(self, kv_pages: Callable[[], int], kv_add: Callable[[int], None],
-                 kv_remove: Callable[[int], None], max_num_seqs: int, max_step_tokens: int):
+                 kv_remove: Callable[[int], None], max_num_seqs: int, max_step_tokens: int,
+                 adapter_pages: Optional[Callable[[Any], int]] = None, one_adapter_per_batch: bool = False):
+        """LoRA: `kv_pages` counts the pages idle adapters would give back too; `adapter_pages(a)`
+        is what a batch must find for adapter `a` (its pages unless resident and held by a running
+        sequence); `one_adapter_per_batch` for stage-1 (`single`) libraries."""
         self.kv_pages = kv_pages
+        self.adapter_pages = adapter_pages or (lambda a: 0)
+        self.one_adapter = one_adapter_per_batch
+        self._served: dict[Any, int] = {}  # adapter -> step it last ran (one_adapter fairness)
+        self._step = 0
+        self.rejected: list[Sequence] = []  # waiting requests that can never fit; the engine fails them
         self.kv_add = kv_add
         self.kv_remove = kv_remove
         self.max_num_seqs = max_num_seqs
@@ -115,6 +130,11 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
 
+    def reject(self, seq: Sequence) -> None:
+        """Drop a request that cannot fit the pool; the engine fails it with PoolExhaustedError."""
+        self.finish(seq)
+        self.rejected.append(seq)
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute: drop the KV, keep the tokens; the sequence prefills them again later."""
         self.kv_remove(seq.seq_id)
@@ -124,36 +144,60 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _pick_adapter(self) -> Any:
+        """Stage 1: the adapter of this batch, the one served least recently (base rides along)."""
+        order = list(dict.fromkeys(s.adapter_id for s in self.running + list(self.waiting)
+                                   if s.adapter_id is not None))
+        return min(order, key=lambda a: self._served.get(a, -1)) if order else None
+
     def schedule(self) -> Optional[Batch]:
+        self._step += 1
+        only = self._pick_adapter() if self.one_adapter else None
+        fits = lambda s: not self.one_adapter or s.adapter_id in (None, only)  # noqa: E731
+        charged: set = set()  # adapters whose pages this batch already counts
+
+        def cost(seq: Sequence) -> int:
+            a = seq.adapter_id
+            return 0 if a is None or a in charged else self.adapter_pages(a)
+
+        used = 0  # pages this batch takes (KV and adapters paged in or kept from eviction)
         free = self.kv_pages()
         budget = self.max_step_tokens
         rows: list[tuple[Sequence, list[int]]] = []
         # 1. decodes, oldest first; when pages run out, preempt the newest running sequence
-        queue = deque(s for s in self.running if s.num_cached == s.num_tokens - 1)
+        queue = deque(s for s in self.running if s.num_cached == s.num_tokens - 1 and fits(s))
         while queue:
             seq = queue.popleft()
-            need = new_pages(seq.num_cached, 1)
+            need = new_pages(seq.num_cached, 1) + cost(seq)
             while need > free and queue:
                 self.preempt(queue.pop())
-                free = self.kv_pages()
+                free = self.kv_pages() - used
             if need > free:
+                if len(self.running) == 1:  # alone and out of pages: it can never finish
+                    self.reject(seq)
+                    continue
                 self.preempt(seq)
-                free = self.kv_pages()
+                free = self.kv_pages() - used
                 continue
             free -= need
+            used += need
             budget -= 1
+            charged.add(seq.adapter_id)
             rows.append((seq, seq.tokens[-1:]))
         # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
         for seq in prefilling + list(self.waiting):
             if budget <= 0:
                 break
+            if not fits(seq):
+                continue
             if seq.status == Status.WAITING and len(self.running) >= self.max_num_seqs:
                 break
             n = min(seq.num_tokens - seq.num_cached, budget)
             # as many tokens as the free pages (and the last page's slack) can hold
+            c = cost(seq)
             slack = -seq.num_cached % PAGE_SIZE
-            n = min(n, slack + free * PAGE_SIZE)
+            n = min(n, slack + (free - c) * PAGE_SIZE)
             if n <= 0:
                 break
             if seq.status == Status.WAITING:
@@ -161,13 +205,23 @@ class Scheduler:
                 self.kv_add(seq.seq_id)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-            free -= new_pages(seq.num_cached, n)
+            need = new_pages(seq.num_cached, n) + c
+            free -= need
+            used += need
             budget -= n
+            charged.add(seq.adapter_id)
             rows.append((seq, seq.tokens[seq.num_cached:seq.num_cached + n]))
-        if not rows and self.running:
+        if not rows and len(self.running) > 1:
             # every running sequence is stuck mid-prefill without pages: free the newest
             self.preempt(self.running[-1])
             return self.schedule()
+        if not rows and (self.running or self.waiting):
+            # nothing else holds pages and the next request still does not fit (pinned adapters
+            # hold the rest, or its adapter plus KV exceed the pool): it can never run
+            self.reject(self.running[0] if self.running else next(s for s in self.waiting if fits(s)))
+            return self.schedule()
         if not rows:
             return None
+        if only is not None:
+            self._served[only] = self._step
         return Batch([s for s, _ in rows], [c for _, c in rows], [s.adapter_id for s, _ in rows])

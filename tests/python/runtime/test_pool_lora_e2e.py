@@ -88,7 +88,6 @@ def new_cache(r, spec):
     kv = r.create_kv_cache(max_batch_size=8, max_total_seq_len=(POOL_PAGES - 1) * 16,
                            prefill_chunk_size=128)
     assert int(rt.pool_stats(kv)["total_pages"]) == POOL_PAGES
-    rt.pool_configure_lora(kv, len(spec.modules), spec.max_rank)
     return kv
 
 

@@ -1,0 +1,48 @@
+"""`mlc_lora serve MODEL_DIR [--adapter NAME=PATH ...] [--adapter-dir DIR ...] [--host H] [--port P]
+[--api-key KEY]`: an OpenAI-compatible server (chat, completions, models, LoRA load/unload, metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..errors import LoraError, MLCLoraError
+
+
+def _adapter(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {spec!r}")
+    return name, path
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mlc_lora serve", description=__doc__)
+    p.add_argument("model", help="compiled model folder (or an embedded name / HF folder / .gguf, compiled once)")
+    p.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="NAME=PATH",
+                   help="PEFT adapter folder loaded at startup under NAME (repeatable)")
+    p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
+                   help="folder the API may load adapters from (repeatable); none: API loading is off")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("MLC_LORA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MLC_LORA_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the base model's name in the API")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    a = p.parse_args(argv)
+    adapters = dict(a.adapter)
+    if len(adapters) != len(a.adapter):
+        raise LoraError("--adapter: the same NAME is given twice")
+    try:
+        from ..serve import serve  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise MLCLoraError(f"mlc_lora serve needs the server packages ({e.name} is missing): "
+                           "pip install 'mlc-lora[serve]'") from e
+
+    serve(a.model, adapters=adapters, adapter_dirs=a.adapter_dir, host=a.host, port=a.port, api_key=a.api_key,
+          device=a.device, served_model_name=a.served_model_name, max_num_seqs=a.max_num_seqs,
+          max_total_tokens=a.max_total_tokens, log_level=a.log_level)
+    return 0

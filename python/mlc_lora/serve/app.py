@@ -1,0 +1,391 @@
+"""The OpenAI-compatible HTTP API over one AsyncMLCEngine (FastAPI).
+
+Every generation runs as an engine stream, also for non-streaming requests (they gather it): so a
+client that goes away cancels the stream, whose `finally` aborts the sequence and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import inspect
+import json
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import errors
+from ..engine import protocol as P
+from .adapters import AdapterRoots
+from .metrics import Metrics
+
+STATS_INTERVAL_S = 1.0
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: Optional[str] = None, param: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_NOT_FOUND = tuple(c for c in (getattr(errors, "UnknownAdapterError", None),) if c is not None) or (LookupError,)
+
+
+def api_error(e: BaseException) -> APIError:
+    """The HTTP status and body of an exception raised while serving a request."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, _NOT_FOUND):  # a request for an adapter that is not loaded
+        return APIError(404, str(e), "not_found_error", "model_not_found")
+    if isinstance(e, (errors.RequestError, errors.LoraError)):
+        return APIError(400, str(e))
+    if isinstance(e, errors.PoolExhaustedError):
+        return APIError(503, str(e), "server_error", "pool_exhausted")
+    if isinstance(e, errors.MLCLoraError):
+        return APIError(500, str(e), "server_error")
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+# Types of the sampling fields (the engine checks their values); int fields refuse booleans.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "max_tokens": (int,), "max_completion_tokens": (int,), "n": (int,), "seed": (int,), "top_k": (int,),
+    "top_logprobs": (int,), "temperature": (int, float), "top_p": (int, float), "ignore_eos": (bool,),
+    "logprobs": (bool, int), "stream": (bool,), "stop": (str, list), "stop_token_ids": (list,),
+}
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "a list"}
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    for k, types in _FIELD_TYPES.items():
+        v = body.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            names = " or ".join(_TYPE_NAMES[t] for t in types if t is not int or float not in types)
+            raise APIError(400, f"{k} must be {names}, got {json.dumps(v)}", param=k)
+    ids = body.get("stop_token_ids")
+    if ids is not None and any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+        raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+
+
+async def _call(fn, *args, **kw):
+    """Call an engine method: awaited when async, else in a worker thread (it waits on the engine loop)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kw)
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kw))
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that stop (cancelling the generator) as soon as the client disconnects.
+
+    Starlette only notices a disconnect on the next write under ASGI 2.4; a request still queued
+    or prefilling writes nothing for a while, so listen for it the whole time."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with anyio.create_task_group() as tg:
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+        # cancelled mid-send, the generator sits at a yield: close it now (its finally aborts the
+        # request) rather than whenever it is garbage-collected
+        await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Server:  # pylint: disable=too-many-instance-attributes
+    """State shared by the routes: the engine, the names it answers to, adapter roots, metrics."""
+
+    def __init__(self, engine, model_name: str, model_dir: str | Path = "",
+                 adapter_roots: Optional[AdapterRoots] = None, api_key: Optional[str] = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.model_dir = str(model_dir)
+        self.roots = adapter_roots or AdapterRoots([])
+        self.api_key = api_key
+        self.metrics = Metrics()
+        self.adapters: dict[str, str] = {}  # name -> real path, as loaded through this server
+        self.created = int(time.time())
+
+    # --- adapters ---------------------------------------------------------------------------
+
+    def _adapter_api(self, what: str):
+        fn = getattr(self.engine, what, None)
+        if fn is None:
+            raise APIError(501, f"this engine has no adapter API (MLCEngine.{what})", "server_error")
+        return fn
+
+    async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> None:
+        if name == self.model_name:
+            raise APIError(400, f"adapter name {name!r} is the base model's name", param="lora_name")
+        if name in self.adapters:
+            raise APIError(400, f"an adapter named {name!r} is already loaded; unload it first",
+                           param="lora_name")
+        await _call(self._adapter_api("load_adapter"), name, path, pin=pin)
+        self.adapters[name] = str(path)
+        self.metrics.adapter_loads.inc()
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise APIError(404, f"no adapter named {name!r} is loaded", "not_found_error", "model_not_found",
+                           "lora_name")
+        await _call(self._adapter_api("unload_adapter"), name)
+        del self.adapters[name]
+        self.metrics.adapter_unloads.inc()
+
+    async def list_adapters(self) -> list[dict[str, Any]]:
+        fn = getattr(self.engine, "list_adapters", None)
+        return list(await _call(fn)) if fn is not None else []
+
+    def adapter_of(self, model: Any) -> Optional[str]:
+        """The adapter a request's `model` names (None: the base model); 404 when it names nothing."""
+        if model is None or model == self.model_name:
+            return None
+        if isinstance(model, str) and model in self.adapters:
+            return model
+        raise APIError(404, f"The model `{model}` does not exist: serving {self.model_name!r} and the "
+                       f"adapters {sorted(self.adapters)}", "not_found_error", "model_not_found", "model")
+
+    async def stats(self) -> dict[str, Any]:
+        s = await _call(self.engine.stats)
+        self.metrics.observe_engine(s)
+        return s
+
+    # --- generation -------------------------------------------------------------------------
+
+    async def open_stream(self, chat: bool, body: dict[str, Any]):
+        """Validate `body` and start the engine stream; returns (model name, async iterator of chunks)."""
+        body = dict(body)
+        model = body.pop("model", None)
+        adapter = self.adapter_of(model)
+        _check_types(body)
+        for k in ("stream", "stream_options", "user"):
+            body.pop(k, None)
+        creator = self.engine.chat.completions if chat else self.engine.completions
+        gen = await creator.create(stream=True, adapter_id=adapter, **body)
+        return model if model is not None else self.model_name, gen
+
+    async def events(self, gen, model: str, endpoint: str, include_usage: bool, t0: float) -> AsyncIterator[str]:
+        """The SSE body of a streaming request (OpenAI's: usage on its own last chunk when asked)."""
+        m, outcome, first, usage, last = self.metrics, "abort", True, None, None
+        try:
+            async for chunk in gen:
+                if first:
+                    m.ttft.observe(time.monotonic() - t0)
+                    first = False
+                chunk.model = model
+                usage, chunk.usage = chunk.usage or usage, None
+                last = chunk
+                yield _sse(chunk.to_dict())
+            if include_usage and usage is not None and last is not None:
+                yield _sse({"id": last.id, "object": last.object, "created": last.created, "model": model,
+                            "choices": [], "usage": usage.to_dict()})
+            yield "data: [DONE]\n\n"
+            outcome = "ok"
+        except errors.MLCLoraError as e:  # the response has started: report in-band, as vLLM does
+            outcome = "error"
+            yield _sse(api_error(e).body())
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()
+            self._finished(endpoint, outcome, usage, t0)
+
+    async def gather(self, gen, model: str, chat: bool, endpoint: str, t0: float):
+        """A whole response from the engine stream (the same text, logprobs and usage)."""
+        outcome, chunks = "abort", []
+        try:
+            async for chunk in gen:
+                chunks.append(chunk)
+            outcome = "ok"
+        except errors.MLCLoraError:
+            outcome = "error"
+            raise
+        finally:
+            await gen.aclose()
+            self._finished(endpoint, outcome, chunks[-1].usage if chunks else None, t0)
+        last = chunks[-1]
+        choices = [c.choices[0] for c in chunks]
+        lps = [c.logprobs for c in choices if c.logprobs is not None]
+        if chat:
+            lp = P.ChoiceLogprobs([t for x in lps for t in x.content]) if lps else None
+            text = "".join(c.delta.content or "" for c in choices)
+            return P.ChatCompletion(last.id, last.created, model, [P.ChatCompletionChoice(
+                0, P.ChatCompletionMessage("assistant", text), choices[-1].finish_reason, lp)], last.usage)
+        lp = None
+        if lps:  # each chunk's text_offset is already its offset in the whole text
+            lp = P.CompletionLogprobs([t for x in lps for t in x.tokens], [t for x in lps for t in x.token_logprobs],
+                                      [t for x in lps for t in x.top_logprobs], [t for x in lps for t in x.text_offset])
+        return P.Completion(last.id, last.created, model, [P.CompletionChoice(
+            0, "".join(c.text for c in choices), choices[-1].finish_reason, lp)], last.usage)
+
+    def _finished(self, endpoint: str, outcome: str, usage, t0: float) -> None:
+        m = self.metrics
+        m.requests.labels(endpoint, outcome).inc()
+        if outcome == "ok":
+            m.e2e.observe(time.monotonic() - t0)
+        if usage is not None:
+            m.prompt_tokens.inc(usage.prompt_tokens)
+            m.generation_tokens.inc(usage.completion_tokens)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def create_app(server: Server) -> FastAPI:
+    """The FastAPI app: /v1 routes (behind the API key, if any), /health and /metrics."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        async def sample():  # the tokens/s gauge needs the engine's counters over time
+            while True:
+                with contextlib.suppress(Exception):
+                    await server.stats()
+                await asyncio.sleep(STATS_INTERVAL_S)
+
+        task = asyncio.create_task(sample())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="mlc-lora", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(errors.MLCLoraError)
+    async def _engine_error(_request, e: errors.MLCLoraError):
+        err = api_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, e: StarletteHTTPException):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    async def check_key(request: Request) -> None:
+        if server.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), server.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           "invalid_request_error", "invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    async def generate(request: Request, chat: bool):
+        t0 = time.monotonic()
+        body = await _json_body(request)
+        endpoint = "chat" if chat else "completions"
+        stream = body.get("stream") is True
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise APIError(400, "stream_options must be an object", param="stream_options")
+        model, gen = await server.open_stream(chat, body)
+        if stream:
+            include_usage = bool((opts or {}).get("include_usage"))
+            return _EventStream(server.events(gen, model, endpoint, include_usage, t0))
+        task = asyncio.ensure_future(server.gather(gen, model, chat, endpoint, t0))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if task not in done:  # the client left: cancelling the gather aborts the sequence
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)
+        return JSONResponse(task.result().to_dict())
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @v1.get("/models")
+    async def models():
+        base = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "mlc-lora",
+                "root": server.model_dir, "parent": None}
+        data = [base]
+        for a in await server.list_adapters():
+            data.append({"id": a["name"], "object": "model", "created": server.created, "owned_by": "mlc-lora",
+                         "root": str(a.get("path", "")), "parent": server.model_name,
+                         **{k: a[k] for k in ("rank", "pinned", "resident") if k in a}})
+        return {"object": "list", "data": data}
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _json_body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name.strip():
+            raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
+        if not isinstance(path, str):
+            raise APIError(400, "lora_path must be a string", param="lora_path")
+        real = server.roots.resolve(path)
+        await server.load_adapter(name, real, pin=bool(body.get("pin", False)))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _json_body(request)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
+        await server.unload_adapter(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        loop = getattr(server.engine, "_loop", None)
+        if loop is not None and not loop.thread.is_alive():
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        await server.stats()
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

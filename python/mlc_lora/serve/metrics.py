@@ -1,0 +1,110 @@
+"""Prometheus metrics: the engine's state at scrape time plus the server's request counters."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+PREFIX = "mlc_lora"
+# window over which the tokens/s gauge is averaged
+RATE_WINDOW_S = 10.0
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def pool_pages(stats: dict[str, Any]) -> dict[str, int]:
+    """Pages of the unified pool by kind (kv / adapter / free) from an engine stats() snapshot.
+
+    A LoRA engine reports its pool (`pool_pages_kv`, `pool_pages_adapter`, `pool_pages_free`); an
+    engine without adapters only its KV cache (`kv_pages_total`, `kv_pages_free`).
+    """
+    if "pool_pages_kv" in stats:
+        return {kind: int(stats[f"pool_pages_{kind}"]) for kind in ("kv", "adapter", "free")}
+    total, free = int(stats["kv_pages_total"]), int(stats["kv_pages_free"])
+    return {"kv": total - free, "adapter": 0, "free": free}
+
+
+class Metrics:
+    """Counters updated by the request handlers; engine gauges filled from a stats() snapshot."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "Finished requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated for finished requests",
+                                         registry=r)
+        self.adapter_loads = Counter(f"{PREFIX}_adapter_loads", "Adapters loaded (startup and API)", registry=r)
+        self.adapter_unloads = Counter(f"{PREFIX}_adapter_unloads", "Adapters unloaded through the API",
+                                       registry=r)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Time to the first streamed token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_request_latency_seconds", "Request latency, arrival to last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.snapshot: dict[str, Any] = {}
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+        r.register(_EngineCollector(self))
+
+    def observe_engine(self, stats: dict[str, Any], now: Optional[float] = None) -> None:
+        """Record a stats() snapshot (the tokens/s gauge averages over the last RATE_WINDOW_S)."""
+        now = time.monotonic() if now is None else now
+        self.snapshot = stats
+        self._samples.append((now, int(stats.get("num_generated_tokens", 0))))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+
+    def tokens_per_second(self) -> float:
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_EVICTION_KEYS = ("adapter_evictions", "num_adapter_evictions", "num_evictions", "pool_evictions")
+
+
+class _EngineCollector:
+    """Gauges read from the last engine snapshot (a custom collector: no state to keep in sync)."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.m.snapshot
+        if not s:
+            return
+        yield GaugeMetricFamily(f"{PREFIX}_num_requests_waiting", "Requests queued, not yet admitted",
+                                value=s.get("waiting", 0))
+        yield GaugeMetricFamily(f"{PREFIX}_num_requests_running", "Requests admitted (prefilling or decoding)",
+                                value=s.get("running", 0))
+        pages = GaugeMetricFamily(f"{PREFIX}_pool_pages", "Pages of the unified KV/adapter pool by use",
+                                  labels=["kind"])
+        for kind, n in pool_pages(s).items():
+            pages.add_metric([kind], n)
+        yield pages
+        yield GaugeMetricFamily(f"{PREFIX}_generation_tokens_per_second",
+                                f"Generated tokens per second over the last {RATE_WINDOW_S:.0f} s",
+                                value=self.m.tokens_per_second())
+        adapters = GaugeMetricFamily(f"{PREFIX}_adapters", "LoRA adapters loaded / resident in the pool",
+                                     labels=["state"])
+        for state in ("loaded", "resident"):
+            adapters.add_metric([state], len(s.get(f"adapters_{state}", ())))
+        yield adapters
+        ev = next((k for k in _EVICTION_KEYS if k in s), None)
+        if ev is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_adapter_evictions", "Adapters evicted from the pool (cumulative)",
+                                    value=s[ev])
+        # everything else the engine reports, under its own name
+        for k, v in sorted(s.items()):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                yield GaugeMetricFamily(f"{PREFIX}_engine_{k}", f"engine stats()['{k}']", value=v)

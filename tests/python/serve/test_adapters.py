@@ -1,0 +1,173 @@
+"""LoRA adapters through `mlc_lora serve`: selection by `model`, runtime load/unload, path checks,
+and 64 concurrent streams over 8 adapters; references are HF + PEFT greedy runs of the same folders.
+
+Needs the engine's adapter API (MLCEngine.load_adapter / unload_adapter / list_adapters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+
+import httpx
+import openai
+import pytest
+
+from mlc_lora.engine import MLCEngine
+
+from .conftest import API_KEY, greedy_reference, make_chat_model, run_server, scrape, wait_idle
+
+pytestmark = pytest.mark.skipif(
+    not all(hasattr(MLCEngine, f) for f in ("load_adapter", "unload_adapter", "list_adapters")),
+    reason="the engine's adapter API (MLCEngine.load_adapter / unload_adapter / list_adapters) is not on "
+           "this branch yet")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# eight adapters: ranks 2..8, different targets and alphas
+ADAPTERS = {f"a{i}": dict(r=2 + i % 7, lora_alpha=4 + 2 * i, target_modules=ALL if i % 2 == 0 else
+                          ["q_proj", "v_proj", "down_proj"]) for i in range(8)}
+PROMPT_IDS = [5, 17, 42, 99, 7, 250, 13]
+H = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import peft
+    import torch
+
+    from mlc_lora.compile import CompileOptions, compile_model
+
+    root = tmp_path_factory.mktemp("serve_lora")
+    base = make_chat_model(root / "hf")
+    adapter_dir = root / "adapters"
+    refs = {}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(200 + i)
+        pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kw))
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:  # PEFT starts B at zero; make each adapter change the output
+                    p.copy_(0.3 * torch.randn_like(p))
+        pm.save_pretrained(adapter_dir / name)
+        refs[name] = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir / name).eval()
+    compiled = compile_model(root / "hf", root / "llvm-lora", CompileOptions(
+        prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=1024, max_lora_rank=8), progress=False)
+    return base, refs, compiled, adapter_dir
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    _, _, compiled, adapter_dir = setup
+    with run_server(compiled, "--api-key", API_KEY, "--served-model-name", "tiny",
+                    "--adapter", f"a0={adapter_dir / 'a0'}", "--adapter-dir", str(adapter_dir)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _load(server, name, path):
+    return httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                      headers=H, timeout=60)
+
+
+def _unload(server, name):
+    return httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": name}, headers=H, timeout=60)
+
+
+def _greedy(client, model, n=8):
+    c = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=n, temperature=0, logprobs=1,
+                                  extra_body={"ignore_eos": True}).choices[0]
+    return c.logprobs.token_logprobs, c.text
+
+
+def test_startup_adapter_is_listed_and_served(client, setup):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "a0"}
+    assert models["a0"].parent == "tiny"
+    base, refs, _, _ = setup
+    for model, ref in (("a0", refs["a0"]), ("tiny", base)):
+        want, want_lp = greedy_reference(ref, PROMPT_IDS, 8)
+        lps, _ = _greedy(client, model)
+        assert lps == pytest.approx(want_lp, abs=1e-3), model
+
+
+def test_load_at_runtime_and_select_by_model(server, client, setup):
+    base, refs, _, adapter_dir = setup
+    for name in list(ADAPTERS)[1:]:
+        r = _load(server, name, adapter_dir / name)
+        assert r.status_code == 200, r.text
+    assert {m.id for m in client.models.list().data} == {"tiny", *ADAPTERS}
+    base_lp, _ = _greedy(client, "tiny")
+    for name in ("a1", "a4", "a7"):
+        want, want_lp = greedy_reference(refs[name], PROMPT_IDS, 8)
+        lps, text = _greedy(client, name)
+        assert lps == pytest.approx(want_lp, abs=1e-3), name
+        assert not all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(lps, base_lp)), name
+
+
+def test_bad_loads_are_refused(server, setup, tmp_path):
+    _, _, _, adapter_dir = setup
+    r = _load(server, "a1", adapter_dir / "a1")  # the name is taken
+    assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+    r = _load(server, "tiny", adapter_dir / "a1")
+    assert r.status_code == 400
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    for path in (outside, f"{adapter_dir}/../{outside.name}", "../../etc", "/etc"):
+        r = _load(server, "evil", path)
+        assert r.status_code == 400 and "outside the allowed" in r.json()["error"]["message"], path
+    (adapter_dir / "escape").symlink_to(outside)
+    r = _load(server, "evil", adapter_dir / "escape")
+    assert r.status_code == 400 and "outside the allowed" in r.json()["error"]["message"]
+    assert "evil" not in {m["id"] for m in httpx.get(f"{server}/v1/models", headers=H).json()["data"]}
+
+
+def test_64_concurrent_streams_over_8_adapters_then_pool_is_idle(server, client):
+    for name in ADAPTERS:  # every adapter resident before the snapshot
+        _greedy(client, name, n=1)
+    before = wait_idle(server)
+
+    async def one(c, i):
+        model = list(ADAPTERS)[i % 8]
+        stream = await c.completions.create(model=model, prompt=PROMPT_IDS + [i], max_tokens=6 + i % 5,
+                                            temperature=0.7, seed=i, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = [ch async for ch in stream]
+        assert all(ch.model == model for ch in chunks)
+        return [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1], chunks[-1].usage.completion_tokens
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0,
+                                      http_client=openai.DefaultAsyncHttpxClient(
+                                          limits=httpx.Limits(max_connections=100))) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    results = asyncio.run(run_all())
+    assert results == [("length", 6 + i % 5) for i in range(64)]
+    after = wait_idle(server)
+    kinds = ("kv", "adapter", "free")
+    assert after['mlc_lora_pool_pages{kind="kv"}'] == 0
+    assert after['mlc_lora_pool_pages{kind="adapter"}'] == before['mlc_lora_pool_pages{kind="adapter"}'] > 0
+    assert sum(after[f'mlc_lora_pool_pages{{kind="{k}"}}'] for k in kinds) == \
+        sum(before[f'mlc_lora_pool_pages{{kind="{k}"}}'] for k in kinds)
+
+
+def test_unload_then_404_and_reload(server, client, setup):
+    _, refs, _, adapter_dir = setup
+    _, want_lp = greedy_reference(refs["a7"], PROMPT_IDS, 8)
+    r = _unload(server, "a7")
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="a7", prompt=PROMPT_IDS, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    assert "a7" not in {m.id for m in client.models.list().data}
+    assert _unload(server, "a7").status_code == 404
+    assert _load(server, "a7", "a7").status_code == 200  # a path relative to the adapter folder
+    lps, _ = _greedy(client, "a7")
+    assert lps == pytest.approx(want_lp, abs=1e-3)
+    m = scrape(server)
+    assert m["mlc_lora_adapter_loads_total"] == 9 and m["mlc_lora_adapter_unloads_total"] == 1

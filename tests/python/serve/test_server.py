@@ -1,0 +1,255 @@
+"""`mlc_lora serve` on the tiny chat model, driven over loopback by the official openai client.
+
+References: a greedy loop over the HF torch model (tokens and logprobs), transformers' chat
+template rendering, and the server's own non-streaming answer for its streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+
+from .conftest import API_KEY, greedy_reference, run_server, scrape, wait_idle
+
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "Hello, how are you today?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat):
+    with run_server(tiny_chat[1], "--api-key", API_KEY, "--served-model-name", "tiny") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_chat):
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast.from_pretrained(tiny_chat[1].parent / "hf")
+
+
+def test_api_key_required(server):
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(f"{server}/metrics").status_code == 200
+
+
+def test_models_lists_the_base_model(client, tiny_chat):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].root == str(tiny_chat[1])
+
+
+def test_completion_matches_hf_greedy_with_logprobs(client, tiny_chat, hf_tokenizer):
+    model = tiny_chat[0]
+    ids = hf_tokenizer(PROMPT)["input_ids"]
+    want, want_lp = greedy_reference(model, ids, 12)
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == "tiny"
+    c = r.choices[0]
+    assert c.text == hf_tokenizer.decode(want, skip_special_tokens=True)
+    assert c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 12, len(ids) + 12)
+    assert len(c.logprobs.token_logprobs) == 12
+    for got, ref in zip(c.logprobs.token_logprobs, want_lp):
+        assert math.isclose(got, ref, abs_tol=1e-3)
+    # greedy: no top-2 entry beats the chosen token (entries are keyed by text, so two byte tokens
+    # decoding to U+FFFD share one key); text offsets rise through the text
+    for top, lp in zip(c.logprobs.top_logprobs, c.logprobs.token_logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) <= lp + 1e-6
+    assert c.logprobs.text_offset == sorted(c.logprobs.text_offset)
+
+
+def test_chat_matches_hf_greedy_and_streams_the_same(client, tiny_chat, hf_tokenizer):
+    ids = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    eos = hf_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    want, _ = greedy_reference(tiny_chat[0], ids, 16, eos={eos})
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant"
+    assert msg.content == hf_tokenizer.decode(want, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == ("stop" if want[-1] == eos else "length")
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want)
+
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_streamed_completion_with_logprobs_equals_whole(client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    lps = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert lps == pytest.approx(whole.logprobs.token_logprobs, abs=1e-6)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_token_id_prompt_equals_text_prompt(client, hf_tokenizer):
+    ids = hf_tokenizer(PROMPT)["input_ids"]
+    by_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert by_ids == by_text
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=100000), "exceeds the context"),
+    (dict(extra_body={"temperature": "hot"}), "temperature must be a number"),
+    (dict(extra_body={"frobnicate": 1}), "frobnicate"),
+    (dict(n=2), "n > 1"),
+])
+def test_invalid_requests_get_400(client, kw, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, **{"max_tokens": 4, **kw})
+    assert e.value.status_code == 400 and needle in e.value.body["message"]
+
+
+def test_bad_bodies_and_unknown_model(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=4)
+    assert "messages" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-adapter", messages=MESSAGES, max_tokens=4)
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
+    assert "no-such-adapter" in e.value.body["message"]
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", json=[1, 2], headers=h)
+    assert r.status_code == 400
+    r = httpx.post(f"{server}/v1/nothing-here", json={}, headers=h)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_adapter_endpoints_without_adapter_dir(server):
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}, headers=h)
+    assert r.status_code == 400 and "--adapter-dir" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_path": "/tmp"}, headers=h)
+    assert r.status_code == 400 and "lora_name" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/unload_lora_adapter", json={"lora_name": "never-loaded"}, headers=h)
+    assert r.status_code == 404
+
+
+def _aborted(url: str) -> float:
+    return scrape(url)["mlc_lora_engine_num_aborted"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_pages(server, stream):
+    before = _aborted(server)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=h, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first event arrived: the request is running; now hang up
+    else:  # a raw socket, closed once the server reports the request running
+        payload = json.dumps({**body, "max_tokens": 480}).encode()
+        host, port = server.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                         + payload)
+            deadline = time.monotonic() + 60
+            while scrape(server)["mlc_lora_num_requests_running"] == 0:
+                assert time.monotonic() < deadline, "the request never showed up as running"
+                time.sleep(0.01)
+    m = wait_idle(server)
+    assert m["mlc_lora_engine_num_aborted"] == before + 1
+    assert m['mlc_lora_pool_pages{kind="kv"}'] == 0
+    assert m['mlc_lora_pool_pages{kind="free"}'] == m["mlc_lora_engine_kv_pages_total"]
+
+
+def test_64_concurrent_streams_then_every_page_is_free(server):
+    """64 streaming requests at once (more than the 16-sequence batch: queueing and continuous
+    batching); all finish, then the pool is back to idle and the metrics add up."""
+    before = scrape(server)
+
+    async def one(client, i):
+        stream = await client.completions.create(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=8 + i % 9,
+                                                 temperature=0.8, seed=i, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, usage, finish = "", None, None
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].text
+                finish = c.choices[0].finish_reason or finish
+            usage = c.usage or usage
+        return text, usage, finish
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0,
+                                      http_client=openai.DefaultAsyncHttpxClient(
+                                          limits=httpx.Limits(max_connections=100))) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(run_all())
+    assert [f for _, _, f in results] == ["length"] * 64
+    assert [u.completion_tokens for _, u, _ in results] == [8 + i % 9 for i in range(64)]
+    m = wait_idle(server)
+    assert m['mlc_lora_pool_pages{kind="kv"}'] == 0 and m['mlc_lora_pool_pages{kind="adapter"}'] == 0
+    assert m['mlc_lora_pool_pages{kind="free"}'] == m["mlc_lora_engine_kv_pages_total"]
+    assert m["mlc_lora_engine_max_running"] == 16  # the batch filled up
+    assert m['mlc_lora_requests_total{endpoint="completions",outcome="ok"}'] - \
+        before['mlc_lora_requests_total{endpoint="completions",outcome="ok"}'] == 64
+    assert m["mlc_lora_generation_tokens_total"] - before["mlc_lora_generation_tokens_total"] == \
+        sum(8 + i % 9 for i in range(64))
+
+
+def test_bench_serving_drives_the_server(server, tiny_chat, tmp_path, capsys):
+    """scripts/bench_serving.py end to end over HTTP (a small ShareGPT-shaped file, cut mid-record)."""
+    from .test_bench_serving import load_bench
+
+    recs = [{"conversations": [{"from": "human", "value": f"Hello, how are you today? {i} " * (1 + i % 3)},
+                               {"from": "gpt", "value": "The quick brown fox jumps over the lazy dog. " * 2}]}
+            for i in range(10)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(recs)[:-30])
+    before = scrape(server)['mlc_lora_requests_total{endpoint="completions",outcome="ok"}']
+    rc = load_bench().main(["--base-url", server, "--api-key", API_KEY, "--tokenizer", str(tiny_chat[1]),
+                            "--dataset-path", str(data), "--num-prompts", "6", "--request-rate", "50",
+                            "--max-output-len", "8", "--popularity", "power", "--alpha", "0.5",
+                            "--no-progress", "--save-result", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "Successful requests:                     6" in out and "Mean TTFT (ms):" in out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["models"] == ["tiny"] and saved["metrics"]["total_output"] == 6 * 8
+    after = scrape(server)['mlc_lora_requests_total{endpoint="completions",outcome="ok"}']
+    assert after - before == 6
