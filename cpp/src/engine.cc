@@ -17,11 +17,13 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 
 #include "chat_template.h"
 #include "json.h"
+#include "lora.h"
 #include "mlc_lora/engine.h"
 #include "safetensors.h"
 #include "sampler.h"
@@ -36,9 +38,6 @@ namespace {
 constexpr const char* kConfigFile = "mlc-lora-config.json";
 constexpr int64_t kPageSize = 16;  // the compiled KV-cache kernels assume 16 tokens per page
 constexpr int kPooledAllocator = 2;
-constexpr const char* kNoAdapters =
-    "adapters are not available in this build: the C++ engine does not yet drive the unified "
-    "page pool and the LoRA table inputs of prefill/decode";
 
 bool IsDir(const std::string& p) {
   struct stat st;
@@ -119,7 +118,11 @@ struct Engine::Impl {
   int64_t hidden_size = 0, context_window = 0, max_lora_rank = 0;
   // A model compiled with LoRA takes six table inputs after the KV cache (docs/DESIGN.md).
   int64_t lora_modules = 0, lora_max_rank = 0, lora_arena_elems = 0;
-  ffi::Optional<ffi::Tensor> base_arena;  // zeros: what the tables point at when no adapter runs
+  detail::LoraSpec lora_spec;
+  JSON model_config{ffi::Any(), "", ""};
+  std::map<std::string, int64_t> adapters;  // name -> pool adapter id
+  int64_t next_adapter_id = 0;
+  ffi::Function pool_load, pool_unload, pool_pin, pool_set_seq, pool_tables;
   std::string dtype;
   DLDevice device{kDLCPU, 0};
   int max_batch = 0, prefill_chunk = 0;
@@ -145,6 +148,7 @@ struct Engine::Impl {
     }
     JSON cfg = JSON::Parse(ReadText(cfg_path), cfg_path);
     JSON mc = cfg["model_config"];
+    model_config = mc;
     vocab_size = static_cast<int32_t>(mc["vocab_size"].i64());
     hidden_size = mc["hidden_size"].i64();
     context_window = mc["context_window_size"].i64();
@@ -155,6 +159,7 @@ struct Engine::Impl {
       lora_modules = static_cast<int64_t>(lora["modules"].items().size());
       lora_max_rank = lora["max_rank"].i64();
       lora_arena_elems = lora["num_layers"].i64() * lora["pool_pages"].i64() * lora["page_elems"].i64();
+      lora_spec = detail::LoraSpec::FromJSON(lora);
     }
     std::string target = cfg["target"]["kind"].str();
     device = ParseDevice(opt.device);
@@ -166,6 +171,16 @@ struct Engine::Impl {
     prefill_chunk = opt.prefill_chunk_size > 0 ? opt.prefill_chunk_size
                                                : static_cast<int>(mc["prefill_chunk_size"].i64());
     max_total_tokens = opt.max_total_tokens > 0 ? opt.max_total_tokens : context_window;
+    if (lora_arena_elems > 0) {
+      // The compiled lora_arena is (L * pool_pages * E,): the cache must have exactly pool_pages
+      // pages (ceil(max_total_tokens / 16) + 1), as for ModelRunner.
+      int64_t pool_tokens = (lora_spec.pool_pages - 1) * kPageSize;
+      if (opt.max_total_tokens > 0 && PagesFor(opt.max_total_tokens) != lora_spec.pool_pages - 1) {
+        throw InvalidArgument("'" + dir + "' was compiled with LoRA and a pool of " + std::to_string(lora_spec.pool_pages) +
+                              " pages: max_total_tokens must be 0 or " + std::to_string(pool_tokens));
+      }
+      max_total_tokens = pool_tokens;
+    }
     if (opt.max_batch_size < 0 || opt.prefill_chunk_size < 0 || opt.max_total_tokens < 0) {
       throw InvalidArgument("EngineOptions sizes must be >= 0 (0 = default)");
     }
@@ -178,6 +193,14 @@ struct Engine::Impl {
                   ffi::Shape({kPageSize}), ffi::Shape({0}));
     } catch (const ffi::Error& e) {
       throw ModelError("cannot create the KV cache of '" + dir + "': " + e.what());
+    }
+    if (lora_arena_elems > 0) {
+      Global("mlc_lora.runtime.pool_configure_lora")(kv, lora_modules, lora_max_rank);
+      pool_load = Global("mlc_lora.runtime.pool_load_adapter");
+      pool_unload = Global("mlc_lora.runtime.pool_unload_adapter");
+      pool_pin = Global("mlc_lora.runtime.pool_pin_adapter");
+      pool_set_seq = Global("mlc_lora.runtime.pool_set_sequence_adapter");
+      pool_tables = Global("mlc_lora.runtime.pool_lora_tables");
     }
   }
 
@@ -283,35 +306,18 @@ struct Engine::Impl {
     return t;
   }
 
-  // The LoRA inputs of a batch that runs only the base model: every token's slot is -1 and there
-  // are no slots (S = 0), as runner.py's default.
-  std::vector<ffi::Any> BaseLoraArgs(int64_t n_tok) {
+  // The LoRA inputs of the batch: the pool's arena and the tables it built in begin_forward from
+  // each sequence's adapter (pool_set_sequence_adapter), as runner.py's lora="pool".
+  std::vector<ffi::Any> LoraArgs() {
     if (lora_arena_elems == 0) return {};
-    if (!base_arena.has_value()) {
-      ffi::Tensor arena = Empty({lora_arena_elems}, DType(dtype));
-      int64_t bytes = lora_arena_elems * ((DType(dtype).bits + 7) / 8);
-      const int64_t chunk = 64 << 20;  // zero it through views: no host copy of the whole arena
-      std::vector<char> zeros(std::min(bytes, chunk), 0);
-      for (int64_t off = 0; off < bytes; off += chunk) {
-        int64_t len = std::min(chunk, bytes - off);
-        ffi::Tensor v = t_view(arena, ffi::Shape({len}), DLDataType{kDLUInt, 8, 1}, off).cast<ffi::Tensor>();
-        t_from_bytes(v, static_cast<void*>(zeros.data()), len);
-      }
-      base_arena = arena;
-    }
-    std::vector<int32_t> slots(n_tok, -1);
-    DLDataType i32{kDLInt, 32, 1}, f32{kDLFloat, 32, 1};
-    return {*base_arena,
-            FromHost({n_tok}, i32, slots.data(), slots.size() * sizeof(int32_t)),
-            FromHost({0}, i32, nullptr, 0),
-            FromHost({0, lora_modules}, f32, nullptr, 0),
-            FromHost({0, lora_modules, lora_max_rank}, i32, nullptr, 0),
-            FromHost({0, lora_modules, lora_max_rank}, i32, nullptr, 0)};
+    std::vector<ffi::Any> out;
+    for (const ffi::Tensor& t : pool_tables(kv).cast<ffi::Array<ffi::Tensor>>()) out.push_back(t);
+    return out;
   }
 
   // fn(inputs..., kv, [LoRA tables], params) -> (logits, kv)
   ffi::Tensor Call(const ffi::Function& fn, std::vector<ffi::Any> args, int64_t n_tok) {
-    for (ffi::Any& a : BaseLoraArgs(n_tok)) args.push_back(std::move(a));
+    for (ffi::Any& a : LoraArgs()) args.push_back(std::move(a));
     args.push_back(params);
     std::vector<ffi::AnyView> views(args.begin(), args.end());
     ffi::Any ret;
@@ -369,9 +375,7 @@ struct Engine::Impl {
       const Request& r = reqs[i];
       std::string who = "request " + std::to_string(i) + ": ";
       const GenerationConfig& g = r.config;
-      if (!r.adapter.empty()) {
-        throw InvalidArgument(who + "unknown adapter '" + r.adapter + "' (no adapter is loaded; " + kNoAdapters + ")");
-      }
+      if (!r.adapter.empty() && !adapters.count(r.adapter)) throw InvalidArgument(who + UnknownAdapter(r.adapter));
       if (g.max_tokens < 1) throw InvalidArgument(who + "max_tokens must be >= 1");
       if (!(g.temperature >= 0.0f)) throw InvalidArgument(who + "temperature must be >= 0");
       if (!(g.top_p > 0.0f && g.top_p <= 1.0f)) throw InvalidArgument(who + "top_p must be in (0, 1]");
@@ -452,8 +456,12 @@ struct Engine::Impl {
           r->seq_id = next_seq_id++;
           kv_add(kv, r->seq_id);
           free_pages -= r->reserved_pages;
-          active.push_back(r);
+          active.push_back(r);  // before anything else can throw: the cleanup below removes it
           admitted.push_back(r);
+          if (lora_arena_elems > 0) {
+            const std::string& a = reqs[r->index].adapter;
+            pool_set_seq(kv, r->seq_id, a.empty() ? int64_t{-1} : adapters.at(a));
+          }
         }
         PrefillAll(admitted, reqs, cb);
         std::vector<Running*> stepping;
@@ -501,6 +509,16 @@ struct Engine::Impl {
       }
     }
     return results;
+  }
+
+  std::string UnknownAdapter(const std::string& name) const {
+    if (lora_arena_elems == 0) {
+      return "unknown adapter '" + name + "': '" + model_dir +
+             "' was compiled without LoRA (recompile with --max-lora-rank and --lora-pool-pages)";
+    }
+    std::string loaded;
+    for (const auto& [n, id] : adapters) loaded += (loaded.empty() ? "" : ", ") + n;
+    return "unknown adapter '" + name + "' (loaded: " + (loaded.empty() ? "none" : loaded) + ")";
   }
 
   // Prefill newly admitted requests in chunks of at most prefill_chunk tokens (a long prompt
@@ -563,39 +581,71 @@ Result Engine::Generate(const Request& request, const StreamCallback& on_token) 
   return impl_->Generate({request}, on_token)[0];
 }
 
-bool Engine::adapters_available() const { return false; }
+bool Engine::adapters_available() const { return impl_->lora_arena_elems > 0; }
 
 void Engine::LoadAdapter(const std::string& name, const std::string& peft_dir) {
+  Impl& m = *impl_;
   if (name.empty()) throw InvalidArgument("an adapter needs a non-empty name");
-  if (!IsDir(peft_dir)) throw ModelError("adapter folder '" + peft_dir + "' does not exist");
-  std::string cfg_path = peft_dir + "/adapter_config.json";
-  if (!IsFile(cfg_path)) {
-    throw ModelError("'" + peft_dir + "' is not a PEFT adapter folder (no adapter_config.json)");
+  if (m.lora_arena_elems == 0) {
+    throw NotAvailable("cannot load adapter '" + name + "': '" + m.model_dir +
+                       "' was compiled without LoRA (recompile with --max-lora-rank and --lora-pool-pages)");
   }
-  JSON cfg = JSON::Parse(ReadText(cfg_path), cfg_path);
-  if (!cfg.get("r").is_int() || cfg["r"].i64() < 1) {
-    throw InvalidArgument(cfg_path + ": bad LoRA rank r (must be a positive integer)");
+  if (m.adapters.count(name)) throw InvalidArgument("an adapter named '" + name + "' is already loaded");
+  detail::PackedAdapter p;
+  try {
+    p = detail::PackPeftAdapter(peft_dir, m.model_config, m.lora_spec, m.dtype, name);
+  } catch (const Error& e) {
+    std::string msg = "cannot load adapter '" + name + "': " + e.what();
+    if (dynamic_cast<const ModelError*>(&e)) throw ModelError(msg);
+    if (dynamic_cast<const NotAvailable*>(&e)) throw NotAvailable(msg);
+    throw InvalidArgument(msg);
   }
-  int64_t r = cfg["r"].i64();
-  if (impl_->max_lora_rank > 0 && r > impl_->max_lora_rank) {
-    throw InvalidArgument(cfg_path + ": rank " + std::to_string(r) + " exceeds the model's --max-lora-rank " +
-                          std::to_string(impl_->max_lora_rank));
+  const int64_t M = m.lora_modules, R = m.lora_max_rank;
+  DLDevice cpu{kDLCPU, 0};
+  auto host = [&](std::vector<int64_t> shape, DLDataType dt, const void* data, size_t nbytes) {
+    ffi::Tensor t = m.t_alloc(ffi::Shape(std::move(shape)), dt, cpu, nullptr).cast<ffi::Tensor>();
+    if (nbytes > 0) m.t_from_bytes(t, const_cast<void*>(data), static_cast<int64_t>(nbytes));
+    return t;
+  };
+  DLDataType i32{kDLInt, 32, 1}, f32{kDLFloat, 32, 1};
+  ffi::Tensor pages = host({p.num_layers, p.num_pages, p.page_elems}, DType(m.dtype), p.pages.data(), p.pages.size());
+  ffi::Tensor a_off = host({M, R}, i32, p.a_off.data(), p.a_off.size() * 4);
+  ffi::Tensor b_off = host({M, R}, i32, p.b_off.data(), p.b_off.size() * 4);
+  ffi::Tensor scale = host({M}, f32, p.scale.data(), p.scale.size() * 4);
+  int64_t id = m.next_adapter_id;
+  try {
+    m.pool_load(m.kv, id, pages, a_off, b_off, p.rank, scale, false);
+  } catch (const ffi::Error& e) {
+    throw InvalidArgument("cannot load adapter '" + name + "' into the page pool: " + e.what());
   }
-  if (!IsFile(peft_dir + "/adapter_model.safetensors")) {
-    throw ModelError("'" + peft_dir + "' has no adapter_model.safetensors");
-  }
-  throw NotAvailable("cannot load adapter '" + name + "': " + kNoAdapters);
+  ++m.next_adapter_id;
+  m.adapters[name] = id;
 }
 
 void Engine::UnloadAdapter(const std::string& name) {
-  throw InvalidArgument("unknown adapter '" + name + "' (no adapter is loaded; " + kNoAdapters + ")");
+  Impl& m = *impl_;
+  auto it = m.adapters.find(name);
+  if (it == m.adapters.end()) throw InvalidArgument(m.UnknownAdapter(name));
+  m.pool_unload(m.kv, it->second);
+  m.adapters.erase(it);
 }
 
 void Engine::PinAdapter(const std::string& name, bool pinned) {
-  throw InvalidArgument("unknown adapter '" + name + "' (no adapter is loaded; " + kNoAdapters + ")");
+  Impl& m = *impl_;
+  auto it = m.adapters.find(name);
+  if (it == m.adapters.end()) throw InvalidArgument(m.UnknownAdapter(name));
+  try {
+    m.pool_pin(m.kv, it->second, pinned);
+  } catch (const ffi::Error& e) {
+    throw InvalidArgument("cannot pin adapter '" + name + "': " + e.what());
+  }
 }
 
-std::vector<std::string> Engine::ListAdapters() const { return {}; }
+std::vector<std::string> Engine::ListAdapters() const {
+  std::vector<std::string> out;
+  for (const auto& [n, id] : impl_->adapters) out.push_back(n);
+  return out;
+}
 
 int64_t Engine::kv_cache_free_tokens() const {
   return impl_->kv_pages(impl_->kv).cast<int64_t>() * kPageSize;

@@ -35,6 +35,8 @@ class JSON {
   bool is_array() const { return v_.as<tvm::ffi::json::Array>().has_value(); }
   bool is_string() const { return v_.as<tvm::ffi::String>().has_value(); }
   bool is_int() const { return v_.as<int64_t>().has_value(); }
+  bool is_bool() const { return v_.as<bool>().has_value(); }
+  bool is_number() const { return !is_bool() && v_.try_cast<double>().has_value(); }
 
   bool has(const std::string& key) const {
     auto o = v_.as<tvm::ffi::json::Object>();

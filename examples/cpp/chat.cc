@@ -3,7 +3,8 @@
 //   mlc_lora_chat MODEL_DIR                       interactive, streamed, multi-turn
 //   mlc_lora_chat MODEL_DIR --prompt "Hi" --prompt "Name a color"   one batch, printed at the end
 //   options: --device cpu|cuda[:N] --max-batch N --prefill-chunk N --max-tokens N --temperature T --top-p P --top-k K --seed S
-//            --adapter NAME=PEFT_DIR (load; use with --use NAME) --use NAME --prompts-file FILE
+//            --adapter NAME=PEFT_DIR (load a PEFT folder; repeatable) --prompts-file FILE
+//            --use NAME (the adapter of the prompts that follow it and of interactive mode; - = base model)
 //            --json (batch output as JSON lines: prompt, text, output_ids, finish_reason)
 #include <mlc_lora/engine.h>
 
@@ -52,7 +53,7 @@ int main(int argc, char** argv) {
   std::string model_dir = argv[1];
   mlc_lora::EngineOptions opts;
   mlc_lora::GenerationConfig gen;
-  std::vector<std::string> prompts, adapters;
+  std::vector<std::string> prompts, adapters, prompt_adapters;
   std::string use_adapter;
   bool json = false;
   for (int i = 2; i < argc; ++i) {
@@ -62,12 +63,18 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     try {
-      if (a == "--prompt") prompts.push_back(value());
+      if (a == "--prompt") {
+        prompts.push_back(value());
+        prompt_adapters.push_back(use_adapter);
+      }
       else if (a == "--prompts-file") {
         std::ifstream f(value());
         if (!f) Usage("cannot read the prompts file");
         for (std::string line; std::getline(f, line);) {
-          if (!line.empty()) prompts.push_back(line);
+          if (!line.empty()) {
+            prompts.push_back(line);
+            prompt_adapters.push_back(use_adapter);
+          }
         }
       } else if (a == "--device") opts.device = value();
       else if (a == "--max-batch") opts.max_batch_size = std::stoi(value());
@@ -78,7 +85,10 @@ int main(int argc, char** argv) {
       else if (a == "--top-k") gen.top_k = std::stoi(value());
       else if (a == "--seed") gen.seed = std::stoull(value());
       else if (a == "--adapter") adapters.push_back(value());
-      else if (a == "--use") use_adapter = value();
+      else if (a == "--use") {
+        use_adapter = value();
+        if (use_adapter == "-") use_adapter.clear();
+      }
       else if (a == "--json") json = true;
       else Usage(("unknown option " + a).c_str());
     } catch (const std::logic_error&) {  // stoi & co.
@@ -98,7 +108,7 @@ int main(int argc, char** argv) {
       std::vector<mlc_lora::Request> reqs(prompts.size());
       for (size_t i = 0; i < prompts.size(); ++i) {
         reqs[i].messages = {{"user", prompts[i]}};
-        reqs[i].adapter = use_adapter;
+        reqs[i].adapter = prompt_adapters[i];
         reqs[i].config = gen;
         reqs[i].config.seed = gen.seed + i;
       }
@@ -109,7 +119,8 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < results.size(); ++i) {
         const auto& r = results[i];
         if (json) {
-          std::cout << "{\"prompt\": " << JsonString(prompts[i]) << ", \"text\": " << JsonString(r.text)
+          std::cout << "{\"prompt\": " << JsonString(prompts[i]) << ", \"adapter\": " << JsonString(prompt_adapters[i])
+                    << ", \"text\": " << JsonString(r.text)
                     << ", \"finish_reason\": " << JsonString(r.finish_reason) << ", \"output_ids\": [";
           for (size_t k = 0; k < r.output_ids.size(); ++k) std::cout << (k ? ", " : "") << r.output_ids[k];
           std::cout << "]}\n";

@@ -34,7 +34,8 @@ struct EngineOptions {
   std::string device = "cpu";
   /*! \brief Sequences decoded together; 0 = the compiled max_batch_size. */
   int max_batch_size = 0;
-  /*! \brief KV-cache capacity in tokens over all sequences; 0 = max_batch_size * context window. */
+  /*! \brief KV-cache capacity in tokens over all sequences; 0 = one context window. A model
+   *  compiled with LoRA has a fixed pool: 0 or (pool_pages - 1) * 16 (KV and adapter pages). */
   int64_t max_total_tokens = 0;
   /*! \brief Tokens per prefill call; 0 = the compiled prefill_chunk_size. */
   int prefill_chunk_size = 0;
@@ -109,16 +110,23 @@ class Engine {
   Result Generate(const Request& request, const StreamCallback& on_token = nullptr);
 
   // --- adapters (PEFT LoRA folders) -------------------------------------------------------------
-  /*! \brief Whether this build and this compiled model can serve adapters. */
+  /*! \brief Whether the model was compiled with LoRA (--max-lora-rank, --lora-pool-pages). */
   bool adapters_available() const;
-  /*! \brief Load a PEFT folder (adapter_config.json + adapter_model.safetensors) under `name`. */
+  /*!
+   * \brief Load a PEFT folder (adapter_config.json + adapter_model.safetensors) under `name` into
+   * the unified page pool. Throws ModelError (missing / malformed files), InvalidArgument (name
+   * taken, rank above --max-lora-rank, unsupported option or target module, pool full) or
+   * NotAvailable (model compiled without LoRA); on a throw nothing is loaded.
+   */
   void LoadAdapter(const std::string& name, const std::string& peft_dir);
+  /*! \brief Frees the adapter's pages; requests may no longer name it. */
   void UnloadAdapter(const std::string& name);
   /*! \brief A pinned adapter is never evicted from the page pool. */
   void PinAdapter(const std::string& name, bool pinned = true);
   std::vector<std::string> ListAdapters() const;
 
-  /*! \brief Free KV-cache capacity in tokens (whole free pages); all of it between calls. */
+  /*! \brief Free page-pool capacity in tokens (whole free pages): between calls, all pages not
+   *  holding adapters. */
   int64_t kv_cache_free_tokens() const;
   /*! \brief Compiled model facts. */
   int32_t vocab_size() const;

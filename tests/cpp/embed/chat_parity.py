@@ -4,9 +4,13 @@
                                  ShareGPT and SmolLM2's ChatML template, compiled by mlc_lora into
                                  DIR/compiled and, with LoRA inputs, DIR/compiled_lora; the Python
                                  reference outputs go to DIR/expected.json
+                                 two seeded random PEFT adapters go to DIR/adapters/{alpha,beta} and
+                                 the LoRA reference (ModelRunner on the pool, adapters packed by
+                                 mlc_lora.lora.pack_peft_adapter) to DIR/expected_lora.json
   chat_parity.py compare DIR --app PATH
                                  runs the app (batched, and with tiny batches and prefill chunks)
-                                 and compares text and ids
+                                 and compares text and ids; on the LoRA build also one batch that
+                                 mixes both adapters and the base model
   chat_parity.py check MODEL_DIR --app PATH
                                  the same for any compiled model (e.g. SmolLM2): reference first
 
@@ -36,6 +40,11 @@ PROMPTS = [
     "Summarize the plot of Hamlet in two sentences.",
 ]
 MAX_TOKENS = 24
+# The adapter of each prompt in the mixed LoRA batch (None = the base model).
+ADAPTER_OF = ["alpha", "beta", None, "beta", None, "alpha"]
+ADAPTERS = {"alpha": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"]),
+            "beta": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"])}
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
@@ -74,14 +83,37 @@ def prepare(root: Path) -> None:
     compile_model(hf, root / "compiled_lora", CompileOptions(prefill_chunk_size=128, max_batch_size=8,
                                                              max_lora_rank=8, lora_pool_pages=64), progress=False)
     (root / "expected.json").write_text(json.dumps(reference(root / "compiled"), ensure_ascii=False, indent=1))
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        import peft
+
+        torch.manual_seed(50 + i)
+        pm = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf), peft.LoraConfig(**kw))
+        with torch.no_grad():  # PEFT starts B at zero; random B makes the adapter change the text
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(0.5 * torch.randn_like(p))
+        pm.save_pretrained(root / "adapters" / name)
+    lora = reference(root / "compiled_lora", adapters={n: root / "adapters" / n for n in ADAPTERS},
+                     adapter_of=ADAPTER_OF, engine=False)
+    base = json.loads((root / "expected.json").read_text())
+    for name in ADAPTERS:  # the adapters must matter, or the check below proves nothing
+        changed = [i for i, a in enumerate(ADAPTER_OF) if a == name and lora[i]["output_ids"] != base[i]["output_ids"]]
+        assert changed, f"adapter {name} does not change any greedy output"
+    (root / "expected_lora.json").write_text(json.dumps(lora, ensure_ascii=False, indent=1))
     print(f"compiled a tiny Llama (vocab {vocab}) into {root / 'compiled'}")
 
 
-def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[dict]:
+def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS,
+              adapters: dict[str, Path] | None = None, adapter_of: list[str | None] | None = None,
+              engine: bool = True) -> list[dict]:
+    """One request at a time. With `adapters`, prompt i runs with adapter_of[i] through the pool:
+    pack_peft_adapter -> pool_load_adapter, pool_set_sequence_adapter, prefill/decode(lora="pool")."""
     import jinja2
     import numpy as np
     import tokenizers
 
+    from mlc_lora import _ffi_api as rt
+    from mlc_lora.lora import pack_peft_adapter
     from mlc_lora.runner import ModelRunner
 
     cfg = json.loads((model_dir / "mlc-lora-config.json").read_text())
@@ -95,9 +127,20 @@ def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = M
     for i, prompt in enumerate(prompts):
         text = template.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False).ids
-        kv = runner.create_kv_cache(1, 512)
+        lora = None
+        if runner.lora:  # the cache must have exactly pool_pages pages (the compiled arena)
+            kv = runner.create_kv_cache(1, (runner.lora["pool_pages"] - 1) * 16)
+            lora = "pool"
+        else:
+            kv = runner.create_kv_cache(1, 512)
         runner.kv_add(kv, i)
-        logits = runner.prefill(kv, [i], [ids]).numpy()
+        name = adapter_of[i] if adapter_of else None
+        if name is not None:
+            p = pack_peft_adapter(adapters[name], cfg, name)
+            rt.pool_load_adapter(kv, 0, p.pages, p.a_off, p.b_off, p.rank, p.scale, False)
+        if runner.lora:
+            rt.pool_set_sequence_adapter(kv, i, -1 if name is None else 0)
+        logits = runner.prefill(kv, [i], [ids], lora=lora).numpy()
         gen, finish = [], "length"
         while True:
             nxt = int(np.argmax(logits[0]))
@@ -107,11 +150,12 @@ def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = M
             gen.append(nxt)
             if len(gen) == max_tokens:
                 break
-            logits = runner.decode(kv, [i], [nxt]).numpy()
-        out.append({"prompt": prompt, "max_tokens": max_tokens, "prompt_ids": ids, "output_ids": gen, "finish_reason": finish,
+            logits = runner.decode(kv, [i], [nxt], lora=lora).numpy()
+        out.append({"prompt": prompt, "adapter": name, "max_tokens": max_tokens, "prompt_ids": ids, "output_ids": gen, "finish_reason": finish,
                     "text": tok.decode(gen, skip_special_tokens=True)})
     del runner
-    engine_outputs(model_dir, out)
+    if engine:
+        engine_outputs(model_dir, out)
     return out
 
 
@@ -130,11 +174,17 @@ def engine_outputs(model_dir: Path, expected: list[dict]) -> None:
             want["engine_finish_reason"] = r.choices[0].finish_reason
 
 
-def compare(model_dir: Path, expected: list[dict], app: str) -> int:
+def compare(model_dir: Path, expected: list[dict], app: str, adapters: dict[str, Path] | None = None) -> int:
+    """With `adapters`: one batch mixing them (each prompt's `adapter`) and the base model; the
+    reference is ModelRunner + pool (the Python engine has no adapter API on main yet)."""
     failures = 0
     for extra in ([], ["--max-batch", "2", "--prefill-chunk", "16"]):
         cmd = [app, str(model_dir), "--json", "--max-tokens", str(expected[0]["max_tokens"]), *extra]
+        for name, d in (adapters or {}).items():
+            cmd += ["--adapter", f"{name}={d}"]
         for want in expected:
+            if adapters:
+                cmd += ["--use", want["adapter"] or "-"]
             cmd += ["--prompt", want["prompt"]]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
@@ -142,15 +192,21 @@ def compare(model_dir: Path, expected: list[dict], app: str) -> int:
             return 1
         got = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
         for want, have in zip(expected, got, strict=True):
-            same = have["text"] == want["text"] == want["engine_text"] and have["output_ids"] == want["output_ids"] \
-                and have["finish_reason"] == want["finish_reason"] == want["engine_finish_reason"]
+            engine_text = want.get("engine_text", want["text"])  # no engine reference for adapters
+            engine_finish = want.get("engine_finish_reason", want["finish_reason"])
+            same = have["text"] == want["text"] == engine_text and have["output_ids"] == want["output_ids"] \
+                and have["finish_reason"] == want["finish_reason"] == engine_finish
             failures += not same
-            print(f"{'ok  ' if same else 'DIFF'} [{model_dir.name} {' '.join(extra) or 'batched'}] {want['prompt'][:40]!r}: "
+            tag = f" adapter={want.get('adapter')}" if adapters else ""
+            print(f"{'ok  ' if same else 'DIFF'} [{model_dir.name}{tag} {' '.join(extra) or 'batched'}] {want['prompt'][:40]!r}: "
                   f"{len(want['output_ids'])} tokens ({want['finish_reason']})")
             if not same:
-                print(f"   python: {want['text']!r} {want['output_ids']}\n   engine: {want['engine_text']!r}\n"
+                print(f"   python: {want['text']!r} {want['output_ids']}\n   engine: {engine_text!r}\n"
                       f"   c++:    {have['text']!r} {have['output_ids']}")
         print(proc.stderr.strip())
+    if adapters:
+        print("PASSED" if failures == 0 else f"FAILED ({failures} differences)")
+        return 1 if failures else 0
     # Interactive mode streams the same text for a first turn.
     first = expected[0]
     proc = subprocess.run([app, str(model_dir), "--max-tokens", str(first["max_tokens"])], input=first["prompt"] + "\n/quit\n",
@@ -179,7 +235,10 @@ def main() -> int:
     if args.mode == "check":
         return compare(args.dir, reference(args.dir, PROMPTS[: args.num_prompts], args.max_tokens), args.app)
     expected = json.loads((args.dir / "expected.json").read_text())
-    return compare(args.dir / "compiled", expected, args.app) or compare(args.dir / "compiled_lora", expected, args.app)
+    expected_lora = json.loads((args.dir / "expected_lora.json").read_text())
+    adapters = {n: args.dir / "adapters" / n for n in ADAPTERS}
+    return (compare(args.dir / "compiled", expected, args.app) or compare(args.dir / "compiled_lora", expected, args.app)
+            or compare(args.dir / "compiled_lora", expected_lora, args.app, adapters))
 
 
 if __name__ == "__main__":

@@ -61,10 +61,11 @@ Request Chat(const std::string& text, int max_tokens = 12) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: engine_errors_test COMPILED_MODEL_DIR\n";
+  if (argc != 2 && argc != 3) {
+    std::cerr << "usage: engine_errors_test COMPILED_MODEL_DIR [PEFT_DIR (a valid adapter, for a LoRA build)]\n";
     return 2;
   }
+  std::string peft = argc == 3 ? argv[2] : "";
   std::string model = argv[1];
   char tmpl[] = "/tmp/mlc_lora_embed_XXXXXX";
   std::string tmp = ::mkdtemp(tmpl);
@@ -88,13 +89,21 @@ int main(int argc, char** argv) {
     r.adapter = "pirate";
     engine.Generate(r);
   }, "unknown adapter 'pirate'");
-  ExpectThrow<ModelError>("adapter folder missing", [&] { engine.LoadAdapter("a", tmp + "/nope"); }, "does not exist");
-  ExpectThrow<ModelError>("adapter folder without config", [&] { engine.LoadAdapter("a", tmp); }, "no adapter_config.json");
-  ExpectThrow<InvalidArgument>("adapter rank 0", [&] { engine.LoadAdapter("a", MakePeft(tmp, "r0", "0")); }, "bad LoRA rank");
-  ExpectThrow<InvalidArgument>("adapter rank -4", [&] { engine.LoadAdapter("a", MakePeft(tmp, "rneg", "-4")); }, "bad LoRA rank");
-  ExpectThrow<InvalidArgument>("adapter rank 8.5", [&] { engine.LoadAdapter("a", MakePeft(tmp, "rf", "8.5")); }, "bad LoRA rank");
-  ExpectThrow<NotAvailable>("valid adapter in this build", [&] { engine.LoadAdapter("a", MakePeft(tmp, "r8", "8")); },
-                            "not available in this build");
+  if (!engine.adapters_available()) {
+    ExpectThrow<NotAvailable>("adapter on a model compiled without LoRA", [&] { engine.LoadAdapter("a", tmp); },
+                              "compiled without LoRA");
+  } else {
+    ExpectThrow<ModelError>("adapter folder missing", [&] { engine.LoadAdapter("a", tmp + "/nope"); }, "does not exist");
+    ExpectThrow<ModelError>("adapter folder without config", [&] { engine.LoadAdapter("a", tmp); }, "no adapter_config.json");
+    ExpectThrow<InvalidArgument>("adapter rank 0", [&] { engine.LoadAdapter("a", MakePeft(tmp, "r0", "0")); }, "bad LoRA rank");
+    ExpectThrow<InvalidArgument>("adapter rank -4", [&] { engine.LoadAdapter("a", MakePeft(tmp, "rneg", "-4")); }, "bad LoRA rank");
+    ExpectThrow<InvalidArgument>("adapter rank 8.5", [&] { engine.LoadAdapter("a", MakePeft(tmp, "rf", "8.5")); }, "bad LoRA rank");
+    ExpectThrow<InvalidArgument>("adapter rank above --max-lora-rank", [&] {
+      engine.LoadAdapter("a", MakePeft(tmp, "r64", "64"));
+    }, "above the compiled --max-lora-rank");
+    ExpectThrow<ModelError>("adapter weights not a safetensors file", [&] { engine.LoadAdapter("a", MakePeft(tmp, "r8", "8")); },
+                            "adapter_model.safetensors");
+  }
   ExpectThrow<InvalidArgument>("unload unknown adapter", [&] { engine.UnloadAdapter("a"); }, "unknown adapter 'a'");
   ExpectThrow<InvalidArgument>("pin unknown adapter", [&] { engine.PinAdapter("a"); }, "unknown adapter 'a'");
   Expect(engine.ListAdapters().empty(), "no adapter listed");
@@ -168,6 +177,31 @@ int main(int argc, char** argv) {
   lim.config.ignore_eos = true;
   Result l = engine.Generate(lim);
   Expect(l.output_ids.size() == 3 && l.finish_reason == "length", "max_tokens bounds the output");
+
+  if (!peft.empty()) {  // a real adapter: load, use (alone and mixed with the base model), pin, unload
+    engine.LoadAdapter("a", peft);
+    Expect(engine.ListAdapters() == std::vector<std::string>{"a"}, "adapter listed");
+    ExpectThrow<InvalidArgument>("load under a taken name", [&] { engine.LoadAdapter("a", peft); }, "already loaded");
+    Request ra = base;
+    ra.adapter = "a";
+    Result with = engine.Generate(ra);
+    Expect(with.output_ids != before.output_ids, "the adapter changes the output");
+    auto mixed = engine.Generate(std::vector<Request>{base, ra, base});
+    Expect(mixed[0].output_ids == before.output_ids && mixed[2].output_ids == before.output_ids,
+           "base requests beside an adapter request are unchanged");
+    Expect(mixed[1].output_ids == with.output_ids, "adapter request batched == alone");
+    ExpectThrow<InvalidArgument>("bad adapter beside a loaded one", [&] { engine.LoadAdapter("b", MakePeft(tmp, "r0b", "0")); },
+                                 "bad LoRA rank");
+    engine.PinAdapter("a");
+    Expect(engine.Generate(ra).output_ids == with.output_ids, "pinned adapter, same output");
+    engine.PinAdapter("a", false);
+    engine.UnloadAdapter("a");
+    ExpectThrow<InvalidArgument>("request with an unloaded adapter", [&] { engine.Generate(ra); }, "unknown adapter 'a'");
+    Expect(engine.Generate(base).output_ids == before.output_ids, "base output after unload");
+    Expect(engine.kv_cache_free_tokens() == free_tokens, "every page is free after unload");
+    engine.LoadAdapter("a", peft);  // a name can be reused
+    Expect(engine.Generate(ra).output_ids == with.output_ids, "reloaded adapter, same output");
+  }
 
   std::cout << (failures ? "FAILED" : "PASSED") << " (" << failures << " failures)\n";
   return failures ? 1 : 0;
