@@ -136,13 +136,13 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
             expand(v, arena, t_slot, t_rank, b, 0, y3)
 
         # Correctness: both against a float64 torch reference of the same rows (copy 0).
-        a0, b0 = (t.cpu().numpy() for t in tables[0])
+        a0, b0 = (t.cpu().numpy().astype(np.int64) for t in tables[0])
         ar = arena.double()
         ref = torch.zeros(T, o_f, dtype=torch.float64, device=dev)
         for s in used:
             idx = torch.from_numpy(np.flatnonzero(slot == s)).to(dev)
-            A = torch.stack([ar[a0[s, 0, k]:a0[s, 0, k] + i_f] for k in range(ranks[s])])
-            B = torch.stack([ar[b0[s, 0, k]:b0[s, 0, k] + o_f] for k in range(ranks[s])])
+            A = torch.stack([ar[int(a0[s, 0, k]):int(a0[s, 0, k]) + i_f] for k in range(ranks[s])])
+            B = torch.stack([ar[int(b0[s, 0, k]):int(b0[s, 0, k]) + o_f] for k in range(ranks[s])])
             ref[idx] = 2.0 * (x[idx].double() @ A.T) @ B
         stage2(0)
         stage3(0)
@@ -154,8 +154,8 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
         As = torch.zeros(N, rmax, i_f, device=dev, dtype=torch.float16)
         Bs = torch.zeros(N, o_f, rmax, device=dev, dtype=torch.float16)
         for s in range(N):
-            As[s, :ranks[s]] = arena[a0[s, 0, 0]:a0[s, 0, 0] + ranks[s] * i_f].view(ranks[s], i_f)
-            Bs[s, :, :ranks[s]] = arena[b0[s, 0, 0]:b0[s, 0, 0] + ranks[s] * o_f].view(ranks[s], o_f).T * 2.0
+            As[s, :ranks[s]] = arena[int(a0[s, 0, 0]):int(a0[s, 0, 0]) + ranks[s] * i_f].view(ranks[s], i_f)
+            Bs[s, :, :ranks[s]] = arena[int(b0[s, 0, 0]):int(b0[s, 0, 0]) + ranks[s] * o_f].view(ranks[s], o_f).T * 2.0
         idx_l = t_slot.long()
 
         def torch_ref(_c):
