@@ -156,7 +156,16 @@ def lora_sgmv_shrink_kernel(in_f: int, m: int, num_layers: int, max_rank: int, n
                             offs[k] = T.int64(0)
                             if k < rk[0]:
                                 offs[k] = base + T.cast(a_off[s, m, k], "int64")
-                        if rk[0] > 0:
+                        # Full chunks run unguarded (a per-element bound check in the unrolled
+                        # body serializes the loads); only the last, partial chunk checks i < in_f.
+                        if rk[0] > 0 and bc * _CHUNK + _CHUNK <= in_f:
+                            for j in T.unroll(_CHUNK // NT):
+                                i: T.let[T.int32] = bc * _CHUNK + j * NT + T.cast(tx, "int32")
+                                xv: T.let[T.float32] = T.cast(x[bx, i], "float32")
+                                for k in T.unroll(R):
+                                    if k < rk[0]:
+                                        acc[k] += xv * T.cast(arena[offs[k] + T.cast(i, "int64")], "float32")
+                        elif rk[0] > 0:
                             for j in T.serial(_CHUNK // NT):
                                 i: T.let[T.int32] = bc * _CHUNK + j * NT + T.cast(tx, "int32")
                                 if i < in_f:
@@ -274,13 +283,16 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
                         T.tvm_storage_sync("shared")
                         for j in T.unroll(_OV):
                             acc[j] = T.float32(0)
-                        for k in T.serial(rk[0]):
-                            off: T.let[T.int64] = base + T.cast(b_off[s, m, k], "int64")
-                            hk: T.let[T.float32] = h[k]
-                            for j in T.unroll(_OV):
-                                o: T.let[T.int32] = bo * OT + j * NT + T.cast(tx, "int32")
-                                if o < out_f:
-                                    acc[j] += hk * T.cast(arena[off + T.cast(o, "int64")], "float32")
+                        # Unrolled with a guard (not a rank-bounded loop) so all R*OV loads are in
+                        # flight at once: a serial loop waits one HBM latency per row.
+                        for k in T.unroll(R):
+                            if k < rk[0]:
+                                off: T.let[T.int64] = base + T.cast(b_off[s, m, k], "int64")
+                                hk: T.let[T.float32] = h[k]
+                                for j in T.unroll(_OV):
+                                    o: T.let[T.int32] = bo * OT + j * NT + T.cast(tx, "int32")
+                                    if o < out_f:
+                                        acc[j] += hk * T.cast(arena[off + T.cast(o, "int64")], "float32")
                         for j in T.unroll(_OV):
                             o: T.let[T.int32] = bo * OT + j * NT + T.cast(tx, "int32")
                             if o < out_f:
