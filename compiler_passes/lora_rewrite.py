@@ -9,6 +9,7 @@ import tvm
 from tvm import relax
 
 from .lora_kernels import KERNELS
+from .lora_sgmv import lora_sgmv_expand_kernel, lora_sgmv_shrink_kernel, num_chunks
 
 # The per-batch inputs of docs/DESIGN.md, in order (the arena first).
 TABLE_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
@@ -36,9 +37,9 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         """`param_names`: the packed params in export order. `modules`: the compiled target modules
         (name, in, out); their order is module index m. `linears`: weight kind (e.g. "qkv_proj") ->
         the HF linears it holds as (name, first row, end row). `arena_elems`: L*P*E, or None for a
-        symbolic arena size. `kernel`: "single" (stage 1) or "gather" (stage 2)."""
-        if kernel not in KERNELS:
-            raise ValueError(f"unknown LoRA kernel {kernel!r}; choose from {', '.join(KERNELS)}")
+        symbolic arena size. `kernel`: "single" (stage 1), "gather" (stage 2) or "sgmv" (stage 3)."""
+        if kernel not in (*KERNELS, "sgmv"):
+            raise ValueError(f"unknown LoRA kernel {kernel!r}; choose from {', '.join(KERNELS)}, sgmv")
         self.param_names = list(param_names)
         self.module_index = {name: i for i, (name, _, _) in enumerate(modules)}
         self.num_modules = len(modules)
@@ -164,6 +165,12 @@ class _Rewriter(relax.PyExprMutator):
         bb, t, n, R = self.builder_, self.inputs, self.n_tok, self.opts.max_rank
         tables = [t["lora_rank"], t["lora_scale"], t["lora_a_off"], t["lora_b_off"]]
         lay = relax.prim_value(tvm.tirx.IntImm("int64", layer))
+        if self.opts.kernel == "sgmv":
+            shrink, expand = self._sgmv_kernels(in_f, out_f, mi, dtype)
+            v = bb.emit(relax.call_tir(shrink, [x2, t["lora_arena"], t["lora_token_slot"], *tables[:3], lay],
+                                       relax.TensorType([n, num_chunks(in_f), R], "float32")))
+            return bb.emit(relax.call_tir(expand, [v, t["lora_arena"], t["lora_token_slot"], tables[0],
+                                                   tables[3], lay], relax.TensorType([n, out_f], dtype)))
         gv = self._kernel(in_f, out_f, mi, dtype)
         if self.opts.kernel == "gather":
             return bb.emit(relax.call_tir(gv, [x2, t["lora_arena"], t["lora_token_slot"], *tables, lay],
@@ -192,6 +199,20 @@ class _Rewriter(relax.PyExprMutator):
             name = f"lora_{o.kernel}_m{mi}_{in_f}x{out_f}"
             self.kernels[key] = self.builder_.add_func(func.with_attr("global_symbol", name), name)
         return self.kernels[key]
+
+
+    def _sgmv_kernels(self, in_f: int, out_f: int, mi: int, dtype: str):
+        o, out = self.opts, []
+        for part, make in (("shrink", lambda: lora_sgmv_shrink_kernel(in_f, mi, o.num_layers, o.max_rank,
+                                                                      o.num_modules, dtype, self.target)),
+                           ("expand", lambda: lora_sgmv_expand_kernel(in_f, out_f, mi, o.num_layers, o.max_rank,
+                                                                      o.num_modules, dtype, self.target))):
+            key = ("sgmv", part, in_f, out_f if part == "expand" else 0, mi, dtype)
+            if key not in self.kernels:
+                name = f"lora_sgmv_{part}_m{mi}_{in_f}x{out_f}" if part == "expand" else f"lora_sgmv_shrink_m{mi}_{in_f}"
+                self.kernels[key] = self.builder_.add_func(make().with_attr("global_symbol", name), name)
+            out.append(self.kernels[key])
+        return out
 
 
 def _prod(values):

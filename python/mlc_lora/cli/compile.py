@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-lora-rank", type=int, default=0, help="largest adapter rank served")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="linears adapters may target (default: q k v o gate up down _proj)")
-    p.add_argument("--lora-kernel", choices=["single", "gather"], default="gather",
-                   help="single: one adapter per batch, dense GEMMs; gather: per-token gather")
+    p.add_argument("--lora-kernel", choices=["single", "gather", "sgmv"], default="gather",
+                   help="single: one adapter per batch, dense GEMMs; gather: per-token gather; sgmv: fused shrink+expand")
     a = p.parse_args(argv)
     opts = CompileOptions(target=a.target, dtype=a.dtype, cuda_arch=a.cuda_arch,
                           context_window_size=a.context_window_size,

@@ -20,7 +20,7 @@ from ..errors import LoraError
 PAGE_SIZE = 16
 # Canonical order of the Llama linears a LoRA adapter may target; module index m follows it.
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KERNELS = ("single", "gather")
+KERNELS = ("single", "gather", "sgmv")
 
 
 @dataclasses.dataclass(frozen=True)

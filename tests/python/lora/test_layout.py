@@ -126,7 +126,7 @@ def test_pack_adapter_refuses_what_was_not_compiled():
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(target_modules=["q_proj", "lm_head"]), "unknown LoRA target module"),
-    (dict(kernel="sgmv"), "unknown LoRA kernel"),
+    (dict(kernel="bgmv"), "unknown LoRA kernel"),
     (dict(max_rank=0), "max-lora-rank must be >= 1"),
     (dict(pool_pages=0), "lora-pool-pages must be >= 1"),
     (dict(pool_pages=2**21), "exceeds 2\\^31"),

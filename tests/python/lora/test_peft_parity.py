@@ -57,7 +57,7 @@ def lora_setup(tmp_path_factory):
         # The reference is PEFT loading the saved folder, like any user would.
         refs[aid] = peft.PeftModel.from_pretrained(copy.deepcopy(base), root / f"adapter{aid}").eval()
     compiled = {}
-    for kernel in ("gather", "single"):
+    for kernel in ("gather", "single", "sgmv"):
         compiled[kernel] = compile_model(
             root / "hf", root / f"lora-{kernel}",
             CompileOptions(prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96,
@@ -140,19 +140,20 @@ def _check_against_peft(refs, out, seqs):
     return worst
 
 
-def test_mixed_adapter_batch_matches_peft_gather(lora_setup):
+@pytest.mark.parametrize("kernel", ["gather", "sgmv"])
+def test_mixed_adapter_batch_matches_peft_gather(lora_setup, kernel):
     cfg, root, refs, compiled = lora_setup
-    runner = ModelRunner(compiled["gather"])
+    runner = ModelRunner(compiled[kernel])
     arena = _arena(runner, cfg, root)
     out, seqs = _run_batches(runner, arena, [list(range(len(REQUESTS)))])
-    print(f"gather, one mixed batch: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
+    print(f"{kernel}, one mixed batch: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
     # The adapters matter: every adapter request differs visibly from the base model.
     for i, (aid, prompt) in enumerate(REQUESTS):
         if aid is not None:
             assert np.abs(out[i][0] - _peft_logits(refs[None], prompt)).max() > 1e-2, f"adapter {aid}"
 
 
-@pytest.mark.parametrize("kernel", ["gather", "single"])
+@pytest.mark.parametrize("kernel", ["gather", "single", "sgmv"])
 def test_tables_from_the_cpp_pool_match_peft(lora_setup, kernel):
     """The same requests with the adapters loaded into the C++ unified pool (KV pages and adapter
     pages in one arena) and the pool's own per-batch tables."""
@@ -162,7 +163,7 @@ def test_tables_from_the_cpp_pool_match_peft(lora_setup, kernel):
     for aid in (3, 1, 5, 2, 4):
         p = pack_peft_adapter(root / f"adapter{aid}", runner.config)
         rt.pool_load_adapter(kv, aid, p.pages, p.a_off, p.b_off, p.rank, p.scale, False)
-    batches = [list(range(len(REQUESTS)))] if kernel == "gather" else _one_adapter_batches()
+    batches = [list(range(len(REQUESTS)))] if kernel != "single" else _one_adapter_batches()
     out, seqs = _run_batches(runner, "pool", batches, kv=kv)
     print(f"{kernel} with the C++ pool: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
     rt.pool_check_invariants(kv)
@@ -176,11 +177,12 @@ def test_single_adapter_batches_match_peft_and_gather(lora_setup):
     print(f"single, one adapter per batch: max abs error vs PEFT {_check_against_peft(refs, out1, seqs):.2e}")
     with pytest.raises(MLCLoraError, match="compiled with --lora-kernel single: a batch may use one adapter"):
         _run_batches(single, _arena(single, cfg, root), [[0, 2]])
-    gather = ModelRunner(compiled["gather"])
-    out2, _ = _run_batches(gather, _arena(gather, cfg, root), batches)
-    for i in out1:
-        for a, b in zip(out1[i], out2[i]):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    for kernel in ("gather", "sgmv"):  # stages 2 and 3 agree with stage 1 on its batches
+        other = ModelRunner(compiled[kernel])
+        out2, _ = _run_batches(other, _arena(other, cfg, root), batches)
+        for i in out1:
+            for a, b in zip(out1[i], out2[i]):
+                np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 def test_base_only_batch_and_config_record(lora_setup):

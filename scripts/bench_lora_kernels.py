@@ -1,0 +1,219 @@
+"""LoRA kernels on the GPU: stage 2 (`gather`), stage 3 (`sgmv`), a torch gathered-bmm reference,
+against the base GEMM (torch.matmul = cuBLAS) of the same linear.
+
+  compile (any machine, no GPU):  python scripts/bench_lora_kernels.py compile --out lora_k.so
+  run (the GPU machine):          python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR
+
+Timing: CUDA events around replays of a CUDA graph holding one call per copy; the base weights and
+the adapter rows are rotated over >= 256 MB (copies capped for the big token counts) so they are
+read from HBM as in a real forward. Median of the replays, per call. Roofline: the bytes that must
+move (A and B^T rows of the distinct adapters used + x + y read and write) at 4.2 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in, out)
+RS = [16, 64]  # compiled max ranks
+DTYPE = "float16"
+HBM = 4.2e12
+# (shape, T, N, ranks): the headline shape over T and N, the rank variants, the other shapes.
+POINTS = ([((4096, 4096), t, 16, 16) for t in (1, 16, 64, 256, 1024, 4096)]
+          + [((4096, 4096), t, n, 16) for t in (1, 64, 1024, 4096) for n in (1, 4, 64)]
+          + [((4096, 4096), 64, 16, r) for r in (8, 64, "mixed")]
+          + [((4096, 4096), 1024, 16, r) for r in (64, "mixed")]
+          + [(s, t, 16, 16) for s in SHAPES[1:] for t in (1, 64, 1024, 4096)])
+
+
+def fname(kind, r, i, o):
+    return f"{kind}_r{r}_{i}x{o}"
+
+
+def compile_lib(out: Path) -> None:
+    import tvm  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compile import prepare_cuda_build  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes import lora_kernels as K, lora_sgmv as G  # pylint: disable=import-outside-toplevel
+
+    prepare_cuda_build()
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    funcs = {}
+    for r in RS:
+        for i, o in SHAPES:
+            funcs[fname("gather", r, i, o)] = K.lora_gather_kernel(i, o, 0, 1, r, 1, DTYPE, target)
+            funcs[fname("shrink", r, i, o)] = G.lora_sgmv_shrink_kernel(i, 0, 1, r, 1, DTYPE, target)
+            funcs[fname("expand", r, i, o)] = G.lora_sgmv_expand_kernel(i, o, 0, 1, r, 1, DTYPE, target)
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
+    with target:
+        tvm.compile(mod, target=target).export_library(str(out))
+    print(f"built {out}")
+
+
+def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+    from mlc_lora.runner import _tvm, load_cuda_runtime  # pylint: disable=import-outside-toplevel
+
+    tvm = _tvm()
+    load_cuda_runtime()
+    lib = tvm.runtime.load_module(args.lib)
+    out_dir = Path(args.log_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir / "bench_lora_kernels.log", "w")  # pylint: disable=consider-using-with
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    dev = "cuda"
+
+    def capture(fn, n_calls):
+        fn(0)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(g, capture_error_mode="relaxed")):
+            for c in range(n_calls):
+                fn(c)
+        g.replay()
+        return g
+
+    def timed(graphs, calls, reps=10):
+        ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+               for _ in range(reps)] for _ in graphs]
+        for i in range(reps):
+            for g, e in zip(graphs, ev):
+                e[i][0].record()
+                g.replay()
+                e[i][1].record()
+        torch.cuda.synchronize()
+        return [statistics.median(a.elapsed_time(b) for a, b in e) * 1e3 / calls for e in ev]
+
+    rows = []
+    for (i_f, o_f), T, N, rk in POINTS:
+        ranks = [8, 16, 32, 64][:N] * (N // 4) if rk == "mixed" else [rk] * N
+        ranks = ranks[:N] if ranks else [8]
+        R = 16 if max(ranks) <= 16 else 64
+        slot = rng.integers(0, N, T).astype(np.int32)
+        used = sorted(set(slot.tolist()))
+        region = sum(r * (i_f + o_f) for r in ranks)  # elements of one copy's adapter rows
+        big = T >= 1024
+        copies = max(2, min(8 if big else 64, math.ceil((256 << 20) / (2 * region))))
+        arena = torch.randn(copies * region, device=dev, dtype=torch.float16) * 0.05
+        tables = []
+        for c in range(copies):
+            a_off = np.zeros((N, 1, 64), np.int32)
+            b_off = np.zeros((N, 1, 64), np.int32)
+            pos = c * region
+            for s, r in enumerate(ranks):
+                for k in range(r):
+                    a_off[s, 0, k] = pos
+                    pos += i_f
+                for k in range(r):
+                    b_off[s, 0, k] = pos
+                    pos += o_f
+            tables.append([torch.from_numpy(a[:, :, :R].copy()).to(dev) for a in (a_off, b_off)])
+        t_slot = torch.from_numpy(slot).to(dev)
+        t_rank = torch.tensor(ranks, dtype=torch.int32, device=dev)
+        scale = torch.full((N, 1), 2.0, dtype=torch.float32, device=dev)
+        x = torch.randn(T, i_f, device=dev, dtype=torch.float16)
+        wcopies = max(2, min(8 if big else 64, math.ceil((256 << 20) / (2 * i_f * o_f))))
+        ws = [torch.randn(o_f, i_f, device=dev, dtype=torch.float16) * i_f ** -0.5 for _ in range(wcopies)]
+        C = -(-i_f // 512)
+        v = torch.empty(T, C, R, device=dev, dtype=torch.float32)
+        y2 = torch.empty(T, o_f, device=dev, dtype=torch.float16)
+        y3 = torch.empty(T, o_f, device=dev, dtype=torch.float16)
+        gather, shrink, expand = (lib[fname(k, R, i_f, o_f)] for k in ("gather", "shrink", "expand"))
+
+        def stage2(c):
+            a, b = tables[c % copies]
+            gather(x, arena, t_slot, t_rank, scale, a, b, 0, y2)
+
+        def stage3(c):
+            a, b = tables[c % copies]
+            shrink(x, arena, t_slot, t_rank, scale, a, 0, v)
+            expand(v, arena, t_slot, t_rank, b, 0, y3)
+
+        # Correctness: both against a float64 torch reference of the same rows (copy 0).
+        a0, b0 = (t.cpu().numpy().astype(np.int64) for t in tables[0])
+        ar = arena.double()
+        ref = torch.zeros(T, o_f, dtype=torch.float64, device=dev)
+        for s in used:
+            idx = torch.from_numpy(np.flatnonzero(slot == s)).to(dev)
+            A = torch.stack([ar[int(a0[s, 0, k]):int(a0[s, 0, k]) + i_f] for k in range(ranks[s])])
+            B = torch.stack([ar[int(b0[s, 0, k]):int(b0[s, 0, k]) + o_f] for k in range(ranks[s])])
+            ref[idx] = 2.0 * (x[idx].double() @ A.T) @ B
+        stage2(0)
+        stage3(0)
+        torch.cuda.synchronize()
+        err2 = ((y2.double() - ref).norm() / ref.norm()).item()
+        err3 = ((y3.double() - ref).norm() / ref.norm()).item()
+        # torch gathered bmm over stacked (N, r_max, in) / (N, out, r_max) weights (padded ranks).
+        rmax = max(ranks)
+        As = torch.zeros(N, rmax, i_f, device=dev, dtype=torch.float16)
+        Bs = torch.zeros(N, o_f, rmax, device=dev, dtype=torch.float16)
+        for s in range(N):
+            As[s, :ranks[s]] = arena[int(a0[s, 0, 0]):int(a0[s, 0, 0]) + ranks[s] * i_f].view(ranks[s], i_f)
+            Bs[s, :, :ranks[s]] = arena[int(b0[s, 0, 0]):int(b0[s, 0, 0]) + ranks[s] * o_f].view(ranks[s], o_f).T * 2.0
+        idx_l = t_slot.long()
+
+        def torch_ref(_c):
+            h = torch.bmm(As[idx_l], x.unsqueeze(2))  # (T, r, 1)
+            return torch.bmm(Bs[idx_l], h)
+
+        errt = ((torch_ref(0).squeeze(2).double() - ref).norm() / ref.norm()).item()
+        graphs = [capture(lambda c: torch.matmul(x, ws[c % wcopies].T), wcopies),
+                  capture(stage2, copies), capture(stage3, copies)]
+        calls = [wcopies, copies, copies]
+        do_torch = T * rmax * (i_f + o_f) * 2 <= (2 << 30)
+        if do_torch:
+            graphs.append(capture(torch_ref, 4))
+            calls.append(4)
+        times = [timed([g], n)[0] for g, n in zip(graphs, calls)]
+        t_base, t2, t3 = times[:3]
+        tt = times[3] if do_torch else float("nan")
+        nbytes = 2 * (sum(ranks[s] * (i_f + o_f) for s in used) + T * i_f + 2 * T * o_f)
+        roof = nbytes / HBM * 1e6
+        row = dict(shape=f"{i_f}->{o_f}", T=T, N=N, r=rk, R=R, base=t_base, gather=t2, sgmv=t3, torch=tt,
+                   ratio=t3 / t_base, roof=roof / t3, err2=err2, err3=err3, errt=errt)
+        rows.append(row)
+        msg = (f"{row['shape']} T={T} N={N} r={rk} (R={R}): base {t_base:.1f} us, gather {t2:.1f}, "
+               f"sgmv {t3:.1f}, torch-bmm {tt:.1f}; sgmv/base {t3 / t_base:.2f}, roofline {roof:.1f} us "
+               f"= {100 * roof / t3:.0f}%; rel err gather {err2:.1e} sgmv {err3:.1e} torch {errt:.1e}")
+        print(msg, flush=True)
+        log.write(msg + "\n")
+        log.flush()
+        del graphs, arena, ws, As, Bs
+        torch.cuda.empty_cache()
+    lines = ["| shape | T | N | r | R | base GEMM us | gather us | sgmv us | torch bmm us | sgmv/base | "
+             "sgmv % roofline | rel err sgmv |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w in rows:
+        lines.append(f"| {w['shape']} | {w['T']} | {w['N']} | {w['r']} | {w['R']} | {w['base']:.1f} | "
+                     f"{w['gather']:.1f} | {w['sgmv']:.1f} | {w['torch']:.1f} | {w['ratio']:.2f} | "
+                     f"{100 * w['roof']:.0f} | {w['err3']:.1e} |")
+    text = "\n".join(lines)
+    log.write(text + "\n")
+    print(text)
+    import json  # pylint: disable=import-outside-toplevel
+    (out_dir / "bench_lora_kernels.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile")
+    c.add_argument("--out", type=Path, required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--lib", required=True)
+    r.add_argument("--log-dir", default=".")
+    a = p.parse_args(argv)
+    if a.cmd == "compile":
+        compile_lib(a.out)
+        return 0
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
