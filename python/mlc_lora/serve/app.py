@@ -41,14 +41,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-_NOT_FOUND = tuple(c for c in (getattr(errors, "UnknownAdapterError", None),) if c is not None) or (LookupError,)
-
-
 def api_error(e: BaseException) -> APIError:
     """The HTTP status and body of an exception raised while serving a request."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, _NOT_FOUND):  # a request for an adapter that is not loaded
+    if isinstance(e, errors.UnknownAdapterError):  # a request for an adapter that is not loaded
         return APIError(404, str(e), "not_found_error", "model_not_found")
     if isinstance(e, (errors.RequestError, errors.LoraError)):
         return APIError(400, str(e))

@@ -1,7 +1,6 @@
 """LoRA adapters through `mlc_lora serve`: selection by `model`, runtime load/unload, path checks,
 and 64 concurrent streams over 8 adapters; references are HF + PEFT greedy runs of the same folders.
 
-Needs the engine's adapter API (MLCEngine.load_adapter / unload_adapter / list_adapters).
 """
 
 from __future__ import annotations
@@ -14,14 +13,8 @@ import httpx
 import openai
 import pytest
 
-from mlc_lora.engine import MLCEngine
-
 from .conftest import API_KEY, greedy_reference, make_chat_model, run_server, scrape, wait_idle
 
-pytestmark = pytest.mark.skipif(
-    not all(hasattr(MLCEngine, f) for f in ("load_adapter", "unload_adapter", "list_adapters")),
-    reason="the engine's adapter API (MLCEngine.load_adapter / unload_adapter / list_adapters) is not on "
-           "this branch yet")
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # eight adapters: ranks 2..8, different targets and alphas
