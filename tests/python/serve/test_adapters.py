@@ -1,6 +1,5 @@
 """LoRA adapters through `mlc_lora serve`: selection by `model`, runtime load/unload, path checks,
 and 64 concurrent streams over 8 adapters; references are HF + PEFT greedy runs of the same folders.
-
 """
 
 from __future__ import annotations
