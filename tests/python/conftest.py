@@ -42,6 +42,24 @@ def make_tiny_hf_model(folder: Path, name: str, seed: int = 0):
     return model
 
 
+def save_adapter(base, folder, seed, b_std=0.2, **lora_config):
+    """A seeded PEFT adapter of `base` with non-zero B (PEFT starts B at zero), saved to `folder`;
+    returns PEFT loading the saved folder, as a user would: the reference the tests compare with."""
+    import copy
+
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**lora_config))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(b_std * torch.randn_like(p))
+    pm.save_pretrained(folder)
+    return peft.PeftModel.from_pretrained(copy.deepcopy(base), folder).eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """name -> (hf_model, compiled_dir) for every tiny config, compiled for llvm once per session."""

@@ -6,12 +6,9 @@ The adapters, requests and the two libraries come from tests/python/lora/test_pe
 """
 
 import asyncio
-import copy
-import json
 import shutil
 import threading
 
-import peft
 import pytest
 import torch
 
@@ -19,7 +16,7 @@ from mlc_lora import AsyncMLCEngine, MLCEngine
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import LoraError, PoolExhaustedError, UnknownAdapterError
 
-from ..conftest import make_tiny_hf_model
+from ..conftest import make_tiny_hf_model, save_adapter
 from ..lora.test_peft_parity import ADAPTERS, REQUESTS, lora_setup  # noqa: F401  (module fixture)
 
 MAX_TOKENS = 6
@@ -36,18 +33,6 @@ def peft_greedy(model, prompt, n):
             lps.append(float(torch.log_softmax(logits, -1)[t]))
             ids.append(t)
     return ids[len(prompt):], lps
-
-
-def save_adapter(base, folder, seed, b_std=0.2, **kw):
-    """A seeded PEFT adapter with non-zero B, saved to `folder`; returns PEFT's model loading it."""
-    torch.manual_seed(seed)
-    pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kw))
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(b_std * torch.randn_like(p))
-    pm.save_pretrained(folder)
-    return peft.PeftModel.from_pretrained(copy.deepcopy(base), folder).eval()
 
 
 def run_mixed(compiled, root):

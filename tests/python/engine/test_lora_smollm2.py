@@ -5,13 +5,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 
 from mlc_lora import AsyncMLCEngine, MLCEngine
 
-from ..conftest import SMOLLM2_COMPILE
+from ..conftest import SMOLLM2_COMPILE, save_adapter
 from ..models.test_smollm2 import hf_model  # noqa: F401  (module fixture: HF Llama with our weights)
-from .test_lora_engine import peft_greedy, save_adapter
+from .test_lora_engine import peft_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -5,11 +5,9 @@ rank/alpha patterns and a regex target, one on a single layer) are packed into a
 tables come from the numpy table builder (what the C++ pool must produce).
 """
 
-import copy
 import json
 
 import numpy as np
-import peft
 import pytest
 import torch
 
@@ -22,7 +20,7 @@ from mlc_lora.lora.peft import load_peft_adapter
 from mlc_lora.models.llama import LlamaConfig
 from mlc_lora.runner import ModelRunner
 
-from ..conftest import make_tiny_hf_model
+from ..conftest import make_tiny_hf_model, save_adapter
 
 ADAPTERS = {
     # id: LoraConfig kwargs
@@ -47,15 +45,7 @@ def lora_setup(tmp_path_factory):
     cfg = LlamaConfig.from_dict(json.loads((root / "hf" / "config.json").read_text()))
     refs = {None: base}
     for aid, kw in ADAPTERS.items():
-        torch.manual_seed(100 + aid)
-        pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kw))
-        with torch.no_grad():
-            for n, p in pm.named_parameters():
-                if "lora_B" in n:  # PEFT starts B at zero; make the adapter do something
-                    p.copy_(0.2 * torch.randn_like(p))
-        pm.save_pretrained(root / f"adapter{aid}")
-        # The reference is PEFT loading the saved folder, like any user would.
-        refs[aid] = peft.PeftModel.from_pretrained(copy.deepcopy(base), root / f"adapter{aid}").eval()
+        refs[aid] = save_adapter(base, root / f"adapter{aid}", 100 + aid, **kw)
     compiled = {}
     for kernel in ("gather", "single", "sgmv"):
         compiled[kernel] = compile_model(

@@ -5,11 +5,9 @@ come from pool_lora_tables after begin_forward, and an adapter evicted by KV pre
 in from its host copy when its sequence returns.
 """
 
-import copy
 import json
 
 import numpy as np
-import peft
 import pytest
 import torch
 import tvm
@@ -21,7 +19,7 @@ from mlc_lora.lora.peft import load_peft_adapter
 from mlc_lora.models.llama import LlamaConfig
 from mlc_lora.runner import ModelRunner
 
-from ..conftest import make_tiny_hf_model
+from ..conftest import make_tiny_hf_model, save_adapter
 
 S = tvm.runtime.ShapeTuple
 begin = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
@@ -42,14 +40,7 @@ def setup(tmp_path_factory):
     cfg = LlamaConfig.from_dict(json.loads((root / "hf" / "config.json").read_text()))
     refs = {None: base}
     for aid, kw in ADAPTERS.items():
-        torch.manual_seed(200 + aid)
-        pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(**kw))
-        with torch.no_grad():
-            for n, p in pm.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(0.2 * torch.randn_like(p))
-        pm.save_pretrained(root / f"adapter{aid}")
-        refs[aid] = peft.PeftModel.from_pretrained(copy.deepcopy(base), root / f"adapter{aid}").eval()
+        refs[aid] = save_adapter(base, root / f"adapter{aid}", 200 + aid, **kw)
     compiled = compile_model(root / "hf", root / "lora", CompileOptions(
         prefill_chunk_size=128, max_batch_size=8, lora_pool_pages=POOL_PAGES, max_lora_rank=16),
         progress=False)
