@@ -20,6 +20,7 @@
  */
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
+#include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
 #include <tvm/runtime/device_api.h>
@@ -81,6 +82,32 @@ Tensor View(const Tensor& base, int64_t byte_offset, std::vector<int64_t> shape,
 }
 
 int64_t Bytes(DLDataType t) { return (t.bits * t.lanes + 7) / 8; }
+
+/*!
+ * \brief Copy `bytes` from host memory into `dst`, ordered on the device's current stream
+ * without waiting for it. Tensor::CopyFromBytes synchronizes the stream, which stalls the host
+ * until the GPU has drained every step's queue; here the driver stages the pageable source at
+ * once (so `src` may be reused on return) and the host runs ahead. With no stream set, TVM's
+ * kernels go to the legacy default stream: cudaStreamLegacy (0x1) names it for the async copy.
+ */
+void UploadAsync(const Tensor& dst, const void* src, int64_t bytes) {
+  const DLDevice dev = dst->device;
+  if (dev.device_type == kDLCPU || bytes == 0) {
+    std::memcpy(static_cast<char*>(dst->data) + dst->byte_offset, src, bytes);
+    return;
+  }
+  int64_t n = bytes;
+  DLTensor from{const_cast<void*>(src), DLDevice{kDLCPU, 0}, 1, DLDataType{kDLUInt, 8, 1}, &n,
+                nullptr, 0};
+  DLTensor to = *dst.operator->();
+  to.ndim = 1;
+  to.shape = &n;
+  to.strides = nullptr;
+  to.dtype = DLDataType{kDLUInt, 8, 1};
+  void* stream = TVMFFIEnvGetStream(dev.device_type, dev.device_id);
+  if (stream == nullptr && dev.device_type == kDLCUDA) stream = reinterpret_cast<void*>(0x1);
+  tvm::runtime::DeviceAPI::Get(dev)->CopyDataFromTo(&from, &to, stream);
+}
 
 /*! \brief First element of a host tensor (DLPack producers may set byte_offset). */
 template <typename T>
@@ -513,8 +540,7 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
     split_keys_ = (max_kv + num_splits_ - 1) / num_splits_;
     split_keys_ = (split_keys_ + cfg_.page_size - 1) / cfg_.page_size * cfg_.page_size;
     num_splits_ = (max_kv + split_keys_ - 1) / split_keys_;
-    View(aux_dev_, 0, {off_page_indices_ + pg}, kInt32)
-        .CopyFromBytes(h, (off_page_indices_ + pg) * sizeof(int32_t));
+    UploadAsync(aux_dev_, h, (off_page_indices_ + pg) * sizeof(int32_t));
     auto seg = [&](int64_t off, int64_t n) { return View(aux_dev_, off * 4, {n}, kInt32); };
     qo_indptr_ = seg(off_qo_indptr_, b + 1);
     page_indptr_ = seg(off_page_indptr_, b + 1);
@@ -669,7 +695,7 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
       int64_t n = 1;
       for (int64_t x : shape) n *= x;
       Tensor v = View(dev, 0, shape, dtype);
-      v.CopyFromBytes(src, n * 4);
+      UploadAsync(v, src, n * 4);
       return v;
     };
     lora_tables_ = {arena_flat_,
@@ -828,7 +854,21 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_sequence_pages",
            [](Ref kv, int64_t seq) { return Pool(kv)->SequencePages(seq); })
       .def("mlc_lora.runtime.pool_check_invariants",
-           [](Ref kv) { Pool(kv)->CheckInvariants(); });
+           [](Ref kv) { Pool(kv)->CheckInvariants(); })
+      .def("mlc_lora.runtime.upload_async", [](Tensor dst, ffi::TensorView src) {
+        // host array -> device tensor of the same size, without a stream synchronization
+        if (src.device().device_type != kDLCPU || !src.IsContiguous()) {
+          TVM_FFI_THROW(ValueError) << "upload_async takes a contiguous host array";
+        }
+        int64_t n = 1;
+        for (int64_t i = 0; i < src.ndim(); ++i) n *= src.size(i);
+        const int64_t bytes = n * Bytes(src.dtype());
+        if (bytes != tvm::ffi::GetDataSize(*dst.operator->()) || src.dtype() != dst->dtype) {
+          TVM_FFI_THROW(ValueError) << "upload_async: " << src.dtype() << src.shape()
+                                    << " does not fit " << dst->dtype << dst.Shape();
+        }
+        UploadAsync(dst, HostData<char>(src), bytes);
+      });
 }
 
 }  // namespace mlc_lora
