@@ -5,7 +5,8 @@ TVM's TIR attention kernels run their prefill on SIMT FMAs (no tensor cores, 5.5
 16 x 512 tokens on the H200) and their decode with one block per (sequence, KV head), which
 leaves most SMs idle at small batches (docs/GPU.md). These replace both on sm_80+ GPUs:
 - prefill: FlashAttention-2 on mma.sync, causal (bottom-right aligned), reading K/V from pages;
-- decode: split-KV ("flash-decoding"), the split count chosen per batch by the cache, then a merge.
+- decode: split-KV ("flash-decoding"), the split count chosen per batch by the cache; the last
+  block of each (sequence, head) merges the splits (one launch).
 
 Semantics (both): o[i, h] = softmax_j(sm_scale * q[i, h] . K[j, kvh]) @ V[j, kvh] over the keys j
 that query i may see (j <= i + kv_len - q_len), kvh = h // (h_q // h_kv); lse in base 2.
@@ -88,8 +89,7 @@ def build(dtype: str, head_dim: int, num_qo_heads: int, num_kv_heads: int, arch:
     ptr, i32, f32 = "handle", "int32", "float32"
     module = cuda_source.cuda_module(cubin, {
         "mlc_lora_attn_prefill": [ptr] * 8 + [i32, i32, f32],
-        "mlc_lora_attn_decode": [ptr] * 9 + [i32, i32, i32, f32],
-        "mlc_lora_attn_merge": [ptr] * 4 + [i32, i32, i32],
+        "mlc_lora_attn_decode": [ptr] * 10 + [i32, i32, i32, f32],
     })
     return _prefill(dtype, head_dim, num_qo_heads, num_kv_heads), \
         _decode(dtype, head_dim, num_qo_heads, num_kv_heads), module
@@ -124,16 +124,18 @@ def _prefill(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-
 
 def _decode(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-name
     """Signature: (q (b, h_q, d), pages, page_indptr (b+1,), page_indices (m,), last_page_len
-    (b,), o (b, h_q, d) [out], lse (b, h_q) [out], part_o (w,) f32, part_lse (w2,) f32
-    [workspace], num_splits: int32, chunk: int32 (keys per split), sm_scale: float32)."""
+    (b,), o (b, h_q, d) [out], lse (b, h_q) [out], part_o (w,) f32, part_lse (w2,) f32,
+    counters (w3,) int32 [workspace; counters zero before the first call, left zero after each],
+    num_splits: int32, chunk: int32 (keys per split), sm_scale: float32)."""
 
     # pylint: disable=unused-variable
     @T.prim_func
     def attn_decode(q_h: T.handle, pages_h: T.handle, page_indptr_h: T.handle,
                     page_indices_h: T.handle, last_h: T.handle, o_h: T.handle, lse_h: T.handle,
-                    part_o_h: T.handle, part_lse_h: T.handle, num_splits: T.int32,
-                    chunk: T.int32, sm_scale: T.float32):
-        b, b1, p, m, w, w2 = T.int32(), T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
+                    part_o_h: T.handle, part_lse_h: T.handle, counters_h: T.handle,
+                    num_splits: T.int32, chunk: T.int32, sm_scale: T.float32):
+        b, b1, p, m = T.int32(), T.int32(), T.int32(), T.int32()
+        w, w2, w3 = T.int32(), T.int32(), T.int32()
         q = T.match_buffer(q_h, (b, HQ, D), dtype)
         pages = T.match_buffer(pages_h, (p, 2, HKV, PAGE_SIZE, D), dtype)
         page_indptr = T.match_buffer(page_indptr_h, (b1,), "int32")
@@ -143,13 +145,11 @@ def _decode(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-n
         lse = T.match_buffer(lse_h, (b, HQ), "float32")
         part_o = T.match_buffer(part_o_h, (w,), "float32")
         part_lse = T.match_buffer(part_lse_h, (w2,), "float32")
+        counters = T.match_buffer(counters_h, (w3,), "int32")
         T.call_packed("mlc_lora_attn_decode", q.data, pages.data, page_indptr.data,
                       page_indices.data, last.data, o.data, lse.data, part_o.data,
-                      part_lse.data, HQ, HKV, chunk, sm_scale * T.float32(_LOG2E),
+                      part_lse.data, counters.data, HQ, HKV, chunk, sm_scale * T.float32(_LOG2E),
                       num_splits, HQ, b, THREADS)
-        if num_splits > 1:
-            T.call_packed("mlc_lora_attn_merge", part_o.data, part_lse.data, o.data, lse.data,
-                          num_splits, b, HQ, HQ, b, 1, D)
 
     return attn_decode
 

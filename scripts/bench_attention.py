@@ -119,6 +119,7 @@ def run(lib_dir: Path, out_json: Path | None) -> None:  # pylint: disable=too-ma
 
         work_o = torch.empty((264 + 256 * hq) * d, dtype=torch.float32, device=dev)
         work_l = torch.empty(264 + 256 * hq, dtype=torch.float32, device=dev)
+        counters = torch.zeros(256 * hq, dtype=torch.int32, device=dev)
 
         def splits(b, max_kv):  # the cache's rule (src/runtime/unified_kv_cache.cc BuildAux)
             n = min(-(-264 // (b * hq)), 32, max(1, max_kv // 64))
@@ -129,7 +130,7 @@ def run(lib_dir: Path, out_json: Path | None) -> None:  # pylint: disable=too-ma
         def ours_decode(q, pages, page_indptr, page_indices, last, o, lse, max_kv):
             n, keys = splits(q.shape[0], max_kv)
             lib["ours_decode"](tv(q), tv(pages), tv(page_indptr), tv(page_indices), tv(last), tv(o), tv(lse),
-                               tv(work_o), tv(work_l), n, keys, scale)
+                               tv(work_o), tv(work_l), tv(counters), n, keys, scale)
 
         def tir_prefill(q, qo_indptr, pages, page_indptr, page_indices, last, o, lse):
             zeros_b = torch.zeros(len(qo_indptr) - 1, dtype=torch.int32, device=dev)

@@ -277,7 +277,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 // Split-KV (flash-decoding): a block is one (split of the context, query head, sequence). Each
 // key row is read by D/8 threads with 16-byte loads, RPI rows per step, UNROLL steps of loads in
 // flight; rows keep their own online softmax and are combined through shared memory. With one
-// split the block writes the output; otherwise it writes fp32 partials that _merge combines.
+// split the block writes the output; otherwise it writes fp32 partials, and the last block of a
+// (sequence, head) to finish (a counter per pair, reset by that block) merges them: no second
+// launch.
 namespace {
 constexpr int VEC = 8;
 constexpr int TPR = D / VEC;            // threads per key row
@@ -296,9 +298,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
                          const int* __restrict__ page_indptr,
                          const int* __restrict__ page_indices,
                          const int* __restrict__ last_page_len, T* __restrict__ o,
-                         float* __restrict__ lse, float* __restrict__ part_o,
-                         float* __restrict__ part_lse, int hq, int hkv, int chunk,
-                         float sm_scale_log2) {
+                         float* __restrict__ lse, float* part_o, float* part_lse, int* counters,
+                         int hq, int hkv, int chunk, float sm_scale_log2) {
   const int split = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
   const int nsplit = gridDim.x, b = gridDim.z;
   const int kv_len = seq_kv_len(page_indptr, last_page_len, s);
@@ -351,6 +352,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 
   __shared__ float sm_m[RPI], sm_l[RPI];
   __shared__ float sm_acc[RPI][D];
+  __shared__ bool is_last;
   if (sub == 0) {
     sm_m[row] = m;
     sm_l[row] = l;
@@ -358,42 +360,50 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 #pragma unroll
   for (int e = 0; e < VEC; ++e) sm_acc[row][sub * VEC + e] = acc[e];
   __syncthreads();
-  if (threadIdx.x >= D) return;
-  float M = -INFINITY;
+  const int dim = threadIdx.x;  // threads >= D only take part in the barriers below
+  float out = 0.f, out_lse = -INFINITY;
+  if (dim < D) {
+    float M = -INFINITY;
 #pragma unroll
-  for (int r = 0; r < RPI; ++r) M = fmaxf(M, sm_m[r]);
-  float L = 0.f, O = 0.f;
+    for (int r = 0; r < RPI; ++r) M = fmaxf(M, sm_m[r]);
+    float L = 0.f, O = 0.f;
 #pragma unroll
-  for (int r = 0; r < RPI; ++r) {
-    const float w = sm_m[r] == -INFINITY ? 0.f : exp2f(sm_m[r] - M);
-    L += sm_l[r] * w;
-    O += sm_acc[r][threadIdx.x] * w;
+    for (int r = 0; r < RPI; ++r) {
+      const float w = sm_m[r] == -INFINITY ? 0.f : exp2f(sm_m[r] - M);
+      L += sm_l[r] * w;
+      O += sm_acc[r][dim] * w;
+    }
+    out = L > 0.f ? O / L : 0.f;
+    out_lse = L > 0.f ? M + log2f(L) : -INFINITY;
   }
-  const float out = L > 0.f ? O / L : 0.f, out_lse = L > 0.f ? M + log2f(L) : -INFINITY;
+  const size_t pair = (size_t)s * hq + h;
   if (nsplit == 1) {
-    o[((size_t)s * hq + h) * D + threadIdx.x] = from_f(out);
-    if (threadIdx.x == 0) lse[(size_t)s * hq + h] = out_lse;
-  } else {
-    const size_t r = ((size_t)split * b + s) * hq + h;
-    part_o[r * D + threadIdx.x] = out;
-    if (threadIdx.x == 0) part_lse[r] = out_lse;
+    if (dim < D) o[pair * D + dim] = from_f(out);
+    if (dim == 0) lse[pair] = out_lse;
+    return;
   }
-}
-
-// Combine the splits of mlc_lora_attn_decode: grid (h_q, batch), D threads.
-extern "C" __global__ void __launch_bounds__(D)
-    mlc_lora_attn_merge(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-                        T* __restrict__ o, float* __restrict__ lse, int nsplit, int b, int hq) {
-  const int h = blockIdx.x, s = blockIdx.y;
-  float M = -INFINITY;
-  for (int k = 0; k < nsplit; ++k) M = fmaxf(M, part_lse[((size_t)k * b + s) * hq + h]);
-  float L = 0.f, O = 0.f;
-  for (int k = 0; k < nsplit; ++k) {
-    const size_t r = ((size_t)k * b + s) * hq + h;
-    const float w = part_lse[r] == -INFINITY ? 0.f : exp2f(part_lse[r] - M);
-    L += w;
-    O += w * part_o[r * D + threadIdx.x];
+  if (dim < D) part_o[((size_t)split * b * hq + pair) * D + dim] = out;
+  if (dim == 0) part_lse[(size_t)split * b * hq + pair] = out_lse;
+  __threadfence();  // partials visible device-wide before this block is counted
+  __syncthreads();
+  if (dim == 0) is_last = atomicAdd(&counters[pair], 1) == nsplit - 1;
+  __syncthreads();
+  if (!is_last) return;
+  if (dim < D) {
+    float M = -INFINITY;
+    for (int k = 0; k < nsplit; ++k) M = fmaxf(M, __ldcg(&part_lse[(size_t)k * b * hq + pair]));
+    float L = 0.f, O = 0.f;
+    for (int k = 0; k < nsplit; ++k) {
+      const size_t r = (size_t)k * b * hq + pair;
+      const float lk = __ldcg(&part_lse[r]);
+      const float w = lk == -INFINITY ? 0.f : exp2f(lk - M);
+      L += w;
+      O += w * __ldcg(&part_o[r * D + dim]);
+    }
+    o[pair * D + dim] = from_f(L > 0.f ? O / L : 0.f);
+    if (dim == 0) {
+      lse[pair] = L > 0.f ? M + log2f(L) : -INFINITY;
+      counters[pair] = 0;  // ready for the next launch
+    }
   }
-  o[((size_t)s * hq + h) * D + threadIdx.x] = from_f(L > 0.f ? O / L : 0.f);
-  if (threadIdx.x == 0) lse[(size_t)s * hq + h] = L > 0.f ? M + log2f(L) : -INFINITY;
 }

@@ -192,6 +192,11 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
       const int64_t rows = kDecodeTargetBlocks + cfg_.max_batch * cfg_.num_qo_heads;
       part_o_ = Tensor::Empty({rows * cfg_.head_dim}, kFloat32, cfg_.device);
       part_lse_ = Tensor::Empty({rows}, kFloat32, cfg_.device);
+      // one arrival counter per (sequence, head); the kernel leaves them at zero
+      const int64_t pairs = cfg_.max_batch * cfg_.num_qo_heads;
+      split_counters_ = Tensor::Empty({pairs}, kInt32, cfg_.device);
+      std::vector<int32_t> zeros(pairs, 0);
+      UploadAsync(split_counters_, zeros.data(), pairs * sizeof(int32_t));
     }
     AllocAux(cfg_.num_pages + cfg_.max_batch);
   }
@@ -299,7 +304,7 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
     if (k_.own_attention) {
       if (is_decode_) {
         k_.decode(q, pages, page_indptr_, page_indices_, last_page_len_, o, lse, part_o_,
-                  part_lse_, num_splits_, split_keys_, sm_scale);
+                  part_lse_, split_counters_, num_splits_, split_keys_, sm_scale);
       } else {
         k_.prefill(q, qo_indptr_, pages, page_indptr_, page_indices_, last_page_len_, o, lse,
                    max_q_len_, sm_scale);
@@ -713,7 +718,7 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
   Tensor arena_;                     // (L*P*E,)
   std::vector<Tensor> layer_pages_;  // per layer (P, 2, h_kv, page_size, d), byte_offset 0
   Tensor q_buf_, k_buf_, v_buf_, lse_buf_;
-  Tensor part_o_, part_lse_;  // split-KV decode partials (own attention kernels only)
+  Tensor part_o_, part_lse_, split_counters_;  // split-KV decode workspace (own kernels only)
 
   // The batch between begin_forward and the next one.
   std::vector<int64_t> cur_seqs_, cur_lens_;
