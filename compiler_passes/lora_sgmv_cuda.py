@@ -68,7 +68,7 @@ def shrink_wrapper(in_f: int, m: int, num_layers: int, max_rank: int, num_module
     name = kernel_names(dtype, max_rank)[0]
 
     # pylint: disable=unused-variable
-    @T.prim_func
+    @T.prim_func(s_tir=True)  # as the TIR kernels (and as relax.BlockBuilder.add_func leaves them)
     def sgmv_shrink_cuda(x_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
                          scale_h: T.handle, aoff_h: T.handle, layer: T.int64, v_h: T.handle):
         T.func_attr(_attrs(True))
@@ -96,7 +96,7 @@ def expand_wrapper(in_f: int, out_f: int, m: int, num_layers: int, max_rank: int
     name = kernel_names(dtype, max_rank)[1]
 
     # pylint: disable=unused-variable
-    @T.prim_func
+    @T.prim_func(s_tir=True)  # as the TIR kernels (and as relax.BlockBuilder.add_func leaves them)
     def sgmv_expand_cuda(v_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
                          boff_h: T.handle, layer: T.int64, y_h: T.handle):
         T.func_attr(_attrs(True))

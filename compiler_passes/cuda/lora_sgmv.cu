@@ -280,7 +280,9 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS)
 #pragma unroll
       for (int j = 0; j < KG; ++j) {
         b[j] = make_uint4(0, 0, 0, 0);
-        if (g + j < r) b[j] = load8(arena + base + offs[g + j], o0, out_f);
+        // A negative offset marks a module the adapter does not target (its h is 0): no read.
+        const int off = g + j < r ? offs[g + j] : -1;
+        if (off >= 0) b[j] = load8(arena + base + off, o0, out_f);
       }
       const bool first = g == 0, last = g + KG >= r;
       uint32_t bits = d_mask[d];
