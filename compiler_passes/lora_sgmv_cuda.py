@@ -10,7 +10,8 @@ Semantics (as lora_sgmv.py):
 
 What they do better than the TIR kernels: a block owns a tile of 16 tokens and reads each A/B
 row once per distinct slot of the tile (16-byte loads), instead of once per token; the grid is
-(ceil(n / 16), C) and (ceil(n / 16), ceil(out / 512)): token count and layer shape only.
+(ceil(n / 16), C, z) and (ceil(n / 16), ceil(out / 512), z), z in 1..8 splitting a tile's
+rows over more blocks when there are few tiles: token count and layer shape only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 MAX_RANK = 128  # the .cu sizes shared memory for R <= 128
 TILE = 16  # tokens per block (TILE in lora_sgmv.cu)
 SHRINK_THREADS, EXPAND_THREADS, EXPAND_OUT = 128, 64, 512
+TARGET_BLOCKS = 528  # 4 per H200 SM: below that, gridDim.z splits a tile's rows over more blocks
+MAX_SPLIT = 8
+
+
+def _split(blocks):
+    """gridDim.z for `blocks` (tile, chunk) or (tile, out tile) pairs: a function of the token
+    count and the layer shape only."""
+    return T.Cast("int32", T.max(1, T.min(MAX_SPLIT, (TARGET_BLOCKS + blocks - 1) // blocks)))
 
 
 def supported(dtype: str, max_rank: int) -> str | None:
@@ -83,7 +92,8 @@ def shrink_wrapper(in_f: int, m: int, num_layers: int, max_rank: int, num_module
         if n > 0:
             T.call_packed(name, x.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
                           v.data, T.Cast("int32", n), in_f, m, M, layer * (size // L),
-                          T.Cast("int32", (n + TILE - 1) // TILE), C, 1, SHRINK_THREADS)
+                          T.Cast("int32", (n + TILE - 1) // TILE), C, _split((n + TILE - 1) // TILE * C),
+                          SHRINK_THREADS)
 
     return sgmv_shrink_cuda
 
@@ -111,6 +121,7 @@ def expand_wrapper(in_f: int, out_f: int, m: int, num_layers: int, max_rank: int
             T.call_packed(name, v.data, arena.data, slot.data, rank.data, b_off.data, y.data,
                           T.Cast("int32", n), C, out_f, m, M, layer * (size // L),
                           T.Cast("int32", (n + TILE - 1) // TILE), (out_f + EXPAND_OUT - 1) // EXPAND_OUT,
-                          1, EXPAND_THREADS)
+                          _split((n + TILE - 1) // TILE * ((out_f + EXPAND_OUT - 1) // EXPAND_OUT)),
+                          EXPAND_THREADS)
 
     return sgmv_expand_cuda

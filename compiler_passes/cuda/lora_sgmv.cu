@@ -140,9 +140,10 @@ __device__ __forceinline__ float warp_sum(float x) {
 }  // namespace
 
 // ------------------------------------------------------------------------------------- shrink
-// Block (token tile, chunk c of CHUNK inputs), 4 warps. The tile's x chunk sits in shared
-// memory; the work items (distinct slot d, rank row k) are spread over the warps, two at a time
-// so that two A rows are in flight per warp. A lane holds 16 elements of the row (two 16-byte
+// Block (token tile, chunk c of CHUNK inputs, z), 4 warps. The tile's x chunk sits in shared
+// memory; the work items (distinct slot d, rank row k) are spread over the gridDim.z blocks of
+// the (tile, chunk) and their warps, two at a time so that two A rows are in flight per warp
+// (z > 1 when there are few tiles: more rows in flight on more SMs). A lane holds 16 elements of the row (two 16-byte
 // loads), multiplies them with every tile token on that slot and the warp reduces each dot.
 extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
     MLC_CAT(mlc_lora_sgmv_shrink_, MLC_SUFFIX)(const T* __restrict__ x, const T* __restrict__ arena,
@@ -175,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
   // Zeros wherever nothing is computed: k >= rank (or the whole row of a base/untargeted token).
   for (int e = tid; e < TILE * R; e += SHRINK_THREADS) {
     const int t = e / R, k = e % R;
-    if (t0 + t < n && k >= tok_rank[t]) v[(static_cast<int64_t>(t0 + t) * C + c) * R + k] = 0.f;
+    if (blockIdx.z == 0 && t0 + t < n && k >= tok_rank[t]) v[(static_cast<int64_t>(t0 + t) * C + c) * R + k] = 0.f;
   }
   if (tid == 0) {
     d_pre[0] = 0;
@@ -186,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
   const int items = d_pre[nd];
   constexpr int NW = SHRINK_THREADS / 32, U = 2;
   int d = 0;
-  for (int it0 = warp * U; it0 < items; it0 += NW * U) {
+  for (int it0 = (blockIdx.z * NW + warp) * U; it0 < items; it0 += gridDim.z * NW * U) {
     uint4 a[U][2];
     int ds[U], ks[U];
 #pragma unroll
@@ -232,8 +233,9 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
 }
 
 // ------------------------------------------------------------------------------------- expand
-// Block (token tile, EXPAND_OUT outputs), 2 warps; thread owns 8 consecutive outputs. The
-// tile's h[t, k] = sum_c v[t, c, k] go to shared memory; per distinct slot each thread loads
+// Block (token tile, EXPAND_OUT outputs, z), 2 warps; thread owns 8 consecutive outputs. The
+// tile's h[t, k] = sum_c v[t, c, k] go to shared memory; the tile's distinct slots are spread over
+// the gridDim.z blocks (z > 1 when there are few tiles); per distinct slot each thread loads
 // KG rows of B^T (16 bytes each, all in flight), applies them to every tile token on the slot
 // and writes that token's 8 outputs (fp32 partials in shared memory between rank groups when
 // max_rank > KG).
@@ -269,9 +271,9 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS)
 
   const float zeros[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int t = 0; t < TILE; ++t)
-    if (t0 + t < n && tok_rank[t] == 0) store8(y + static_cast<int64_t>(t0 + t) * out_f, o0, out_f, zeros);
+    if (blockIdx.z == 0 && t0 + t < n && tok_rank[t] == 0) store8(y + static_cast<int64_t>(t0 + t) * out_f, o0, out_f, zeros);
 
-  for (int d = 0; d < nd; ++d) {
+  for (int d = blockIdx.z; d < nd; d += gridDim.z) {
     const int s = d_slot[d];
     const int r = min(rank[s], R);
     const int* offs = b_off + (s * num_modules + m) * R;
