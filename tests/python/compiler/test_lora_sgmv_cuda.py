@@ -8,6 +8,8 @@ scripts/bench_lora_kernels.py.
 """
 
 import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,3 +299,65 @@ def test_sgmv_cuda_kernels_run_against_references(dtype, n, in_f, out_f, R, alig
     np.testing.assert_allclose(out[""][1], out["tir_"][1], rtol=2e-2, atol=tol)
     assert np.all(out[""][1][slot == -1] == 0) and np.all(out[""][1][slot == len(ranks) - 1] == 0)
     assert np.abs(rd).max() > 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a GPU: lora_sgmv.cu itself, compiled by g++ against a CPU emulation of the CUDA
+# features it uses (cuda_emu/: threads and barriers for blocks and warps), on the same launch grid.
+
+EMU = Path(__file__).parent / "cuda_emu"
+
+
+@pytest.fixture(scope="module")
+def sgmv_emu(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++")
+    out_dir = tmp_path_factory.mktemp("sgmv_emu")
+    built = {}
+
+    def build(dtype, R):
+        suffix = f"{GC.DTYPES[dtype]}_r{R}"
+        if suffix not in built:
+            exe = out_dir / f"sgmv_emu_{suffix}"
+            cmd = [cxx, "-std=c++20", "-O1", "-w", "-pthread", f"-I{EMU}", f"-I{GC.SOURCE.parent}",
+                   f"-DMLC_MAX_RANK={R}", f"-DMLC_SUFFIX={suffix}", "-o", str(exe), str(EMU / "sgmv_emu.cc")]
+            if dtype == "bfloat16":
+                cmd.append("-DMLC_BF16")
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                pytest.skip(f"g++ cannot build the emulation (needs C++20 <barrier>): {proc.stderr[-500:]}")
+            built[suffix] = exe
+        return built[suffix]
+
+    return build
+
+
+@pytest.mark.parametrize("dtype,n,in_f,out_f,R,aligned", [
+    ("float16", 37, 1100, 603, 16, False),  # odd offsets and shapes: the scalar paths, partial tiles
+    ("bfloat16", 20, 1030, 520, 64, True),  # 16-byte paths, rank groups past KG, gridDim.z splits
+])
+def test_cuda_source_on_cpu_emulation(sgmv_emu, tmp_path, dtype, n, in_f, out_f, R, aligned):
+    import ml_dtypes
+
+    exe = sgmv_emu(dtype, R)
+    np_dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(n)
+    L, M, m, layer = 2, 3, 1, 1
+    ranks = [R, 3, R // 2 + 1, 1, 5][: 4 if R == 16 else 5]
+    arena, slot, rank, scale, a_off, b_off = _tables(rng, n, ranks, in_f, out_f, M, m, R, L, aligned)
+    slot[:3] = slot[0]  # a tile with repeated slots
+    arena = arena.astype(np_dt)
+    x = rng.standard_normal((n, in_f)).astype(np_dt)
+    for name, a in dict(x=x, arena=arena, slot=slot, rank=rank, scale=scale, a_off=a_off, b_off=b_off).items():
+        a.tofile(tmp_path / name)
+    subprocess.run([str(exe), str(tmp_path), *map(str, (n, in_f, out_f, m, M, L, len(ranks), arena.size, layer))],
+                   check=True, timeout=300)
+    v = np.fromfile(tmp_path / "v", np.float32).reshape(n, G.num_chunks(in_f), R)
+    y = np.fromfile(tmp_path / "y", np_dt).reshape(n, out_f).astype(np.float32)
+    a32 = arena.astype(np.float32)
+    rv = G.lora_sgmv_shrink_ref(x.astype(np.float32), a32, layer, L, slot, rank, scale, a_off, m, R)
+    rd = G.lora_sgmv_expand_ref(rv, a32, layer, L, slot, rank, b_off, m, out_f, np.float32)
+    np.testing.assert_allclose(v, rv, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(y, rd, rtol=2e-2, atol=1e-2 * np.abs(rd).max())
+    assert np.all(y[slot == -1] == 0) and np.all(y[slot == len(ranks) - 1] == 0) and np.abs(rd).max() > 0.1
