@@ -3,7 +3,7 @@ kernels (cuda/lora_sgmv.cu, `sgmv_cuda`), a torch gathered-bmm reference, agains
 (torch.matmul = cuBLAS) of the same linear.
 
   compile (any machine, no GPU):  python scripts/bench_lora_kernels.py compile --out lora_k.so
-  run (the GPU machine):          python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR
+  run (the GPU machine):          python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR [--quick]
 
 Timing: CUDA events around replays of a CUDA graph holding one call per copy; the base weights and
 the adapter rows are rotated over >= 256 MB (copies capped for the big token counts) so they are
@@ -102,7 +102,8 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
         return [statistics.median(a.elapsed_time(b) for a, b in e) * 1e3 / calls for e in ev]
 
     rows = []
-    for point in POINTS:
+    points = [p for p in POINTS if not args.quick or (p[0] == (4096, 4096) and p[2] == 16 and p[3] == 16)]
+    for point in points:
         (i_f, o_f), T, N, rk = point[:4]
         grouped = point[4:] == ("grouped",)
         ranks = [8, 16, 32, 64][:N] * (N // 4) if rk == "mixed" else [rk] * N
@@ -201,8 +202,8 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
         tt = times[4] if do_torch else float("nan")
         nbytes = 2 * (sum(ranks[s] * (i_f + o_f) for s in used) + T * i_f + 2 * T * o_f)
         roof = nbytes / HBM * 1e6
-        row = dict(shape=f"{i_f}->{o_f}" + (" grouped" if grouped else ""), T=T, N=N, r=rk, R=R, base=t_base, gather=t2, sgmv=t3, torch=tt,
-                   ratio=t3 / t_base, roof=roof / t3, err2=err2, err3=err3, errt=errt,
+        row = dict(shape=f"{i_f}->{o_f}" + (" grouped" if grouped else ""), T=T, N=N, r=rk, R=R, base=t_base,
+                   gather=t2, sgmv=t3, torch=tt, ratio=t3 / t_base, roof=roof / t3, err2=err2, err3=err3, errt=errt,
                    sgmv_cuda=t4, ratio_cuda=t4 / t_base, roof_cuda=roof / t4, tir_over_cuda=t3 / t4,
                    err4=err4, errv=errv)
         rows.append(row)
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--lib", required=True)
     r.add_argument("--log-dir", default=".")
+    r.add_argument("--quick", action="store_true", help="only 4096->4096, N=16, r=16 over T (random and grouped)")
     a = p.parse_args(argv)
     if a.cmd == "compile":
         compile_lib(a.out)
