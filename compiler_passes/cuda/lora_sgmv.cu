@@ -142,7 +142,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 // ------------------------------------------------------------------------------------- shrink
 // Block (token tile, chunk c of CHUNK inputs, z), 4 warps. The tile's x chunk sits in shared
 // memory; the work items (distinct slot d, rank row k) are spread over the gridDim.z blocks of
-// the (tile, chunk) and their warps, two at a time so that two A rows are in flight per warp
+// the (tile, chunk) and their warps, four at a time so that four A rows are in flight per warp
 // (z > 1 when there are few tiles: more rows in flight on more SMs). A lane holds 16 elements of the row (two 16-byte
 // loads), multiplies them with every tile token on that slot and the warp reduces each dot.
 extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
@@ -185,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
   __syncthreads();
 
   const int items = d_pre[nd];
-  constexpr int NW = SHRINK_THREADS / 32, U = 2;
+  constexpr int NW = SHRINK_THREADS / 32, U = 4;
   int d = 0;
   for (int it0 = (blockIdx.z * NW + warp) * U; it0 < items; it0 += gridDim.z * NW * U) {
     uint4 a[U][2];
