@@ -8,6 +8,7 @@ from typing import Sequence
 import tvm
 from tvm import relax
 
+from . import cuda_source, lora_sgmv_cuda
 from .lora_kernels import KERNELS
 from .lora_sgmv import lora_sgmv_expand_kernel, lora_sgmv_shrink_kernel, num_chunks
 
@@ -33,13 +34,18 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         arena_elems: int | None = None,
         functions: Sequence[str] = ("prefill", "decode"),
         target: tvm.target.Target | None = None,
+        sgmv_backend: str = "auto",
     ):
         """`param_names`: the packed params in export order. `modules`: the compiled target modules
         (name, in, out); their order is module index m. `linears`: weight kind (e.g. "qkv_proj") ->
         the HF linears it holds as (name, first row, end row). `arena_elems`: L*P*E, or None for a
-        symbolic arena size. `kernel`: "single" (stage 1), "gather" (stage 2) or "sgmv" (stage 3)."""
+        symbolic arena size. `kernel`: "single" (stage 1), "gather" (stage 2) or "sgmv" (stage 3).
+        `sgmv_backend`: who runs stage 3 on CUDA targets: "cuda" (cuda/lora_sgmv.cu), "tir"
+        (lora_sgmv.py's TIR kernels) or "auto" (cuda where lora_sgmv_cuda.supported, else tir)."""
         if kernel not in (*KERNELS, "sgmv"):
             raise ValueError(f"unknown LoRA kernel {kernel!r}; choose from {', '.join(KERNELS)}, sgmv")
+        if sgmv_backend not in ("auto", "cuda", "tir"):
+            raise ValueError(f"unknown sgmv backend {sgmv_backend!r}; choose from auto, cuda, tir")
         self.param_names = list(param_names)
         self.module_index = {name: i for i, (name, _, _) in enumerate(modules)}
         self.num_modules = len(modules)
@@ -50,6 +56,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         self.arena_elems = arena_elems
         self.functions = tuple(functions)
         self.target = target
+        self.sgmv_backend = sgmv_backend
         kinds = "|".join(map(re.escape, self.linears))
         self._name_re = re.compile(rf"layers[._](\d+)[._](?:.*[._])?({kinds})[._]weight$")
 
@@ -59,7 +66,10 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         for name in self.functions:
             if name in [gv.name_hint for gv in mod.get_global_vars()]:
                 rewriter.rewrite(mod.get_global_var(name))
-        return rewriter.builder_.get()
+        out = rewriter.builder_.get()
+        for ext in rewriter.cuda_mods.values():
+            out = cuda_source.attach(out, ext)
+        return out
 
 
 @relax.expr_functor.mutator
@@ -70,6 +80,7 @@ class _Rewriter(relax.PyExprMutator):
         self.opts = opts
         self.target = target
         self.kernels: dict[tuple, relax.GlobalVar] = {}
+        self.cuda_mods: dict[tuple, tvm.runtime.Module] = {}  # (dtype, R) -> lora_sgmv.cu module
         self.inputs: dict[str, relax.Var] = {}
         self.packed: relax.Var | None = None
         self.n_tok = None
@@ -201,12 +212,33 @@ class _Rewriter(relax.PyExprMutator):
         return self.kernels[key]
 
 
-    def _sgmv_kernels(self, in_f: int, out_f: int, mi: int, dtype: str):
-        o, out = self.opts, []
-        for part, make in (("shrink", lambda: lora_sgmv_shrink_kernel(in_f, mi, o.num_layers, o.max_rank,
-                                                                      o.num_modules, dtype, self.target)),
-                           ("expand", lambda: lora_sgmv_expand_kernel(in_f, out_f, mi, o.num_layers, o.max_rank,
-                                                                      o.num_modules, dtype, self.target))):
+    def _sgmv_cuda(self, dtype: str) -> bool:
+        """Whether stage 3 runs on cuda/lora_sgmv.cu (building its module once per dtype)."""
+        backend, R = self.opts.sgmv_backend, self.opts.max_rank
+        if backend == "tir" or self.target.kind.name != "cuda":
+            return False
+        why = lora_sgmv_cuda.supported(dtype, R)
+        if why is not None:
+            if backend == "cuda":
+                raise ValueError(f"sgmv_backend='cuda': no CUDA sgmv kernels for {why}")
+            return False
+        if (dtype, R) not in self.cuda_mods:
+            self.cuda_mods[(dtype, R)] = lora_sgmv_cuda.build_module(dtype, R, str(self.target.arch))
+        return True
+
+    def _sgmv_kernels(self, in_f: int, out_f: int, mi: int, dtype):
+        o, out, dtype = self.opts, [], str(dtype)  # a relax PrimType compares equal, hashes not
+        if self._sgmv_cuda(dtype):
+            make_shrink = lambda: lora_sgmv_cuda.shrink_wrapper(in_f, mi, o.num_layers, o.max_rank,  # noqa: E731
+                                                                o.num_modules, dtype)
+            make_expand = lambda: lora_sgmv_cuda.expand_wrapper(in_f, out_f, mi, o.num_layers,  # noqa: E731
+                                                                o.max_rank, o.num_modules, dtype)
+        else:
+            make_shrink = lambda: lora_sgmv_shrink_kernel(in_f, mi, o.num_layers, o.max_rank,  # noqa: E731
+                                                          o.num_modules, dtype, self.target)
+            make_expand = lambda: lora_sgmv_expand_kernel(in_f, out_f, mi, o.num_layers, o.max_rank,  # noqa: E731
+                                                          o.num_modules, dtype, self.target)
+        for part, make in (("shrink", make_shrink), ("expand", make_expand)):
             key = ("sgmv", part, in_f, out_f if part == "expand" else 0, mi, dtype)
             if key not in self.kernels:
                 name = f"lora_sgmv_{part}_m{mi}_{in_f}x{out_f}" if part == "expand" else f"lora_sgmv_shrink_m{mi}_{in_f}"

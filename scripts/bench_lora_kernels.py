@@ -1,13 +1,16 @@
-"""LoRA kernels on the GPU: stage 2 (`gather`), stage 3 (`sgmv`), a torch gathered-bmm reference,
-against the base GEMM (torch.matmul = cuBLAS) of the same linear.
+"""LoRA kernels on the GPU: stage 2 (`gather`), stage 3 (`sgmv`) as TIR kernels and as the CUDA C++
+kernels (cuda/lora_sgmv.cu, `sgmv_cuda`), a torch gathered-bmm reference, against the base GEMM
+(torch.matmul = cuBLAS) of the same linear.
 
   compile (any machine, no GPU):  python scripts/bench_lora_kernels.py compile --out lora_k.so
-  run (the GPU machine):          python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR
+  run (the GPU machine):          python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR [--quick]
 
 Timing: CUDA events around replays of a CUDA graph holding one call per copy; the base weights and
 the adapter rows are rotated over >= 256 MB (copies capped for the big token counts) so they are
 read from HBM as in a real forward. Median of the replays, per call. Roofline: the bytes that must
 move (A and B^T rows of the distinct adapters used + x + y read and write) at 4.2 TB/s.
+Tokens sit on uniformly random slots in random order (decode's worst case); the "grouped" points
+sort them by slot (a prefill batch). Every kernel is checked against a float64 product.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ POINTS = ([((4096, 4096), t, 16, 16) for t in (1, 16, 64, 256, 1024, 4096)]
           + [((4096, 4096), t, n, 16) for t in (1, 64, 1024, 4096) for n in (1, 4, 64)]
           + [((4096, 4096), 64, 16, r) for r in (8, 64, "mixed")]
           + [((4096, 4096), 1024, 16, r) for r in (64, "mixed")]
-          + [(s, t, 16, 16) for s in SHAPES[1:] for t in (1, 64, 1024, 4096)])
+          + [(s, t, 16, 16) for s in SHAPES[1:] for t in (1, 64, 1024, 4096)]
+          # Tokens grouped by adapter (a prefill batch: each request's tokens are contiguous).
+          + [((4096, 4096), t, 16, r, "grouped") for t in (64, 1024, 4096) for r in (16, 64)])
 
 
 def fname(kind, r, i, o):
@@ -37,7 +42,9 @@ def fname(kind, r, i, o):
 def compile_lib(out: Path) -> None:
     import tvm  # pylint: disable=import-outside-toplevel
     from mlc_lora.compile import prepare_cuda_build  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes import cuda_source  # pylint: disable=import-outside-toplevel
     from mlc_lora.compiler_passes import lora_kernels as K, lora_sgmv as G  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes import lora_sgmv_cuda as GC  # pylint: disable=import-outside-toplevel
 
     prepare_cuda_build()
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
@@ -47,7 +54,11 @@ def compile_lib(out: Path) -> None:
             funcs[fname("gather", r, i, o)] = K.lora_gather_kernel(i, o, 0, 1, r, 1, DTYPE, target)
             funcs[fname("shrink", r, i, o)] = G.lora_sgmv_shrink_kernel(i, 0, 1, r, 1, DTYPE, target)
             funcs[fname("expand", r, i, o)] = G.lora_sgmv_expand_kernel(i, o, 0, 1, r, 1, DTYPE, target)
+            funcs[fname("cshrink", r, i, o)] = GC.shrink_wrapper(i, 0, 1, r, 1, DTYPE)
+            funcs[fname("cexpand", r, i, o)] = GC.expand_wrapper(i, o, 0, 1, r, 1, DTYPE)
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
+    for r in RS:  # both variants of stage 3 in one library
+        mod = cuda_source.attach(mod, GC.build_module(DTYPE, r, str(target.arch)))
     with target:
         tvm.compile(mod, target=target).export_library(str(out))
     print(f"built {out}")
@@ -91,11 +102,16 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
         return [statistics.median(a.elapsed_time(b) for a, b in e) * 1e3 / calls for e in ev]
 
     rows = []
-    for (i_f, o_f), T, N, rk in POINTS:
+    points = [p for p in POINTS if not args.quick or (p[0] == (4096, 4096) and p[2] == 16 and p[3] == 16)]
+    for point in points:
+        (i_f, o_f), T, N, rk = point[:4]
+        grouped = point[4:] == ("grouped",)
         ranks = [8, 16, 32, 64][:N] * (N // 4) if rk == "mixed" else [rk] * N
         ranks = ranks[:N] if ranks else [8]
         R = 16 if max(ranks) <= 16 else 64
         slot = rng.integers(0, N, T).astype(np.int32)
+        if grouped:
+            slot = np.sort(slot)
         used = sorted(set(slot.tolist()))
         region = sum(r * (i_f + o_f) for r in ranks)  # elements of one copy's adapter rows
         big = T >= 1024
@@ -124,7 +140,10 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
         v = torch.empty(T, C, R, device=dev, dtype=torch.float32)
         y2 = torch.empty(T, o_f, device=dev, dtype=torch.float16)
         y3 = torch.empty(T, o_f, device=dev, dtype=torch.float16)
-        gather, shrink, expand = (lib[fname(k, R, i_f, o_f)] for k in ("gather", "shrink", "expand"))
+        y4 = torch.empty(T, o_f, device=dev, dtype=torch.float16)
+        vc = torch.empty(T, C, R, device=dev, dtype=torch.float32)
+        gather, shrink, expand, cshrink, cexpand = (
+            lib[fname(k, R, i_f, o_f)] for k in ("gather", "shrink", "expand", "cshrink", "cexpand"))
 
         def stage2(c):
             a, b = tables[c % copies]
@@ -134,6 +153,11 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
             a, b = tables[c % copies]
             shrink(x, arena, t_slot, t_rank, scale, a, 0, v)
             expand(v, arena, t_slot, t_rank, b, 0, y3)
+
+        def stage3_cuda(c):
+            a, b = tables[c % copies]
+            cshrink(x, arena, t_slot, t_rank, scale, a, 0, vc)
+            cexpand(vc, arena, t_slot, t_rank, b, 0, y4)
 
         # Correctness: both against a float64 torch reference of the same rows (copy 0).
         a0, b0 = (t.cpu().numpy().astype(np.int64) for t in tables[0])
@@ -146,9 +170,12 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
             ref[idx] = 2.0 * (x[idx].double() @ A.T) @ B
         stage2(0)
         stage3(0)
+        stage3_cuda(0)
         torch.cuda.synchronize()
         err2 = ((y2.double() - ref).norm() / ref.norm()).item()
         err3 = ((y3.double() - ref).norm() / ref.norm()).item()
+        err4 = ((y4.double() - ref).norm() / ref.norm()).item()
+        errv = ((vc.sum(1) - v.sum(1)).norm() / v.sum(1).norm()).item()  # shrink: CUDA vs TIR
         # torch gathered bmm over stacked (N, r_max, in) / (N, out, r_max) weights (padded ranks).
         rmax = max(ranks)
         As = torch.zeros(N, rmax, i_f, device=dev, dtype=torch.float16)
@@ -164,34 +191,40 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
 
         errt = ((torch_ref(0).squeeze(2).double() - ref).norm() / ref.norm()).item()
         graphs = [capture(lambda c: torch.matmul(x, ws[c % wcopies].T), wcopies),
-                  capture(stage2, copies), capture(stage3, copies)]
-        calls = [wcopies, copies, copies]
+                  capture(stage2, copies), capture(stage3, copies), capture(stage3_cuda, copies)]
+        calls = [wcopies, copies, copies, copies]
         do_torch = T * rmax * (i_f + o_f) * 2 <= (2 << 30)
         if do_torch:
             graphs.append(capture(torch_ref, 4))
             calls.append(4)
         times = [timed([g], n)[0] for g, n in zip(graphs, calls)]
-        t_base, t2, t3 = times[:3]
-        tt = times[3] if do_torch else float("nan")
+        t_base, t2, t3, t4 = times[:4]
+        tt = times[4] if do_torch else float("nan")
         nbytes = 2 * (sum(ranks[s] * (i_f + o_f) for s in used) + T * i_f + 2 * T * o_f)
         roof = nbytes / HBM * 1e6
-        row = dict(shape=f"{i_f}->{o_f}", T=T, N=N, r=rk, R=R, base=t_base, gather=t2, sgmv=t3, torch=tt,
-                   ratio=t3 / t_base, roof=roof / t3, err2=err2, err3=err3, errt=errt)
+        row = dict(shape=f"{i_f}->{o_f}" + (" grouped" if grouped else ""), T=T, N=N, r=rk, R=R, base=t_base,
+                   gather=t2, sgmv=t3, torch=tt, ratio=t3 / t_base, roof=roof / t3, err2=err2, err3=err3, errt=errt,
+                   sgmv_cuda=t4, ratio_cuda=t4 / t_base, roof_cuda=roof / t4, tir_over_cuda=t3 / t4,
+                   err4=err4, errv=errv)
         rows.append(row)
         msg = (f"{row['shape']} T={T} N={N} r={rk} (R={R}): base {t_base:.1f} us, gather {t2:.1f}, "
-               f"sgmv {t3:.1f}, torch-bmm {tt:.1f}; sgmv/base {t3 / t_base:.2f}, roofline {roof:.1f} us "
-               f"= {100 * roof / t3:.0f}%; rel err gather {err2:.1e} sgmv {err3:.1e} torch {errt:.1e}")
+               f"sgmv {t3:.1f}, sgmv-cuda {t4:.1f}, torch-bmm {tt:.1f}; sgmv/base {t3 / t_base:.2f}, "
+               f"cuda/base {t4 / t_base:.2f}, tir/cuda {t3 / t4:.2f}, roofline {roof:.1f} us = "
+               f"{100 * roof / t3:.0f}% (cuda {100 * roof / t4:.0f}%); rel err gather {err2:.1e} "
+               f"sgmv {err3:.1e} cuda {err4:.1e} (shrink cuda vs tir {errv:.1e}) torch {errt:.1e}")
         print(msg, flush=True)
         log.write(msg + "\n")
         log.flush()
         del graphs, arena, ws, As, Bs
         torch.cuda.empty_cache()
-    lines = ["| shape | T | N | r | R | base GEMM us | gather us | sgmv us | torch bmm us | sgmv/base | "
-             "sgmv % roofline | rel err sgmv |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | T | N | r | R | base GEMM us | gather us | sgmv us | sgmv cuda us | torch bmm us | "
+             "sgmv/base | cuda/base | tir/cuda | sgmv % roofline | cuda % roofline | rel err sgmv | rel err cuda |",
+             "|" + "---|" * 17]
     for w in rows:
         lines.append(f"| {w['shape']} | {w['T']} | {w['N']} | {w['r']} | {w['R']} | {w['base']:.1f} | "
-                     f"{w['gather']:.1f} | {w['sgmv']:.1f} | {w['torch']:.1f} | {w['ratio']:.2f} | "
-                     f"{100 * w['roof']:.0f} | {w['err3']:.1e} |")
+                     f"{w['gather']:.1f} | {w['sgmv']:.1f} | {w['sgmv_cuda']:.1f} | {w['torch']:.1f} | "
+                     f"{w['ratio']:.2f} | {w['ratio_cuda']:.2f} | {w['tir_over_cuda']:.2f} | "
+                     f"{100 * w['roof']:.0f} | {100 * w['roof_cuda']:.0f} | {w['err3']:.1e} | {w['err4']:.1e} |")
     text = "\n".join(lines)
     log.write(text + "\n")
     print(text)
@@ -208,6 +241,7 @@ def main(argv=None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--lib", required=True)
     r.add_argument("--log-dir", default=".")
+    r.add_argument("--quick", action="store_true", help="only 4096->4096, N=16, r=16 over T (random and grouped)")
     a = p.parse_args(argv)
     if a.cmd == "compile":
         compile_lib(a.out)
