@@ -26,13 +26,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import sys
 import time
+import weakref
 from pathlib import Path
 
-from tqdm.auto import tqdm
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # the GPU machine's runtime-only environment may lack it
+    class tqdm:  # pylint: disable=invalid-name
+        """Progress as plain lines."""
+
+        def __init__(self, iterable=None, total=None, desc="", disable=False, **_):
+            self.iterable, self.total, self.desc, self.n, self.disable = iterable, total, desc, 0, disable
+
+        def __iter__(self):
+            for x in self.iterable:
+                yield x
+                self.update()
+
+        def update(self, k=1):
+            self.n += k
+            total = self.total or (len(self.iterable) if self.iterable is not None else 0)
+            if not self.disable and total and (self.n == total or self.n % max(1, total // 10) == 0):
+                print(f"{self.desc}: {self.n}/{total}", flush=True)
+
+        def close(self):
+            pass
 
 
 def sharegpt_path() -> Path:
@@ -217,6 +240,7 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     "base": ("base", []),
     "lora4": ("lora", [(8, 4)]),
     "lora64": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
+    "lora0": ("lora", []),  # the LoRA library with no adapter: what the LoRA kernels cost by themselves
 }
 
 
@@ -341,6 +365,11 @@ def run_config(name, lib_dir, device, requests, params, torch, a, size):
         stats = asyncio.run(engine.stats())
     finally:
         engine.close()
+    alive = weakref.ref(engine.engine)
+    del engine
+    gc.collect()  # the engine's pool (KV + adapters) must go before the next config makes its own
+    if alive() is not None:
+        print(f"warning: the {name} engine is still referenced; its pool was not freed", flush=True)
     n_out = sum(n for _, n in requests)
     n_in = sum(len(p) for p, _ in requests)
     steps = {k: stats[k] - base_stats[k] for k in ("num_steps", "num_prefill_steps", "num_decode_steps")}
@@ -375,8 +404,7 @@ def _drive(engine, requests, assign, desc) -> float:
 
 
 def run_lora(a) -> int:
-    import gc  # pylint: disable=import-outside-toplevel
-
+    import numpy as np  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel  (before TVM: loads libcublas first)
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
@@ -392,7 +420,7 @@ def run_lora(a) -> int:
     num = a.num_prompts or size["num_prompts"]
     requests = load_requests(a.requests, num, a.max_prompt_len or (128 if a.smoke else None),
                              a.max_output_len or (32 if a.smoke else None))
-    note = str(__import__("numpy").load(a.requests)["note"])
+    note = str(np.load(a.requests)["note"])
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, "
           f"{sum(n for _, n in requests)} output tokens; {note}")
     cfg = json.loads((lib_dir / "base" / "mlc-lora-config.json").read_text())
@@ -417,7 +445,6 @@ def run_lora(a) -> int:
               f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "
               f"(peak batch {r['peak_batch']}, {r['preemptions']} preemptions, {r['num_steps']} steps; "
               f"adapters loaded in {r['adapter_load_s']} s)", flush=True)
-        gc.collect()  # the engine's pool (KV + adapters) goes before the next one is made
     by = {r["config"]: r for r in old.get("results", [])}
     by.update({r["config"]: r for r in results})
     results = [by[c] for c in CONFIGS if c in by]
@@ -472,7 +499,8 @@ def lora_main(argv) -> int:
     r.add_argument("--requests", required=True, help="the file of `prepare`")
     r.add_argument("--device", default="cuda")
     r.add_argument("--smoke", action="store_true", help="the 2-layer model, 16 short prompts")
-    r.add_argument("--configs", default="base,lora4,lora64")
+    r.add_argument("--configs", default="base,lora4,lora64",
+                   help=f"comma-separated, run in this order, from {', '.join(CONFIGS)}")
     r.add_argument("--assign", choices=["roundrobin", "uniform"], default="roundrobin")
     r.add_argument("--num-prompts", type=int, default=None)
     r.add_argument("--max-prompt-len", type=int, default=None)
