@@ -403,6 +403,108 @@ def _drive(engine, requests, assign, desc) -> float:
     return elapsed
 
 
+def torch_logits(w, mc, ids, adapter, torch, device):
+    """Last-token logits of one prompt through the same model in float32 torch (SDPA, HF's RoPE
+    and RMSNorm), with `adapter` (a peft.LoraAdapter or None) added as y += s * (x @ A.T) @ B.T."""
+    F = torch.nn.functional
+    nh, nkv, d, L = mc["num_attention_heads"], mc["num_key_value_heads"], mc["head_dim"], mc["num_hidden_layers"]
+    f = {n: t.float() for n, t in w.items()}
+    t = lambda a: torch.as_tensor(a, device=device, dtype=torch.float32)  # noqa: E731
+    n = len(ids)
+    x = f["model.embed_tokens.weight"][torch.as_tensor(ids, device=device)]
+    inv = 1.0 / (mc["rope_theta"] ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    ang = torch.outer(torch.arange(n, device=device, dtype=torch.float32), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+    def rope(v):  # (heads, n, d)
+        return v * cos + torch.cat([-v[..., d // 2:], v[..., :d // 2]], -1) * sin
+
+    def norm(v, name):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + mc["rms_norm_eps"]) * f[name]
+
+    def lin(v, name, layer, modules):
+        y = v @ f[name].T
+        if adapter is None or not any(m in adapter.modules for m in modules):
+            return y
+        parts = []
+        for m in modules:
+            if m in adapter.modules:
+                a, bt = adapter.weights[(layer, m)]
+                parts.append(adapter.scales[m] * (v @ t(a).T) @ t(bt))
+            else:
+                parts.append(None)
+        widths = [y.shape[-1] // len(modules)] * len(modules) if len(modules) != 3 else [nh * d, nkv * d, nkv * d]
+        return y + torch.cat([p if p is not None else torch.zeros(n, wd, device=device) for p, wd in zip(parts, widths)], -1)
+
+    for layer in range(L):
+        pre = f"model.layers.{layer}."
+        qkv = lin(norm(x, pre + "input_layernorm.weight"), pre + "self_attn.qkv_proj.weight", layer,
+                  ("q_proj", "k_proj", "v_proj"))
+        q, k, v = (qkv[:, a:b].view(n, -1, d).transpose(0, 1)
+                   for a, b in ((0, nh * d), (nh * d, (nh + nkv) * d), ((nh + nkv) * d, (nh + 2 * nkv) * d)))
+        o = F.scaled_dot_product_attention(rope(q)[None], rope(k)[None], v[None], is_causal=True,
+                                           enable_gqa=nh != nkv)[0]
+        x = x + lin(o.transpose(0, 1).reshape(n, nh * d), pre + "self_attn.o_proj.weight", layer, ("o_proj",))
+        gu = lin(norm(x, pre + "post_attention_layernorm.weight"), pre + "mlp.gate_up_proj.weight", layer,
+                 ("gate_proj", "up_proj"))
+        g, u = gu.chunk(2, -1)
+        x = x + lin(F.silu(g) * u, pre + "mlp.down_proj.weight", layer, ("down_proj",))
+    return norm(x[-1], "model.norm.weight") @ f["lm_head.weight"].T
+
+
+def check_parity(lib_dir, device, tdev, weights, params, torch, seed) -> float:
+    """The LoRA library's prefill and (graph-captured) decode with the pool's tables, a mixed
+    batch (rank-8 adapter, base model, rank-64 adapter), against `torch_logits`; returns the
+    largest relative error ||ours - ref|| / ||ref|| over the rows."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora import _ffi_api as rt  # pylint: disable=import-outside-toplevel
+    from mlc_lora.engine.adapters import _numpy_dtype  # pylint: disable=import-outside-toplevel
+    from mlc_lora.lora.layout import LoraSpec, pack_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models.random_model import random_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
+
+    folder = lib_dir / "lora"
+    cfg = json.loads((folder / "mlc-lora-config.json").read_text())
+    mc = cfg["model_config"]
+    r = ModelRunner(folder, device, params=[params[n] for n in cfg["param_names"]])
+    spec = LoraSpec.from_json(r.lora)
+    kv = r.create_kv_cache(4, 128 * 16)
+    ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
+           for i, rank in enumerate((8, 64))}
+    for i, ad in ads.items():
+        p = pack_adapter(spec, ad, _numpy_dtype(r.dtype))
+        rt.pool_load_adapter(kv, i, p.pages, p.a_off, p.b_off, p.rank, p.scale, True)
+    rng = np.random.default_rng(seed)
+    rows = [(0, rng.integers(0, r.vocab_size, 7).tolist()), (None, rng.integers(0, r.vocab_size, 19).tolist()),
+            (1, rng.integers(0, r.vocab_size, 33).tolist())]
+    for sid, (aid, _) in enumerate(rows):
+        r.kv_add(kv, sid)
+        rt.pool_set_sequence_adapter(kv, sid, -1 if aid is None else aid)
+    seqs = [list(p) for _, p in rows]
+    worst = 0.0
+    for step in range(3):  # a prefill, then two decode steps (the first captures the graphs)
+        if step == 0:
+            got = r.prefill(kv, [0, 1, 2], seqs, lora="pool")
+        else:
+            got = r.decode(kv, [0, 1, 2], [s[-1] for s in seqs], lora="pool")
+        got = torch.from_dlpack(got).float().to(tdev)
+        for i, (aid, _) in enumerate(rows):
+            ref = torch_logits(weights, mc, seqs[i], ads.get(aid), torch, tdev)
+            err = ((got[i] - ref).norm() / ref.norm()).item()
+            worst = max(worst, err)
+            if step == 0 and aid is not None:
+                base = torch_logits(weights, mc, seqs[i], None, torch, tdev)
+                print(f"check: adapter {aid} moves the logits by {((ref - base).norm() / ref.norm()).item():.2e} "
+                      "(relative), which the errors below must stay well under")
+            print(f"check: step {step} row {i} ({'base' if aid is None else f'adapter {aid}'}): rel err {err:.2e}")
+        for s in seqs:
+            s.append(int(rng.integers(0, r.vocab_size)))
+    del kv, r
+    gc.collect()
+    return worst
+
+
 def run_lora(a) -> int:
     import numpy as np  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel  (before TVM: loads libcublas first)
@@ -433,6 +535,12 @@ def run_lora(a) -> int:
         torch.cuda.synchronize()
     print(f"weights: {sum(v.numel() for v in weights.values()) / 1e9:.2f} B params on {tdev} in {time.time() - t0:.1f} s")
     params = {n: tvm_ffi.from_dlpack(v) for n, v in weights.items()}
+    if a.smoke and not a.no_check:
+        err = check_parity(lib_dir, a.device, tdev, weights, params, torch, a.seed)
+        tol = 1e-4 if cfg["dtype"] == "float32" else 2e-2
+        print(f"check: LoRA library vs torch reference, worst rel err {err:.2e} (tolerance {tol:g})", flush=True)
+        if not err < tol:
+            raise SystemExit("the LoRA library's logits do not match the torch reference")
     results = []
     out = Path(a.out)
     old = json.loads(out.read_text()) if out.is_file() and a.append else {}
@@ -498,7 +606,9 @@ def lora_main(argv) -> int:
     r.add_argument("--lib-dir", required=True)
     r.add_argument("--requests", required=True, help="the file of `prepare`")
     r.add_argument("--device", default="cuda")
-    r.add_argument("--smoke", action="store_true", help="the 2-layer model, 16 short prompts")
+    r.add_argument("--smoke", action="store_true", help="the 2-layer model, 16 short prompts, and a logits "
+                   "check of the LoRA library (prefill + graph decode, mixed adapters) against torch")
+    r.add_argument("--no-check", action="store_true", help="skip the smoke run's logits check")
     r.add_argument("--configs", default="base,lora4,lora64",
                    help=f"comma-separated, run in this order, from {', '.join(CONFIGS)}")
     r.add_argument("--assign", choices=["roundrobin", "uniform"], default="roundrobin")
