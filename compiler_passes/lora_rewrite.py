@@ -107,7 +107,12 @@ class _Rewriter(relax.PyExprMutator):
         self.n_tok, self.rewritten = n_tok, 0
         new_params = params[:num_input] + [self.inputs[k] for k in TABLE_INPUTS] + params[num_input:]
         func = relax.Function(new_params, func.body, func.ret_ty, func.is_pure, func.attrs, func.span)
-        func = func.with_attr("num_input", num_input + len(TABLE_INPUTS))
+        if "relax.rewrite_cuda_graph.capture_symbolic_vars" not in (func.attrs or {}):
+            func = func.with_attr("num_input", num_input + len(TABLE_INPUTS))
+        # else (decode under CUDA graphs): the tables count with the weights, as RewriteCUDAGraph
+        # treats every input past num_input as fixed-address, so the LoRA kernels are captured too.
+        # The pool keeps its tables at fixed addresses; the runner passes them at a fixed slot
+        # count (ModelRunner._graph_tables), so a graph never depends on the batch's adapters.
         new = self.visit_expr(func)
         if self.rewritten == 0:
             raise ValueError(f"LoraRewrite found no target linear in {gv.name_hint}: it must run "

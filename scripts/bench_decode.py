@@ -16,63 +16,27 @@ import sys
 import time
 from pathlib import Path
 
-LLAMA2_7B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
-    "num_hidden_layers": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-}
+from mlc_lora.models.random_model import LLAMA2_7B, build, make_params
+
 PROMPT = 512  # tokens per prompt (prefill) and context before the timed decode steps
 PEAK_BW = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate (read + write)
 
 
 def compile_variants(out: Path, layers: int) -> None:
-    import dataclasses  # pylint: disable=import-outside-toplevel
-
     from mlc_lora import compile as C  # pylint: disable=import-outside-toplevel
-    from mlc_lora.models import llama, llama_loader  # pylint: disable=import-outside-toplevel
 
-    cfg_dict = dict(LLAMA2_7B, num_hidden_layers=layers)
     # graph / nograph: our attention kernels; tir: TVM's TIR attention (the baseline), graphs on
     for name, graph, attention in (("graph", True, "flash"), ("nograph", False, "flash"),
                                    ("tir", True, "tir")):
         opts = C.CompileOptions(target="cuda", dtype="float16", prefill_chunk_size=16 * PROMPT,
-                                max_batch_size=64, gemm="cublas", cuda_graph=graph,
-                                attention=attention)
-        d = out / name
-        d.mkdir(parents=True, exist_ok=True)
-        cfg = llama.LlamaConfig.from_dict(cfg_dict, prefill_chunk_size=opts.prefill_chunk_size,
-                                          context_window_size=opts.prefill_chunk_size,
-                                          max_batch_size=opts.max_batch_size)
-        t0 = time.time()
-        names = C.build_library(llama, cfg, "float16", opts, d / "lib.cuda.so")
-        print(f"{name}: built in {time.time() - t0:.0f} s, {(d / 'lib.cuda.so').stat().st_size >> 10} KiB")
-        shapes = llama_loader.param_shapes(cfg)
-        (d / C.CONFIG_FILE).write_text(json.dumps({
-            "model_name": "llama-2-7b-shape-random", "architecture": "llama",
-            "model_config": dataclasses.asdict(cfg), "dtype": "float16",
-            "target": {"kind": "cuda", "arch": opts.cuda_arch}, "library": "lib.cuda.so",
-            "params_file": None, "param_names": names,
-            "param_shapes": {n: list(shapes[n]) for n in names},
-            "compile_options": dataclasses.asdict(opts),
-        }, indent=1))
+                                context_window_size=16 * PROMPT, max_batch_size=64, gemm="cublas",
+                                cuda_graph=graph, attention=attention)
+        secs = build(out / name, dict(LLAMA2_7B, num_hidden_layers=layers), opts, name="llama-2-7b-shape-random")
+        print(f"{name}: built in {secs:.0f} s, {(out / name / 'lib.cuda.so').stat().st_size >> 10} KiB")
 
 
 # --------------------------------------------------------------------------------------------
 # GPU side
-
-
-def make_params(cfg_json, torch, seed=0):
-    """Seeded random weights on the GPU: N(0, 0.02) matrices, unit norms (HF's init)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    out = {}
-    for name in cfg_json["param_names"]:
-        shape = cfg_json["param_shapes"][name]
-        if len(shape) == 1:
-            out[name] = torch.ones(shape, dtype=torch.float16, device="cuda")
-        else:
-            out[name] = (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * 0.02).half()
-    return out
 
 
 class TorchLlama:
@@ -162,7 +126,7 @@ def run(args) -> int:
     cfg_json = json.loads((model / "graph" / "mlc-lora-config.json").read_text())
     mc = cfg_json["model_config"]
     t0 = time.time()
-    p = make_params(cfg_json, torch)
+    p = make_params(cfg_json, torch, "cuda")
     torch.cuda.synchronize()
     say(f"params: {sum(v.numel() for v in p.values()) / 1e9:.2f} B on GPU in {time.time() - t0:.1f} s")
     names = cfg_json["param_names"]

@@ -117,6 +117,11 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         else:
             self.params = self._load_params(model_dir / self.config["params_file"])
         self._base_arena = None  # zero LoRA arena for all-base batches, made on first use
+        # decode captured in CUDA graphs reads the LoRA tables at fixed addresses (_graph_tables)
+        opts = self.config.get("compile_options", {})
+        self.graph_tables = bool(self.lora) and want == "cuda" and bool(opts.get("cuda_graph"))
+        self._fixed_tables = None
+        self._graph_arena = None
         self._ids_buf = None  # token ids on the device (embed)
         self._embed = self.vm["embed"]
         self._prefill = self.vm["prefill"]
@@ -251,6 +256,31 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         self._kv_end(kv)
         return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
 
+    def _graph_tables(self, extra: list) -> list:
+        """The LoRA inputs of a decode captured in CUDA graphs (the compiler counts them with the
+        weights, see compiler_passes/lora_rewrite.py): a graph replays the addresses and the slot
+        count it was captured with, so this batch's tables are copied (on the device) into
+        buffers allocated once, passed at `max_batch_size` slots. Rows past the batch's slots are
+        never read: every token reads only its own slot. The arena must stay the same one."""
+        tvm = _tvm()
+        arena = extra[0]
+        if self._graph_arena is None:
+            self._graph_arena = arena.data_ptr()
+        elif arena.data_ptr() != self._graph_arena:
+            raise MLCLoraError("this model's decode runs in CUDA graphs bound to the LoRA arena of the "
+                               "first KV cache it ran with; use one KV cache per ModelRunner, or compile "
+                               "with --no-cuda-graph")
+        if self._fixed_tables is None:
+            M, R, S = len(self.lora["modules"]), self.lora["max_rank"], self.model_config["max_batch_size"]
+            self._fixed_tables = [tvm.runtime.empty(shape, dt, self.device) for shape, dt in (
+                ((S,), "int32"), ((S,), "int32"), ((S, M), "float32"), ((S, M, R), "int32"), ((S, M, R), "int32"))]
+        out = [arena]
+        for i, (src, buf) in enumerate(zip(extra[1:], self._fixed_tables)):
+            view = buf._create_view(tuple(src.shape))  # pylint: disable=protected-access
+            view.copyfrom(src)
+            out.append(view if i == 0 else buf)  # token_slot is (batch,); the slot tables full size
+        return out
+
     def decode(self, kv, seq_ids: Sequence[int], tokens: Sequence[int], lora: dict | None = None):
         """One decode step, one token per sequence; returns logits (b, V) on device."""
         tvm = _tvm()
@@ -258,6 +288,14 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         emb = self.embed(np.asarray(tokens, dtype=np.int32))
         emb = emb._create_view((b, 1, emb.shape[-1]))  # pylint: disable=protected-access
         extra = self._begin(kv, seq_ids, [1] * b, lora, b)
+        if self.graph_tables:
+            try:
+                extra = self._graph_tables(extra)
+            except MLCLoraError:
+                self._kv_end(kv)
+                for s in seq_ids:  # begin_forward appended the step's token: take it back
+                    self.kv_popn(kv, s, 1)
+                raise
         logits, _ = self._decode(emb, kv, *extra, self.params)
         self._kv_end(kv)
         return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access

@@ -20,7 +20,7 @@ import numpy as np
 from .. import _ffi_api as rt
 from ..errors import LoraError, PoolExhaustedError, UnknownAdapterError
 from ..lora.layout import LoraSpec, pack_adapter
-from ..lora.peft import load_peft_adapter
+from ..lora.peft import LoraAdapter, load_peft_adapter
 
 
 @dataclasses.dataclass
@@ -71,7 +71,10 @@ class AdapterTable:
             raise LoraError(f"adapter {name!r} is already loaded (from {self.by_name[name].path}); "
                             "unload it first")
         spec = self.spec
-        adapter = load_peft_adapter(path, types.SimpleNamespace(**self.runner.model_config), spec, name)
+        if isinstance(path, LoraAdapter):  # read already (e.g. made on the device by a benchmark)
+            adapter, path = path, f"<in memory: {path.name}>"
+        else:
+            adapter = load_peft_adapter(path, types.SimpleNamespace(**self.runner.model_config), spec, name)
         packed = pack_adapter(spec, adapter, _numpy_dtype(self.runner.dtype))
         n, total = int(packed.pages.shape[1]), self.pool_stats()["total_pages"]
         if n > total:

@@ -68,8 +68,9 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
     """The model, the scheduler and the sampler; `step()` runs one batch. Not thread-safe."""
 
     def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
-                 max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None):
-        self.runner = ModelRunner(model_dir, device)
+                 max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
+                 params=None):
+        self.runner = ModelRunner(model_dir, device, params=params)
         mc = self.runner.model_config
         self.context_window = mc["context_window_size"]
         self.max_num_seqs = max_num_seqs or mc.get("max_batch_size", 64)
@@ -396,16 +397,17 @@ class MLCEngine:
     `model` is a compiled folder, or an embedded name / HF folder / .gguf compiled once into
     ~/.cache/mlc_lora (with LoRA when `max_lora_rank` and `lora_pool_pages` are given). Requests
     from several threads (or an AsyncMLCEngine's tasks) batch together; `adapter_id=NAME` picks a
-    LoRA adapter loaded with `load_adapter` per request (None: the base model).
+    LoRA adapter loaded with `load_adapter` per request (None: the base model). `params`: the
+    weights already on the device, in the config's `param_names` order (ModelRunner's `params`).
     """
 
     def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
                  max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
                  prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
-                 max_lora_rank: int = 0, lora_pool_pages: int = 0):
+                 max_lora_rank: int = 0, lora_pool_pages: int = 0, params=None):
         model_dir = resolve_compiled(model, device, progress=progress, dtype=dtype,
                                      max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
-        self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size)
+        self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size, params)
         self.model_name = self.engine.runner.config.get("model_name", str(model))
         self._loop = _Loop(self.engine)
         self.chat = _Namespace(completions=_Creator(self, chat=True))
@@ -421,8 +423,9 @@ class MLCEngine:
     # --- LoRA adapters (between steps, on the engine thread) ----------------------------------
 
     def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:
-        """Validate a PEFT folder against the compiled library and load it into the unified pool;
-        `pin` keeps it resident (never evicted for KV). Returns its list_adapters() entry."""
+        """Validate a PEFT folder (or an already read `lora.peft.LoraAdapter`) against the compiled
+        library and load it into the unified pool; `pin` keeps it resident (never evicted for KV).
+        Returns its list_adapters() entry."""
         return self._loop.call(lambda: self.engine.adapters.load(name, path, pin))
 
     def unload_adapter(self, name: str) -> None:

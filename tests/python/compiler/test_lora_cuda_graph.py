@@ -1,0 +1,95 @@
+"""Decode under CUDA graphs with LoRA (sgmv): the LoRA kernels are captured with the base GEMMs,
+and what a captured graph depends on is the batch size only once the runner fixes the slot count.
+
+Read from the lowered IR (RewriteCUDAGraph's output), like test_dispatch_cublas's capture test; the
+runner's side (fixed-address tables at a fixed slot count) is tests/python/lora/test_graph_tables.py.
+"""
+
+import tvm
+from tvm import relax
+
+from mlc_lora.compile import _decode_graph_attrs, export_model, lora_pass_options
+from mlc_lora.compiler_passes import get_pipeline
+from mlc_lora.compiler_passes.lora_rewrite import LoraRewrite
+from mlc_lora.lora.layout import make_spec
+from mlc_lora.models import llama
+
+CUBLAS_GEMM = "mlc_lora.runtime.cublas_gemm"
+TABLES = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
+
+
+def _lowered(layers=2):
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=layers, vocab_size=80,
+                            prefill_chunk_size=64, max_batch_size=4)
+    mod, names = export_model(llama, cfg, "float16", cuda)
+    lora = lora_pass_options(make_spec(cfg, 8, 64, None, "sgmv"), cfg, llama, names)
+    mod = _decode_graph_attrs(mod, 4)
+    with cuda, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
+        return cfg, get_pipeline(cuda, lora=lora)(mod)
+
+
+def _calls(func, prefix):
+    """Names of the PrimFuncs `func` calls whose name starts with `prefix`."""
+    out = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, relax.GlobalVar) and e.op.name_hint.startswith(prefix):
+            out.append(e.op.name_hint)
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return out
+
+
+def test_decode_graphs_capture_the_sgmv_kernels():
+    cfg, lowered = _lowered()
+    captures = {gv.name_hint: f for gv, f in lowered.functions_items()
+                if gv.name_hint.startswith("decode_cuda_graph_capture")}
+    assert captures, "decode was not captured"
+    inside = [c for f in captures.values() for c in _calls(f, "lora_sgmv_")]
+    # shrink + expand for each of the 7 modules in every layer, all inside the graphs
+    assert len(inside) == 2 * 7 * cfg.num_hidden_layers
+    assert not _calls(lowered["decode"], "lora_sgmv_")
+    # the GEMMs stay captured too (the LoRA deltas no longer split the layers' graphs)
+    assert sum(f.script().count(CUBLAS_GEMM) for f in captures.values()) == 4 * cfg.num_hidden_layers + 1
+    # decode: the KV-cache attention call of each layer stays outside, between graph launches
+    script = lowered["decode"].script()
+    assert script.count("vm.builtin.cuda_graph.run_or_capture") <= 2 * cfg.num_hidden_layers + 1
+
+
+def test_captured_graphs_read_the_tables_as_fixed_inputs_keyed_by_sizes_only():
+    """The tables are passed into the captured functions (their addresses are baked into the
+    graph), and a graph is keyed only by symbolic sizes: batch_size, the arena size and the slot
+    count; no adapter data, offsets or ranks decide which graph runs."""
+    _, lowered = _lowered(layers=1)
+    decode = lowered["decode"]
+    # the tables come right after the KV cache; decode's num_input stops before them
+    names = [p.name for p in decode.params]
+    assert names[2:8] == list(TABLES)
+    assert int(decode.attrs["num_input"]) == 2
+    used = set()
+    for gv, f in lowered.functions_items():
+        if not gv.name_hint.startswith("decode_cuda_graph_capture"):
+            continue
+        params = [p.name for p in f.params]
+        if _calls(f, "lora_sgmv_"):
+            used |= {t for t in TABLES if t in params}
+        key = f.params[-1]
+        assert key.name == "shape_expr"
+        assert {v.name for v in key.ty.values} <= {"batch_size", "lora_slots", "lora_arena_elems"}
+    assert used == set(TABLES)
+
+
+def test_prefill_keeps_the_tables_as_inputs():
+    """Prefill is not captured: its tables stay per-call inputs (num_input counts them)."""
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=1, vocab_size=80,
+                            prefill_chunk_size=64, max_batch_size=4)
+    mod, names = export_model(llama, cfg, "float16", cuda)
+    lora = lora_pass_options(make_spec(cfg, 8, 64, None, "sgmv"), cfg, llama, names)
+    mod = _decode_graph_attrs(mod, 4)
+    out = LoraRewrite(target=cuda, **lora)(mod)
+    assert int(out["prefill"].attrs["num_input"]) == 3 + len(TABLES)
+    assert int(out["decode"].attrs["num_input"]) == 2
