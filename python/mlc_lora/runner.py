@@ -85,6 +85,17 @@ def device_of(name: str):
     raise MLCLoraError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
 
 
+def open_runner(model_dir: str | Path, device: str = "cpu"):
+    """The runner of a compiled model: ModelRunner, or for a model compiled with
+    --tensor-parallel-shards K > 1 the ShardedModelRunner of K disco workers (mlc_lora.tp)."""
+    cfg_path = Path(model_dir) / CONFIG_FILE
+    if cfg_path.is_file() and int(json.loads(cfg_path.read_text()).get("tensor_parallel_shards", 1)) > 1:
+        from .tp import ShardedModelRunner  # pylint: disable=import-outside-toplevel
+
+        return ShardedModelRunner(model_dir, "cpu" if device == "cpu" else "cuda")
+    return ModelRunner(model_dir, device)
+
+
 class ModelRunner:  # pylint: disable=too-many-instance-attributes
     """A compiled model on one device: weights, VM functions and KV-cache builtins."""
 
@@ -171,6 +182,12 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
     @property
     def lora(self) -> dict | None:
         return self.config.get("lora")
+
+    def pool(self, name: str):
+        """The unified pool's `mlc_lora.runtime.<name>` (ShardedModelRunner: on every shard)."""
+        from . import _ffi_api  # pylint: disable=import-outside-toplevel
+
+        return getattr(_ffi_api, name)
 
     def _lora_args(self, lora: dict | None, n_tok: int) -> list:
         """The LoRA inputs (arrays or device tensors keyed by LORA_INPUTS); None = all base model.

@@ -277,7 +277,32 @@ class ShardedModelRunner:  # pylint: disable=too-many-instance-attributes
         self._kv_end = g("vm.builtin.kv_state_end_forward")
         self._funcs = {}
         self._base_lora = None
+        self._vm0 = self._device0 = None
         self._shape = tvm.runtime.ShapeTuple
+
+    @property
+    def vm(self):
+        """Worker 0's VM module (in this process): the engine's sampler runs its functions."""
+        if self._vm0 is None:
+            self._vm0 = self.worker_value(self.mod, 0)
+        return self._vm0
+
+    @property
+    def device(self):
+        if self._device0 is None:
+            self._device0 = self.worker_value(self._f("runtime.disco.device")(), 0)
+        return self._device0
+
+    def pool(self, name: str):
+        """`mlc_lora.runtime.<name>` on every shard's pool, in step; returns worker 0's result."""
+        f = self._f(f"mlc_lora.runtime.{name}")
+        return lambda kv, *args: self.worker_value(f(kv, *args), 0)
+
+    def kv_available_pages(self, kv) -> int:
+        return int(self.worker_value(self._f("vm.builtin.attention_kv_cache_get_num_available_pages")(kv), 0))
+
+    def kv_seq_length(self, kv, seq_id: int) -> int:
+        return int(self.worker_value(self._f("vm.builtin.attention_kv_cache_get_sequence_length")(kv, seq_id), 0))
 
     def _f(self, name: str):
         if name not in self._funcs:
@@ -322,10 +347,16 @@ class ShardedModelRunner:  # pylint: disable=too-many-instance-attributes
         self._f("vm.builtin.kv_state_popn")(kv, seq_id, n)
 
     def load_adapter(self, kv, adapter_id: int, folder: str | Path, pin: bool = False) -> None:
-        """Every worker packs its slices of the PEFT adapter at `folder` into its pool."""
+        """Every worker packs its slices of the PEFT adapter at `folder` into its pool. Checked here
+        first (format, fit): an error thrown inside a disco worker cannot be reported cleanly."""
+        from .errors import PoolExhaustedError  # pylint: disable=import-outside-toplevel
         from .lora import pack_peft_adapter  # pylint: disable=import-outside-toplevel
 
-        pack_peft_adapter(folder, self.config)  # validate here: a worker must not fail halfway
+        need = pack_peft_adapter(folder, self.config).pages.shape[1]  # the same on every shard
+        s = {k: int(v) for k, v in self.pool("pool_stats")(kv).items()}
+        if need > s["free_pages"] + s["evictable_pages"]:
+            raise PoolExhaustedError(f"adapter {adapter_id} needs {need} pages per shard; "
+                                     f"{s['free_pages']} are free and {s['evictable_pages']} evictable")
         self._f("mlc_lora.tp.load_adapter")(kv, str(self.model_dir), str(folder), adapter_id, pin)
         self.sess.sync_worker_0()
 
@@ -344,7 +375,8 @@ class ShardedModelRunner:  # pylint: disable=too-many-instance-attributes
                 for w in range(self.num_shards)]
 
     def worker_value(self, ref, worker: int = 0):
-        self.sess._sync_all()  # pylint: disable=protected-access
+        """The value of a DRef on one worker, once that worker has run everything sent so far."""
+        self.sess._sync_worker(worker)  # pylint: disable=protected-access
         return ref.debug_get_from_remote(worker)
 
     # --- forward passes -----------------------------------------------------------------------
@@ -378,13 +410,10 @@ class ShardedModelRunner:  # pylint: disable=too-many-instance-attributes
         return [arena, slots, rank, scale, a_off, b_off]
 
     def _logits(self, out, rows: int):
-        tvm = _tvm()
-        logits = self._item(out, 0)
-        host = tvm.runtime.empty((rows, self.vocab_size), "float32", tvm.cpu())
-        flat = self._view(logits, self._shape((rows, self.vocab_size)), "float32", 0)
-        self.sess.copy_from_worker_0(host, flat)
-        self.sess.sync_worker_0()
-        return host
+        """Worker 0's logits (rows, V): disco keeps worker 0 in this process (a thread), so its
+        tensor is used in place, on its device, as ModelRunner's are (the sampler runs there)."""
+        logits = self._view(self._item(out, 0), self._shape((rows, self.vocab_size)), "float32", 0)
+        return self.worker_value(logits, 0)
 
     def _check_slots(self, kv) -> None:
         if self.lora and self.lora["kernel"] == "single":

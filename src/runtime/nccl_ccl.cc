@@ -6,7 +6,8 @@
  * without NCCL, so nothing answers disco's look-up of `runtime.disco.nccl.<name>`. This file
  * registers those functions. libnccl.so.2 (the nvidia-nccl-cu13 wheel) and libcudart.so.13 are
  * dlopen'ed when a session first initialises NCCL; the handful of NCCL prototypes, the
- * ncclUniqueId layout and the enum values used here are declared below (from nccl.h of NCCL 2.x),
+ * ncclUniqueId layout and the enum values used here are declared below (checked against nccl.h of
+ * nvidia-nccl-cu13 2.32.6),
  * so the library builds without CUDA or NCCL headers and a CPU install never needs NCCL.
  *
  * Semantics (one communicator over all workers; "in_group" uses the group's communicator):

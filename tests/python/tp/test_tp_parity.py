@@ -172,3 +172,29 @@ def test_config_records_the_shard_count(models):
     assert cfg["lora"]["tensor_parallel_shards"] == 4
     with pytest.raises(MLCLoraError, match="compiled for 4 tensor-parallel shards; the session has 2"):
         tp.ShardedModelRunner(compiled[4], session=tp.make_session(2))
+
+
+def test_engine_serves_a_sharded_model(models):
+    """MLCEngine opens a K = 2 model as one worker per shard (nothing to choose but the compile
+    option): greedy tokens and their logprobs equal the unsharded engine's, adapters by name."""
+    from mlc_lora import MLCEngine
+
+    root, compiled = models
+    out = {}
+    for k in (1, 2):
+        with MLCEngine(compiled[k], "cpu") as eng:
+            assert getattr(eng.engine.runner, "num_shards", 1) == k
+            for aid in (1, 4):
+                eng.load_adapter(f"a{aid}", root / f"adapter{aid}")
+            res = []
+            for aid, prompt in REQUESTS[:5]:
+                name = None if aid not in (1, 4) else f"a{aid}"
+                c = eng.completions.create(prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True,
+                                           logprobs=True, adapter_id=name).choices[0]
+                res.append((c.token_ids, c.logprobs.token_logprobs))
+            listed = {a["name"]: a for a in eng.list_adapters()}
+        out[k] = (res, listed)
+    for (t1, l1), (t2, l2) in zip(out[1][0], out[2][0]):
+        assert t1 == t2
+        assert max(abs(a - b) for a, b in zip(l1, l2)) < 1e-4
+    assert out[2][1]["a4"]["rank"] == 64 and out[2][1]["a4"]["resident"]
