@@ -104,21 +104,26 @@ class NumpyCCL:
         recv.copyfrom(np.concatenate([v.reshape(-1) for v in values]).reshape(recv.shape))
 
 
-_NUMPY_CCL: NumpyCCL | None = None
+# worker thread id -> the NumpyCCL of its session (several sessions may live side by side).
+_NUMPY_CCL: dict[int, NumpyCCL] = {}
+_CCL_BY_ID: dict[int, NumpyCCL] = {}
 
 
 def _register_numpy_ccl() -> None:
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
     def current() -> NumpyCCL:
-        if _NUMPY_CCL is None:
-            raise MLCLoraError("the numpy collectives are not initialised")
-        return _NUMPY_CCL
+        ccl = _NUMPY_CCL.get(threading.get_ident())
+        if ccl is None:
+            raise MLCLoraError("the numpy collectives are not initialised on this worker")
+        return ccl
 
     def init_ccl(sess, device_ids) -> None:
-        global _NUMPY_CCL  # pylint: disable=global-statement
-        _NUMPY_CCL = NumpyCCL(len(device_ids))
+        ccl = NumpyCCL(len(device_ids))
+        _CCL_BY_ID[id(ccl)] = ccl
+        sess.call_packed(sess.get_global_func("mlc_lora.tp._numpy_ccl_join"), id(ccl))
         sess.call_packed(sess.get_global_func("mlc_lora.runtime.disco_set_ccl"), NUMPY_CCL)
+        sess._sync_all()  # pylint: disable=protected-access
 
     funcs = {
         "init_ccl": init_ccl,
@@ -129,6 +134,17 @@ def _register_numpy_ccl() -> None:
     }
     for name, f in funcs.items():
         tvm_ffi.register_global_func(f"runtime.disco.{NUMPY_CCL}.{name}", f, override=True)
+    tvm_ffi.register_global_func("mlc_lora.tp._numpy_ccl_id", lambda: id(current()), override=True)
+    tvm_ffi.register_global_func(  # each worker thread of a new session finds its session's ccl
+        "mlc_lora.tp._numpy_ccl_join",
+        lambda key: _NUMPY_CCL.__setitem__(threading.get_ident(), _CCL_BY_ID[key]), override=True)
+
+
+def numpy_ccl_of(sess) -> NumpyCCL:
+    """The numpy collectives of a CPU session (tests count their calls)."""
+    ref = sess.get_global_func("mlc_lora.tp._numpy_ccl_id")()
+    sess._sync_worker(0)  # pylint: disable=protected-access
+    return _CCL_BY_ID[int(ref.debug_get_from_remote(0))]
 
 
 # ---------------------------------------------------------------------------------------------
