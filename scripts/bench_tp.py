@@ -39,19 +39,21 @@ def compile_variants(model: str, work: Path, shards: int, a) -> dict[int, Path]:
     for k in (1, shards):
         folder = work / f"tp{k}"
         if not (folder / "mlc-lora-config.json").is_file():
+            cpu = a.device == "cpu"
             compile_model(model, folder, CompileOptions(
-                target="cuda", dtype=a.dtype, max_batch_size=a.max_num_seqs, tensor_parallel_shards=k,
+                target="llvm" if cpu else "cuda", dtype="float32" if cpu else a.dtype,
+                max_batch_size=a.max_num_seqs, tensor_parallel_shards=k,
                 max_lora_rank=a.max_lora_rank, lora_pool_pages=a.lora_pool_pages if a.max_lora_rank else 0,
                 lora_kernel=a.lora_kernel))
         out[k] = folder
     return out
 
 
-def decode_latency(folder: Path, prompt: list[int], n: int, adapter: str | None) -> float:
+def decode_latency(folder: Path, device: str, prompt: list[int], n: int, adapter: str | None) -> float:
     """ms per generated token of one greedy request (batch 1), after a warm-up request."""
     from mlc_lora import MLCEngine  # pylint: disable=import-outside-toplevel
 
-    with MLCEngine(folder, "cuda") as eng:
+    with MLCEngine(folder, device) as eng:
         name = None
         if adapter:
             eng.load_adapter("a0", adapter)
@@ -66,23 +68,23 @@ def decode_latency(folder: Path, prompt: list[int], n: int, adapter: str | None)
     return (total - prefill) / n * 1e3
 
 
-def throughput(bt, folder: Path, requests, max_num_seqs: int, adapters: list[str]) -> dict:
+def throughput(bt, folder: Path, device: str, requests, max_num_seqs: int, adapters: list[str]) -> dict:
     if not adapters:
-        elapsed, stats = bt.run_mlc(folder, "cuda", requests, max_num_seqs)
+        elapsed, stats = bt.run_mlc(folder, device, requests, max_num_seqs)
     else:
-        elapsed, stats = _run_with_adapters(folder, requests, max_num_seqs, adapters)
+        elapsed, stats = _run_with_adapters(folder, device, requests, max_num_seqs, adapters)
     n_out = sum(n for _, n in requests)
     return dict(seconds=elapsed, requests_per_s=len(requests) / elapsed, output_tokens_per_s=n_out / elapsed,
                 total_tokens_per_s=(n_out + sum(len(p) for p, _ in requests)) / elapsed,
                 steps=stats.get("num_steps"), peak_batch=stats.get("max_running"))
 
 
-def _run_with_adapters(folder, requests, max_num_seqs, adapters):
+def _run_with_adapters(folder, device, requests, max_num_seqs, adapters):
     import asyncio  # pylint: disable=import-outside-toplevel
 
     from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
 
-    with AsyncMLCEngine(folder, "cuda", max_num_seqs=max_num_seqs) as eng:
+    with AsyncMLCEngine(folder, device, max_num_seqs=max_num_seqs) as eng:
         for i, path in enumerate(adapters):
             asyncio.run(eng.load_adapter(f"a{i}", path))
 
@@ -104,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="HF folder, .gguf or embedded name")
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--work", default="build/bench_tp", help="where the compiled libraries go")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: a smoke run of this script (llvm, float32, numpy collectives); no timing value")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--max-output-len", type=int, default=128)
@@ -127,15 +131,15 @@ def main(argv=None) -> int:
     prompt = requests[0][0]
     rows = {}
     for k, folder in folders.items():
-        rows[k] = dict(decode_ms_per_token=decode_latency(folder, prompt, a.decode_tokens,
+        rows[k] = dict(decode_ms_per_token=decode_latency(folder, a.device, prompt, a.decode_tokens,
                                                           a.adapters[0] if a.adapters else None),
-                       **throughput(bt, folder, requests, a.max_num_seqs, a.adapters))
+                       **throughput(bt, folder, a.device, requests, a.max_num_seqs, a.adapters))
     print(f"{'':28s}" + "".join(f"{f'{k} GPU' + ('s' if k > 1 else ''):>14s}" for k in rows))
     for key in ("decode_ms_per_token", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "peak_batch"):
         print(f"{key:28s}" + "".join(f"{rows[k][key]:14.2f}" for k in rows))
     if a.out:
-        Path(a.out).write_text(json.dumps(dict(model=a.model, shards=a.shards, requests=len(requests),
+        Path(a.out).write_text(json.dumps(dict(model=a.model, shards=a.shards, device=a.device, requests=len(requests),
                                                adapters=a.adapters, results=rows), indent=2))
     return 0
 

@@ -109,6 +109,10 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         self.config = json.loads(cfg_path.read_text())
         self.model_dir = model_dir
         self.model_config = self.config["model_config"]
+        if int(self.config.get("tensor_parallel_shards", 1)) > 1:
+            raise MLCLoraError(f"{model_dir} was compiled with --tensor-parallel-shards "
+                               f"{self.config['tensor_parallel_shards']}: open it with "
+                               "mlc_lora.runner.open_runner (one disco worker per shard)")
         want = self.config["target"]["kind"]
         if (want == "llvm") != (device == "cpu"):
             raise MLCLoraError(
