@@ -134,10 +134,10 @@ def main(argv=None) -> int:
         rows[k] = dict(decode_ms_per_token=decode_latency(folder, a.device, prompt, a.decode_tokens,
                                                           a.adapters[0] if a.adapters else None),
                        **throughput(bt, folder, a.device, requests, a.max_num_seqs, a.adapters))
-    print(f"{'':28s}" + "".join(f"{f'{k} GPU' + ('s' if k > 1 else ''):>14s}" for k in rows))
+    print(f"{'':28s}" + "".join(f"{f'{k} shard' + ('s' if k > 1 else '') + (' (GPUs)' if a.device == 'cuda' else ' (cpu)'):>20s}" for k in rows))
     for key in ("decode_ms_per_token", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "peak_batch"):
-        print(f"{key:28s}" + "".join(f"{rows[k][key]:14.2f}" for k in rows))
+        print(f"{key:28s}" + "".join(f"{rows[k][key]:20.2f}" for k in rows))
     if a.out:
         Path(a.out).write_text(json.dumps(dict(model=a.model, shards=a.shards, device=a.device, requests=len(requests),
                                                adapters=a.adapters, results=rows), indent=2))
