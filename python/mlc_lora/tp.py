@@ -231,8 +231,9 @@ def load_nccl() -> None:
 def make_session(num_shards: int, device: str = "cpu"):
     """A disco session of one worker per shard with its collectives ready.
 
-    cpu: K threads of this process, numpy collectives. cuda: K worker processes (GPUs 0..K-1),
-    NCCL (with NCCL_NVLS_ENABLE=0 in their environment)."""
+    cpu: K threads of this process, numpy collectives. cuda: worker 0 a thread of this process and
+    workers 1..K-1 processes (`python -m mlc_lora.tp_worker`), GPUs 0..K-1, NCCL (with
+    NCCL_NVLS_ENABLE=0 in every environment)."""
     from . import _ffi_api  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
 
     tvm = _tvm()

@@ -6,6 +6,7 @@ registers NCCL's collectives (`runtime.disco.nccl.*`); NCCL_NVLS_ENABLE=0 is set
 """
 
 import os
+import sys
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -14,7 +15,10 @@ from tvm.exec.disco_worker import main  # noqa: E402  pylint: disable=wrong-impo
 from . import _ffi_api, tp  # noqa: E402,F401  pylint: disable=wrong-import-position,unused-import
 
 if __name__ == "__main__":
-    tp.load_nccl()
+    try:
+        tp.load_nccl()
+    except tp.MLCLoraError as e:  # reported again, with the same hint, if NCCL is ever initialised
+        print(f"mlc_lora.tp_worker: {e}", file=sys.stderr)
     try:
         main()
     except (OSError, KeyboardInterrupt):

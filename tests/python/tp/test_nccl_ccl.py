@@ -88,3 +88,25 @@ def test_disco_collectives_over_the_nccl_ccl(tmp_path):
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(nccl), str(cudart)], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0 and "nccl ccl ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+WORKER_SCRIPT = textwrap.dedent("""
+    import os
+    from mlc_lora import tp
+    tvm = tp._tvm()
+    sess = tvm.runtime.disco.ProcessSession(2, entrypoint="mlc_lora.tp_worker")
+    rank = sess.get_global_func("runtime.disco.worker_rank")()
+    sess.get_global_func("mlc_lora.tp.init_worker")("cpu")          # registered by mlc_lora.tp
+    ccl = sess.get_global_func("runtime.disco.nccl.allreduce")        # registered by the runtime lib
+    sess._sync_worker(1)
+    assert int(rank.debug_get_from_remote(1)) == 1
+    sess.shutdown()
+    print("worker ok")
+""")
+
+
+def test_gpu_worker_entrypoint_starts_and_registers_our_functions():
+    """`python -m mlc_lora.tp_worker` (the GPU worker processes) starts as a disco worker on a CPU
+    machine and has the mlc_lora.tp.* and runtime.disco.nccl.* functions (no NCCL needed for that)."""
+    r = subprocess.run([sys.executable, "-c", WORKER_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "worker ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
