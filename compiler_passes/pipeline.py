@@ -6,6 +6,7 @@ import tvm
 from tvm import relax
 
 from .attach_sampler import AttachSampler
+from .dispatch_attention import DispatchAttention
 from .dispatch_cublas import DispatchCublas
 from .dispatch_kv_cache import DispatchKVCache
 from .lora_rewrite import LoraRewrite
@@ -15,7 +16,7 @@ GEMM_BACKENDS = ("cublas", "tvm")
 
 def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
                  lora: dict | None = None, stock_kv_cache: bool = False,
-                 gemm: str = "cublas") -> tvm.transform.Pass:
+                 gemm: str = "cublas", attention: str = "flash") -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
     `lora` (LoraRewrite's keyword arguments) and `extra_passes` run first, on the exported module,
@@ -23,6 +24,8 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
     `stock_kv_cache` keeps TVM's own paged KV cache (tests compare the two). `gemm` picks who runs
     the base linears: "cublas" (our runtime's GEMM extern: cuBLAS on CUDA, its multi-threaded
     float32 GEMM on llvm) or "tvm" (dlight kernels on CUDA, unscheduled loops on llvm).
+    `attention` "flash" runs the pool cache's attention on our tensor-core CUDA kernels where they
+    fit the model (CUDA, fp16/bf16, head_dim 64/128), "tir" keeps TVM's kernels.
     """
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, not {gemm!r}")
@@ -37,6 +40,8 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
     if not stock_kv_cache:
         # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
         passes.append(DispatchKVCache())
+        if target.kind.name == "cuda" and attention == "flash":
+            passes.append(DispatchAttention(str(target.arch)))
     passes.append(AttachSampler(target))
     # permute_dims + matmul -> one NT_matmul kernel; no separate transpose of the weights.
     passes.append(relax.transform.FuseTransposeMatmul())

@@ -33,9 +33,12 @@ def compile_variants(out: Path, layers: int) -> None:
     from mlc_lora.models import llama, llama_loader  # pylint: disable=import-outside-toplevel
 
     cfg_dict = dict(LLAMA2_7B, num_hidden_layers=layers)
-    for name, graph in (("graph", True), ("nograph", False)):
+    # graph / nograph: our attention kernels; tir: TVM's TIR attention (the baseline), graphs on
+    for name, graph, attention in (("graph", True, "flash"), ("nograph", False, "flash"),
+                                   ("tir", True, "tir")):
         opts = C.CompileOptions(target="cuda", dtype="float16", prefill_chunk_size=16 * PROMPT,
-                                max_batch_size=64, gemm="cublas", cuda_graph=graph)
+                                max_batch_size=64, gemm="cublas", cuda_graph=graph,
+                                attention=attention)
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
         cfg = llama.LlamaConfig.from_dict(cfg_dict, prefill_chunk_size=opts.prefill_chunk_size,
@@ -127,7 +130,7 @@ def kernel_breakdown(prof, steps):
         k = e.key.lower()
         if any(s in k for s in ("gemm", "gemv", "nvjet", "sm90_xmma", "cutlass", "cublas")):
             cats["gemm"] += dt
-        elif any(s in k for s in ("attention", "paged_kv", "ragged_kv", "merge_state", "flash",
+        elif any(s in k for s in ("attention", "attn", "paged_kv", "ragged_kv", "merge_state", "flash",
                                   "fmha", "sdpa", "_kv_cache", "rope")):
             cats["attention"] += dt
         else:
@@ -164,7 +167,7 @@ def run(args) -> int:
     say(f"params: {sum(v.numel() for v in p.values()) / 1e9:.2f} B on GPU in {time.time() - t0:.1f} s")
     names = cfg_json["param_names"]
     tparams = [tvm_ffi.from_dlpack(p[n]) for n in names]
-    variants = [v for v in ("graph", "nograph") if (model / v).is_dir()]
+    variants = [v for v in ("graph", "nograph", "tir") if (model / v).is_dir()]
     runners = {v: ModelRunner(model / v, "cuda", params=tparams) for v in variants}
 
     L, H, V = mc["num_hidden_layers"], mc["hidden_size"], mc["vocab_size"]
@@ -175,8 +178,8 @@ def run(args) -> int:
 
     # --- prefill: ours vs plain torch, same weights, same prompts -------------------------------
     ref = TorchLlama(p, mc, torch)
-    r = runners["graph"]
-    for b in (1, 4, 16):
+    for v, b in [(v, b) for v in ("graph", "tir") if v in runners for b in (1, 4, 16)]:
+        r = runners[v]
         ids = torch.randint(0, V, (b, PROMPT), generator=gen)
         toks = [row.tolist() for row in ids]
         times, ttimes = [], []
@@ -200,8 +203,8 @@ def run(args) -> int:
         ours = torch.from_dlpack(logits).float()
         err = ((ours - tl).norm() / tl.norm()).item()
         ms, tms = statistics.median(times[1:]) * 1e3, statistics.median(ttimes[1:]) * 1e3
-        rows.append(("prefill", f"{b}x{PROMPT}", ms, tms, tms / ms, err))
-        say(f"prefill {b}x{PROMPT}: ours {ms:.2f} ms, torch {tms:.2f} ms, speed {tms / ms:.2f}x, "
+        rows.append((f"prefill[{v}]", f"{b}x{PROMPT}", ms, tms, tms / ms, err))
+        say(f"prefill[{v}] {b}x{PROMPT}: ours {ms:.2f} ms, torch {tms:.2f} ms, speed {tms / ms:.2f}x, "
             f"logits rel err {err:.2e}, argmax agree {(ours.argmax(-1) == tl.argmax(-1)).float().mean():.2f}")
 
     # --- decode at batch 1, 16, 64 with PROMPT tokens of context --------------------------------
@@ -228,7 +231,7 @@ def run(args) -> int:
             ctx = PROMPT + 3 + steps // 2
             floor = (w_bytes + b * ctx * kv_bytes_tok) / PEAK_BW * 1e3
             bd = None
-            if v == "graph":
+            if v in ("graph", "tir"):
                 from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
@@ -236,7 +239,7 @@ def run(args) -> int:
                     torch.cuda.synchronize()
                 bd, ka = kernel_breakdown(prof, 5)
                 if b in (1, 64):
-                    (out_dir / f"decode{b}_kernels.txt").write_text(
+                    (out_dir / f"decode{b}_{v}_kernels.txt").write_text(
                         ka.table(sort_by="device_time_total", row_limit=25))
             dec.append((v, b, ms, floor, bd))
             say(f"decode[{v}] b={b}: {ms:.3f} ms/step, floor {floor:.3f} ms "
@@ -262,10 +265,13 @@ def run(args) -> int:
     for b in (1, 16, 64):
         q = torch.randn(b, nh, 1, d, device="cuda", dtype=torch.float16)
         k = torch.randn(b, nh, PROMPT + 13, d, device="cuda", dtype=torch.float16)
-        ours = next(x[4]["attention"] for x in dec if x[0] == "graph" and x[1] == b)
-        att.append(("decode", b, ours, sdpa_ms(q, k, k.clone(), False) * L))
-    r = runners["graph"]
-    for b in (1, 4, 16):
+        sd = sdpa_ms(q, k, k.clone(), False) * L
+        for v in ("graph", "tir"):
+            ours = next((x[4]["attention"] for x in dec if x[0] == v and x[1] == b), None)
+            if ours is not None:
+                att.append((f"decode[{v}]", b, ours, sd))
+    for v, b in [(v, b) for v in ("graph", "tir") if v in runners for b in (1, 4, 16)]:
+        r = runners[v]
         kv = r.create_kv_cache(64, 16 * PROMPT + 1024)
         for i in range(b):
             r.kv_add(kv, i)
@@ -276,10 +282,10 @@ def run(args) -> int:
             torch.cuda.synchronize()
         bd, ka = kernel_breakdown(prof, 1)
         q = torch.randn(b, nh, PROMPT, d, device="cuda", dtype=torch.float16)
-        att.append(("prefill", b, bd["attention"], sdpa_ms(q, q.clone(), q.clone(), True) * L))
-        say(f"prefill {b}x{PROMPT} kernels: {bd}")
+        att.append((f"prefill[{v}]", b, bd["attention"], sdpa_ms(q, q.clone(), q.clone(), True) * L))
+        say(f"prefill[{v}] {b}x{PROMPT} kernels: {bd}")
         if b == 16:
-            (out_dir / "prefill16_kernels.txt").write_text(ka.table(sort_by="device_time_total", row_limit=25))
+            (out_dir / f"prefill16_{v}_kernels.txt").write_text(ka.table(sort_by="device_time_total", row_limit=25))
         del kv
 
     say("\n| phase | shape | ours ms | torch ms | torch/ours | rel err |\n|---|---|---|---|---|---|")

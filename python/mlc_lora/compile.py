@@ -22,6 +22,7 @@ CONFIG_FILE = "mlc-lora-config.json"
 PARAMS_FILE = "params.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("flash", "tir")
 
 
 @dataclasses.dataclass
@@ -36,6 +37,9 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     max_batch_size: int = 64
     gemm: str = "cublas"  # base linears on our runtime GEMM (cuBLAS / CPU) or TVM's kernels ("tvm")
     cuda_graph: bool = True  # cuda only: capture decode in CUDA graphs
+    # cuda only: paged attention on our tensor-core kernels ("flash": fp16/bf16, head_dim 64/128;
+    # other models keep TVM's) or on TVM's TIR kernels ("tir")
+    attention: str = "flash"
     # LoRA (off unless max_lora_rank > 0): pages of the unified pool, max rank, targets, kernel stage.
     lora_pool_pages: int = 0
     max_lora_rank: int = 0
@@ -179,6 +183,9 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
 
     if options.gemm not in ("cublas", "tvm"):
         raise CompileError(f"unsupported gemm {options.gemm!r}; choose cublas or tvm")
+    if options.attention not in ATTENTION_BACKENDS:
+        raise CompileError(f"unsupported attention {options.attention!r}; choose one of "
+                           f"{', '.join(ATTENTION_BACKENDS)}")
     if options.target == "cuda":
         prepare_cuda_build()
     target = make_target(options)
@@ -187,7 +194,8 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     use_graph = options.target == "cuda" and options.cuda_graph
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)
-    pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, gemm=options.gemm)
+    pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, gemm=options.gemm,
+                            attention=options.attention)
     with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": use_graph}):
         ex = tvm.compile(mod, target, relax_pipeline=pipeline)
         ex.export_library(str(lib_path))

@@ -132,6 +132,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         else:
             self.params = self._load_params(model_dir / self.config["params_file"])
         self._base_arena = None  # zero LoRA arena for all-base batches, made on first use
+        self._ids_buf = None  # token ids on the device (embed)
         self._embed = self.vm["embed"]
         self._prefill = self.vm["prefill"]
         self._decode = self.vm["decode"]
@@ -179,9 +180,19 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
     # --- forward passes -----------------------------------------------------------------------
 
     def embed(self, token_ids: np.ndarray):
+        import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+        from . import _ffi_api  # pylint: disable=import-outside-toplevel
+
         tvm = _tvm()
-        ids = tvm.runtime.tensor(np.asarray(token_ids, dtype=np.int32), self.device)
-        return self._embed(ids, self.params)
+        ids = np.ascontiguousarray(token_ids, dtype=np.int32)
+        # One device buffer, refilled on the stream without a host sync (a fresh tensor per step
+        # costs a synchronous copy and a cudaFree, which stall the host behind the GPU).
+        if self._ids_buf is None or self._ids_buf.shape[0] < len(ids):
+            self._ids_buf = tvm.runtime.empty((max(len(ids), 256),), "int32", self.device)
+        dev_ids = self._ids_buf._create_view((len(ids),))  # pylint: disable=protected-access
+        _ffi_api.upload_async(dev_ids, tvm_ffi.from_dlpack(ids))
+        return self._embed(dev_ids, self.params)
 
     @property
     def lora(self) -> dict | None:

@@ -14,10 +14,13 @@
  * Attention per layer: split qkv + RoPE, append the new K/V to the pages, then one paged kernel
  * over each sequence's pages (new tokens included): decode when every sequence appends one token,
  * else prefill with a bottom-right-aligned causal mask. Prefixes shared by fork are plain shared
- * pages (reference counted); a shared page is copied before anyone appends to it.
+ * pages (reference counted); a shared page is copied before anyone appends to it. The kernels are
+ * TVM's TIR ones or, on CUDA, ours (compiler_passes/attention_kernels.py: tensor-core prefill,
+ * split-KV decode whose split count this object picks per batch).
  */
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/map.h>
+#include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/reflection/registry.h>
 #include <tvm/runtime/device_api.h>
@@ -80,6 +83,32 @@ Tensor View(const Tensor& base, int64_t byte_offset, std::vector<int64_t> shape,
 
 int64_t Bytes(DLDataType t) { return (t.bits * t.lanes + 7) / 8; }
 
+/*!
+ * \brief Copy `bytes` from host memory into `dst`, ordered on the device's current stream
+ * without waiting for it. Tensor::CopyFromBytes synchronizes the stream, which stalls the host
+ * until the GPU has drained every step's queue; here the driver stages the pageable source at
+ * once (so `src` may be reused on return) and the host runs ahead. With no stream set, TVM's
+ * kernels go to the legacy default stream: cudaStreamLegacy (0x1) names it for the async copy.
+ */
+void UploadAsync(const Tensor& dst, const void* src, int64_t bytes) {
+  const DLDevice dev = dst->device;
+  if (dev.device_type == kDLCPU || bytes == 0) {
+    std::memcpy(static_cast<char*>(dst->data) + dst->byte_offset, src, bytes);
+    return;
+  }
+  int64_t n = bytes;
+  DLTensor from{const_cast<void*>(src), DLDevice{kDLCPU, 0}, 1, DLDataType{kDLUInt, 8, 1}, &n,
+                nullptr, 0};
+  DLTensor to = *dst.operator->();
+  to.ndim = 1;
+  to.shape = &n;
+  to.strides = nullptr;
+  to.dtype = DLDataType{kDLUInt, 8, 1};
+  void* stream = TVMFFIEnvGetStream(dev.device_type, dev.device_id);
+  if (stream == nullptr && dev.device_type == kDLCUDA) stream = reinterpret_cast<void*>(0x1);
+  tvm::runtime::DeviceAPI::Get(dev)->CopyDataFromTo(&from, &to, stream);
+}
+
 /*! \brief First element of a host tensor (DLPack producers may set byte_offset). */
 template <typename T>
 const T* HostData(const ffi::TensorView& t) {
@@ -93,19 +122,33 @@ constexpr int64_t kAlign = 16;  // int32 elements; every aux segment starts 64-b
 
 int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-/*! \brief The TIR function inside a ["tirx", f] kernel tuple; other backends are refused. */
-ffi::Function TirKernel(const ffi::Any& arg, const char* what) {
+/*!
+ * \brief The function inside a kernel tuple: ["tirx", f] (TVM's TIR kernels, TVM's signature) or
+ * ["mlc_lora", f] (compiler_passes/attention_kernels.py: tensor-core CUDA kernels, their own
+ * signature). FlashInfer's tuples are refused.
+ */
+ffi::Function AttentionKernel(const ffi::Any& arg, const char* what, bool* ours) {
   auto tup = arg.cast<ffi::Array<ffi::Any>>();
   if (tup.empty()) {
     TVM_FFI_THROW(ValueError) << "mlc-lora's KV cache needs the " << what << " kernel";
   }
   auto backend = tup[0].cast<ffi::String>();
-  if (backend != "tirx" || tup.size() != 2) {
-    TVM_FFI_THROW(ValueError) << "mlc-lora's KV cache runs TIR attention kernels only; the "
+  if ((backend != "tirx" && backend != "mlc_lora") || tup.size() != 2) {
+    TVM_FFI_THROW(ValueError) << "mlc-lora's KV cache runs TIR or mlc_lora attention kernels; the "
                               << what << " kernel comes from backend '" << backend << "'";
   }
+  *ours = backend == "mlc_lora";
   return tup[1].cast<ffi::Function>();
 }
+
+/*!
+ * Split-KV decode: enough blocks for two waves of a 132-SM GPU (any GPU is correct, this only
+ * sets how finely a short batch's context is split), at most kMaxSplits splits, at least
+ * kMinSplitKeys keys each.
+ */
+constexpr int64_t kDecodeTargetBlocks = 264;
+constexpr int64_t kMaxSplits = 32;
+constexpr int64_t kMinSplitKeys = 64;
 
 }  // namespace
 
@@ -123,6 +166,7 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
   struct Kernels {
     ffi::Function append, prefill, decode, split_rotary, copy_page;
     ffi::Optional<ffi::Function> debug_get_kv;
+    bool own_attention = false;  // prefill/decode are ["mlc_lora", f] (attention_kernels.py)
   };
 
   UnifiedKVCacheObj(Config cfg, Kernels k)
@@ -143,6 +187,17 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
     k_buf_ = Tensor::Empty({T * cfg_.num_kv_heads * cfg_.head_dim}, cfg_.dtype, cfg_.device);
     v_buf_ = Tensor::Empty({T * cfg_.num_kv_heads * cfg_.head_dim}, cfg_.dtype, cfg_.device);
     lse_buf_ = Tensor::Empty({T * cfg_.num_qo_heads}, kFloat32, cfg_.device);
+    if (k_.own_attention) {
+      // split-KV partials: b * splits <= kDecodeTargetBlocks / h_q + b (see BuildAux)
+      const int64_t rows = kDecodeTargetBlocks + cfg_.max_batch * cfg_.num_qo_heads;
+      part_o_ = Tensor::Empty({rows * cfg_.head_dim}, kFloat32, cfg_.device);
+      part_lse_ = Tensor::Empty({rows}, kFloat32, cfg_.device);
+      // one arrival counter per (sequence, head); the kernel leaves them at zero
+      const int64_t pairs = cfg_.max_batch * cfg_.num_qo_heads;
+      split_counters_ = Tensor::Empty({pairs}, kInt32, cfg_.device);
+      std::vector<int32_t> zeros(pairs, 0);
+      UploadAsync(split_counters_, zeros.data(), pairs * sizeof(int32_t));
+    }
     AllocAux(cfg_.num_pages + cfg_.max_batch);
   }
 
@@ -246,6 +301,16 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
     }
     const Tensor& pages = layer_pages_[layer_id];
     k_.append(pages, k, v, append_pos_);
+    if (k_.own_attention) {
+      if (is_decode_) {
+        k_.decode(q, pages, page_indptr_, page_indices_, last_page_len_, o, lse, part_o_,
+                  part_lse_, split_counters_, num_splits_, split_keys_, sm_scale);
+      } else {
+        k_.prefill(q, qo_indptr_, pages, page_indptr_, page_indices_, last_page_len_, o, lse,
+                   max_q_len_, sm_scale);
+      }
+      return;
+    }
     const int64_t inline_rope = cfg_.rope_mode == kRoPEInline;
     if (is_decode_) {
       k_.decode(q, pages, page_indptr_, page_indices_, last_page_len_, k_rope_offset_,
@@ -456,8 +521,11 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
     int32_t* h = aux_host_.data();
     h[off_qo_indptr_] = 0;
     h[off_page_indptr_] = 0;
-    int64_t tok = 0, pg = 0;
+    int64_t tok = 0, pg = 0, max_kv = 0;
+    max_q_len_ = 0;
     for (int64_t i = 0; i < b; ++i) {
+      max_q_len_ = std::max(max_q_len_, cur_lens_[i]);
+      max_kv = std::max(max_kv, pool_.SequenceLength(cur_seqs_[i]));
       const std::vector<int32_t>& pages = pool_.SequencePages(cur_seqs_[i]);
       const int64_t len = pool_.SequenceLength(cur_seqs_[i]);
       for (int64_t pos = len - cur_lens_[i]; pos < len; ++pos, ++tok) {
@@ -470,8 +538,14 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
       h[off_last_len_ + i] = static_cast<int32_t>((len - 1) % ps + 1);
       h[off_k_rope_ + i] = 0;  // each sequence's pages start at position 0
     }
-    View(aux_dev_, 0, {off_page_indices_ + pg}, kInt32)
-        .CopyFromBytes(h, (off_page_indices_ + pg) * sizeof(int32_t));
+    // Split-KV: split each context until the grid has ~kDecodeTargetBlocks blocks.
+    const int64_t blocks = b * cfg_.num_qo_heads;
+    num_splits_ = std::min({(kDecodeTargetBlocks + blocks - 1) / blocks, kMaxSplits,
+                            std::max<int64_t>(1, max_kv / kMinSplitKeys)});
+    split_keys_ = (max_kv + num_splits_ - 1) / num_splits_;
+    split_keys_ = (split_keys_ + cfg_.page_size - 1) / cfg_.page_size * cfg_.page_size;
+    num_splits_ = (max_kv + split_keys_ - 1) / split_keys_;
+    UploadAsync(aux_dev_, h, (off_page_indices_ + pg) * sizeof(int32_t));
     auto seg = [&](int64_t off, int64_t n) { return View(aux_dev_, off * 4, {n}, kInt32); };
     qo_indptr_ = seg(off_qo_indptr_, b + 1);
     page_indptr_ = seg(off_page_indptr_, b + 1);
@@ -626,7 +700,7 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
       int64_t n = 1;
       for (int64_t x : shape) n *= x;
       Tensor v = View(dev, 0, shape, dtype);
-      v.CopyFromBytes(src, n * 4);
+      UploadAsync(v, src, n * 4);
       return v;
     };
     lora_tables_ = {arena_flat_,
@@ -644,11 +718,13 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
   Tensor arena_;                     // (L*P*E,)
   std::vector<Tensor> layer_pages_;  // per layer (P, 2, h_kv, page_size, d), byte_offset 0
   Tensor q_buf_, k_buf_, v_buf_, lse_buf_;
+  Tensor part_o_, part_lse_, split_counters_;  // split-KV decode workspace (own kernels only)
 
   // The batch between begin_forward and the next one.
   std::vector<int64_t> cur_seqs_, cur_lens_;
   int64_t cur_tokens_ = 0;
   bool is_decode_ = false;
+  int64_t max_q_len_ = 0, num_splits_ = 1, split_keys_ = 0;
   std::vector<int32_t> aux_host_;
   Tensor aux_dev_;
   int64_t off_qo_indptr_, off_page_indptr_, off_last_len_, off_k_rope_, off_q_rope_, off_append_,
@@ -729,8 +805,17 @@ void CreateCache(ffi::PackedArgs args, ffi::Any* rv) {
   auto append = args[13].as<ffi::Function>();
   if (!append.has_value()) TVM_FFI_THROW(ValueError) << "f_transpose_append_mha is missing";
   k.append = append.value();
-  k.prefill = TirKernel(args[16], "paged prefill");
-  k.decode = TirKernel(args[17], "paged decode");
+  bool prefill_ours = false, decode_ours = false;
+  k.prefill = AttentionKernel(args[16], "paged prefill", &prefill_ours);
+  k.decode = AttentionKernel(args[17], "paged decode", &decode_ours);
+  if (prefill_ours != decode_ours) {
+    TVM_FFI_THROW(ValueError) << "the paged prefill and decode kernels must come from one backend";
+  }
+  k.own_attention = prefill_ours;
+  if (k.own_attention && cfg.rope_mode == kRoPEInline) {
+    TVM_FFI_THROW(ValueError) << "the mlc_lora attention kernels take RoPE'd queries and keys; "
+                                 "inline RoPE (rope_mode 2) needs TVM's TIR kernels";
+  }
   k.split_rotary = args[24].cast<ffi::Function>();
   k.copy_page = args[25].cast<ffi::Function>();
   k.debug_get_kv = args[26].as<ffi::Function>();
@@ -774,7 +859,21 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_sequence_pages",
            [](Ref kv, int64_t seq) { return Pool(kv)->SequencePages(seq); })
       .def("mlc_lora.runtime.pool_check_invariants",
-           [](Ref kv) { Pool(kv)->CheckInvariants(); });
+           [](Ref kv) { Pool(kv)->CheckInvariants(); })
+      .def("mlc_lora.runtime.upload_async", [](Tensor dst, ffi::TensorView src) {
+        // host array -> device tensor of the same size, without a stream synchronization
+        if (src.device().device_type != kDLCPU || !src.IsContiguous()) {
+          TVM_FFI_THROW(ValueError) << "upload_async takes a contiguous host array";
+        }
+        int64_t n = 1;
+        for (int64_t i = 0; i < src.ndim(); ++i) n *= src.size(i);
+        const int64_t bytes = n * Bytes(src.dtype());
+        if (bytes != tvm::ffi::GetDataSize(*dst.operator->()) || src.dtype() != dst->dtype) {
+          TVM_FFI_THROW(ValueError) << "upload_async: " << src.dtype() << src.shape()
+                                    << " does not fit " << dst->dtype << dst.Shape();
+        }
+        UploadAsync(dst, HostData<char>(src), bytes);
+      });
 }
 
 }  // namespace mlc_lora

@@ -22,6 +22,9 @@ def main(argv: list[str]) -> int:
                    help="cuda: base linears on cuBLAS (needs mlc-lora[cuda] where it runs) or TVM kernels")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="cuda: do not capture decode in CUDA graphs")
+    p.add_argument("--attention", choices=["flash", "tir"], default="flash",
+                   help="cuda: paged attention on mlc-lora's tensor-core kernels (fp16/bf16, head_dim "
+                        "64/128; other models keep TVM's) or TVM's TIR kernels")
     p.add_argument("--lora-pool-pages", type=int, default=0,
                    help="default size in pages of the unified KV/adapter pool (any size runs); "
                         "enables LoRA with --max-lora-rank")
@@ -38,7 +41,7 @@ def main(argv: list[str]) -> int:
                           prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,
                           lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
                           lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
-                          gemm=a.gemm, cuda_graph=a.cuda_graph,
+                          gemm=a.gemm, cuda_graph=a.cuda_graph, attention=a.attention,
                           tensor_parallel_shards=a.tensor_parallel_shards)
     out = compile_model(a.model, a.output, opts)
     print(f"compiled {a.model} -> {out}")

@@ -1,0 +1,216 @@
+"""Paged attention kernels side by side on one GPU: mlc-lora's (compiler_passes/attention.cu),
+TVM's TIR kernels (the baseline our cache ran before) and torch's scaled_dot_product_attention,
+on the same pages; correctness against a float32 torch reference first.
+
+  # here (no GPU needed): one library with both kernel sets for each shape
+  python scripts/bench_attention.py compile --out attn
+  # on the GPU (runtime-only TVM is enough)
+  python scripts/bench_attention.py run --lib-dir attn
+
+Shapes: Llama-2-7B (32 heads, MHA, d 128), Llama-3-8B (32/8 GQA, d 128, fp16 and bf16),
+SmolLM2-135M (9/3, d 64). Times are medians of CUDA-event timings of 20 back-to-back calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+SHAPES = {  # name: (h_q, h_kv, d, dtype)
+    "llama2-7b": (32, 32, 128, "float16"),
+    "llama3-8b": (32, 8, 128, "float16"),
+    "llama3-8b-bf16": (32, 8, 128, "bfloat16"),
+    "smollm2": (9, 3, 64, "float16"),
+}
+PAGE = 16
+
+
+def compile_libs(out: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+    from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode  # pylint: disable=import-outside-toplevel
+    from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.compile import prepare_cuda_build  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes import attention_kernels  # pylint: disable=import-outside-toplevel
+
+    prepare_cuda_build()
+    out.mkdir(parents=True, exist_ok=True)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    for name, (hq, hkv, d, dtype) in tqdm(SHAPES.items(), desc="compile"):
+        prefill, decode, ext = attention_kernels.build(dtype, d, hq, hkv, "sm_90a")
+        funcs = {
+            "ours_prefill": prefill, "ours_decode": decode,
+            "tir_prefill": _attention_prefill(hkv, hq, d, dtype, False, {}, target),
+            "tir_decode": _attention_decode(hkv, hq, d, dtype, False, {}, target),
+        }
+        mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
+        with target:
+            lib = tvm.compile(mod, target=target)
+        lib.mod.import_module(ext)
+        lib.export_library(str(out / f"{name}.so"))
+
+
+def run(lib_dir: Path, out_json: Path | None) -> None:  # pylint: disable=too-many-locals,too-many-statements
+    import torch  # pylint: disable=import-outside-toplevel
+    import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    dev = torch.device("cuda")
+    tv = tvm.runtime.from_dlpack
+    results = {"device": torch.cuda.get_device_name(), "correctness": [], "timing": []}
+
+    def timeit(fn, reps=20):
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1000 / reps)
+        return sorted(times)[len(times) // 2]
+
+    for name, (hq, hkv, d, dtype) in SHAPES.items():
+        lib = tvm.runtime.load_module(str(lib_dir / f"{name}.so"))
+        tdt = getattr(torch, dtype)
+        scale = 1.0 / math.sqrt(d)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+
+        def make_batch(q_lens, kv_lens):
+            """Pages for each sequence's kv_len keys (pages shuffled), queries for the last q_len."""
+            n_pages = [-(-kv // PAGE) for kv in kv_lens]
+            total = sum(n_pages) + 8
+            pages = torch.randn(total, 2, hkv, PAGE, d, generator=gen, device=dev).to(tdt)
+            perm = torch.randperm(total, generator=gen, device=dev)[:sum(n_pages)].to(torch.int32)
+            page_indptr = torch.tensor([0] + list(torch.tensor(n_pages).cumsum(0)), dtype=torch.int32, device=dev)
+            last = torch.tensor([kv - (n - 1) * PAGE for kv, n in zip(kv_lens, n_pages)], dtype=torch.int32, device=dev)
+            qo_indptr = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=dev)
+            q = torch.randn(sum(q_lens), hq, d, generator=gen, device=dev).to(tdt)
+            return q, qo_indptr, pages, page_indptr, perm, last
+
+        def reference(q, qo_indptr, pages, page_indptr, page_indices, last):
+            out = torch.empty(q.shape, dtype=torch.float32, device=dev)
+            for s in range(len(qo_indptr) - 1):
+                q0, q1 = int(qo_indptr[s]), int(qo_indptr[s + 1])
+                pg = page_indices[int(page_indptr[s]):int(page_indptr[s + 1])].long()
+                kv = (len(pg) - 1) * PAGE + int(last[s])
+                k = pages[pg, 0].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :kv].float()
+                v = pages[pg, 1].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :kv].float()
+                k, v = k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0)
+                qs = q[q0:q1].float().transpose(0, 1)  # (hq, ql, d)
+                ql = q1 - q0
+                mask = torch.arange(kv, device=dev)[None, :] <= (torch.arange(ql, device=dev)[:, None] + kv - ql)
+                sc = (qs @ k.transpose(1, 2)) * scale
+                sc = sc.masked_fill(~mask, float("-inf"))
+                out[q0:q1] = (sc.softmax(-1) @ v).transpose(0, 1)
+            return out
+
+        def ours_prefill(q, qo_indptr, pages, page_indptr, page_indices, last, o, lse, max_q):
+            lib["ours_prefill"](tv(q), tv(qo_indptr), tv(pages), tv(page_indptr), tv(page_indices), tv(last),
+                                tv(o), tv(lse), max_q, scale)
+
+        work_o = torch.empty((264 + 256 * hq) * d, dtype=torch.float32, device=dev)
+        work_l = torch.empty(264 + 256 * hq, dtype=torch.float32, device=dev)
+        counters = torch.zeros(256 * hq, dtype=torch.int32, device=dev)
+
+        def splits(b, max_kv):  # the cache's rule (src/runtime/unified_kv_cache.cc BuildAux)
+            n = min(-(-264 // (b * hq)), 32, max(1, max_kv // 64))
+            keys = -(-max_kv // n)
+            keys = -(-keys // PAGE) * PAGE
+            return -(-max_kv // keys), keys
+
+        def ours_decode(q, pages, page_indptr, page_indices, last, o, lse, max_kv):
+            n, keys = splits(q.shape[0], max_kv)
+            lib["ours_decode"](tv(q), tv(pages), tv(page_indptr), tv(page_indices), tv(last), tv(o), tv(lse),
+                               tv(work_o), tv(work_l), tv(counters), n, keys, scale)
+
+        def tir_prefill(q, qo_indptr, pages, page_indptr, page_indices, last, o, lse):
+            zeros_b = torch.zeros(len(qo_indptr) - 1, dtype=torch.int32, device=dev)
+            pos = torch.zeros(q.shape[0], dtype=torch.int32, device=dev)
+            lib["tir_prefill"](tv(q), tv(qo_indptr), tv(pages), tv(page_indptr), tv(page_indices), tv(last),
+                               tv(zeros_b), tv(pos), tv(o), tv(lse), 1, 0, 1.0, 10000.0, scale)
+
+        def tir_decode(q, pages, page_indptr, page_indices, last, o, lse):
+            zeros_b = torch.zeros(q.shape[0], dtype=torch.int32, device=dev)
+            lib["tir_decode"](tv(q), tv(pages), tv(page_indptr), tv(page_indices), tv(last), tv(zeros_b),
+                              tv(zeros_b), tv(o), tv(lse), 0, 1.0, 10000.0, scale)
+
+        # ---- correctness: ragged prefill (with and without cached prefixes) and decode
+        cases = [("prefill", [512, 37, 1, 130, 64, 3], [512, 100, 50, 130, 1000, 3]),
+                 ("decode", [1] * 6, [1, 17, 525, 2000, 4097, 64])]
+        for kind, q_lens, kv_lens in cases:
+            q, qo, pages, pind, pidx, last = make_batch(q_lens, kv_lens)
+            ref = reference(q, qo, pages, pind, pidx, last)
+            for impl in ("ours", "tir"):
+                o = torch.zeros_like(q)
+                lse = torch.zeros(q.shape[0], hq, dtype=torch.float32, device=dev)
+                if kind == "prefill" and impl == "ours":
+                    ours_prefill(q, qo, pages, pind, pidx, last, o, lse, max(q_lens))
+                elif kind == "prefill":
+                    tir_prefill(q, qo, pages, pind, pidx, last, o, lse)
+                elif impl == "ours":
+                    ours_decode(q, pages, pind, pidx, last, o, lse, max(kv_lens))
+                else:
+                    tir_decode(q, pages, pind, pidx, last, o, lse)
+                torch.cuda.synchronize()
+                err = float((o.float() - ref).norm() / ref.norm())
+                mx = float((o.float() - ref).abs().max())
+                results["correctness"].append(dict(shape=name, kind=kind, impl=impl, rel_err=err, max_abs=mx))
+                print(f"[check] {name:15s} {kind:7s} {impl:4s} rel err {err:.2e} max abs {mx:.2e}", flush=True)
+
+        # ---- timing
+        for kind, b, ql, kv in ([("prefill", b, 512, 512) for b in (1, 4, 16)]
+                                + [("decode", b, 1, 525) for b in (1, 16, 64)]
+                                + [("decode", 1, 1, 4096), ("decode", 16, 1, 4096)]):
+            q, qo, pages, pind, pidx, last = make_batch([ql] * b, [kv] * b)
+            o = torch.empty_like(q)
+            lse = torch.empty(q.shape[0], hq, dtype=torch.float32, device=dev)
+            if kind == "prefill":
+                t_ours = timeit(lambda: ours_prefill(q, qo, pages, pind, pidx, last, o, lse, ql))
+                t_tir = timeit(lambda: tir_prefill(q, qo, pages, pind, pidx, last, o, lse))
+            else:
+                t_ours = timeit(lambda: ours_decode(q, pages, pind, pidx, last, o, lse, kv))
+                t_tir = timeit(lambda: tir_decode(q, pages, pind, pidx, last, o, lse))
+            # SDPA on contiguous (b, h, len, d) tensors of the same sizes (GQA expanded, as HF does)
+            qs = torch.randn(b, hq, ql, d, device=dev, dtype=tdt)
+            ks = torch.randn(b, hq, kv, d, device=dev, dtype=tdt)
+            vs = torch.randn(b, hq, kv, d, device=dev, dtype=tdt)
+            t_sdpa = timeit(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=kind == "prefill"))
+            flops = 4 * b * hq * ql * kv * d / (2 if kind == "prefill" else 1)
+            kv_bytes = 2 * b * kv * hkv * d * q.element_size()
+            row = dict(shape=name, kind=kind, batch=b, q_len=ql, kv_len=kv, ours_us=t_ours, tir_us=t_tir,
+                       sdpa_us=t_sdpa, ours_tflops=flops / t_ours / 1e6, ours_tbps=kv_bytes / t_ours / 1e6)
+            results["timing"].append(row)
+            print(f"[time] {name:15s} {kind:7s} b={b:3d} q={ql:4d} kv={kv:5d}  ours {t_ours:9.1f} us  "
+                  f"tir {t_tir:9.1f} us  sdpa {t_sdpa:9.1f} us  | tir/ours {t_tir / t_ours:6.2f}  "
+                  f"ours/sdpa {t_ours / t_sdpa:5.2f}  {row['ours_tflops']:.0f} TFLOP/s {row['ours_tbps']:.2f} TB/s",
+                  flush=True)
+    if out_json:
+        out_json.write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("compile")
+    c.add_argument("--out", required=True, type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("--lib-dir", required=True, type=Path)
+    r.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    if a.cmd == "compile":
+        compile_libs(a.out)
+    else:
+        run(a.lib_dir, a.json)
+
+
+if __name__ == "__main__":
+    main()
