@@ -147,6 +147,12 @@ struct Engine::Impl {
       throw ModelError("'" + dir + "' is not a compiled mlc-lora model (no " + kConfigFile + ")");
     }
     JSON cfg = JSON::Parse(ReadText(cfg_path), cfg_path);
+    int64_t shards = cfg.get("tensor_parallel_shards").i64_or(1);
+    if (shards > 1) {
+      // One process, one device here; the Python engine drives one disco worker per shard.
+      throw ModelError("'" + dir + "' was compiled with --tensor-parallel-shards " + std::to_string(shards) +
+                       ": the C++ engine runs one device; serve it with `mlc_lora serve` (docs/TP.md)");
+    }
     JSON mc = cfg["model_config"];
     model_config = mc;
     vocab_size = static_cast<int32_t>(mc["vocab_size"].i64());

@@ -45,6 +45,8 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     max_lora_rank: int = 0
     lora_target_modules: list[str] | None = None
     lora_kernel: str = "gather"
+    # Megatron-style tensor parallelism over this many GPUs (docs/TP.md).
+    tensor_parallel_shards: int = 1
 
     def resolved_dtype(self) -> str:
         dtype = self.dtype or ("float32" if self.target == "llvm" else "float16")
@@ -103,6 +105,8 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
         "tokenizer": tokenizer,
         "compile_options": dataclasses.asdict(options),
         "lora": lora.to_json() if lora is not None else None,
+        # The runtimes (ModelRunner, the C++ engine) start one worker per shard from this.
+        "tensor_parallel_shards": cfg.tensor_parallel_shards,
         "compiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (output / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -127,6 +131,7 @@ def _model_config(source: ModelSource, options: CompileOptions):
         context_window_size=options.context_window_size,
         prefill_chunk_size=options.prefill_chunk_size,
         max_batch_size=options.max_batch_size,
+        tensor_parallel_shards=options.tensor_parallel_shards,
     )
     return cfg, arch
 

@@ -85,6 +85,20 @@ def device_of(name: str):
     raise MLCLoraError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
 
 
+def open_runner(model_dir: str | Path, device: str = "cpu", params: Sequence | None = None):
+    """The runner of a compiled model: ModelRunner, or for a model compiled with
+    --tensor-parallel-shards K > 1 the ShardedModelRunner of K disco workers (mlc_lora.tp).
+    `params` (weights already on the device) only for an unsharded model."""
+    cfg_path = Path(model_dir) / CONFIG_FILE
+    if cfg_path.is_file() and int(json.loads(cfg_path.read_text()).get("tensor_parallel_shards", 1)) > 1:
+        from .tp import ShardedModelRunner  # pylint: disable=import-outside-toplevel
+
+        if params is not None:
+            raise MLCLoraError("params= is not supported for a tensor-parallel model")
+        return ShardedModelRunner(model_dir, "cpu" if device == "cpu" else "cuda")
+    return ModelRunner(model_dir, device, params=params)
+
+
 class ModelRunner:  # pylint: disable=too-many-instance-attributes
     """A compiled model on one device: weights, VM functions and KV-cache builtins."""
 
@@ -98,6 +112,10 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         self.config = json.loads(cfg_path.read_text())
         self.model_dir = model_dir
         self.model_config = self.config["model_config"]
+        if int(self.config.get("tensor_parallel_shards", 1)) > 1:
+            raise MLCLoraError(f"{model_dir} was compiled with --tensor-parallel-shards "
+                               f"{self.config['tensor_parallel_shards']}: open it with "
+                               "mlc_lora.runner.open_runner (one disco worker per shard)")
         want = self.config["target"]["kind"]
         if (want == "llvm") != (device == "cpu"):
             raise MLCLoraError(
@@ -187,6 +205,12 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
     @property
     def lora(self) -> dict | None:
         return self.config.get("lora")
+
+    def pool(self, name: str):
+        """The unified pool's `mlc_lora.runtime.<name>` (ShardedModelRunner: on every shard)."""
+        from . import _ffi_api  # pylint: disable=import-outside-toplevel
+
+        return getattr(_ffi_api, name)
 
     def _lora_args(self, lora: dict | None, n_tok: int) -> list:
         """The LoRA inputs (arrays or device tensors keyed by LORA_INPUTS); None = all base model.

@@ -33,13 +33,16 @@ def main(argv: list[str]) -> int:
                    help="linears adapters may target (default: q k v o gate up down _proj)")
     p.add_argument("--lora-kernel", choices=["single", "gather", "sgmv"], default="gather",
                    help="single: one adapter per batch, dense GEMMs; gather: per-token gather; sgmv: fused shrink+expand")
+    p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
+                   help="split the model over K GPUs (Megatron-style; docs/TP.md)")
     a = p.parse_args(argv)
     opts = CompileOptions(target=a.target, dtype=a.dtype, cuda_arch=a.cuda_arch,
                           context_window_size=a.context_window_size,
                           prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,
                           lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
                           lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
-                          gemm=a.gemm, cuda_graph=a.cuda_graph, attention=a.attention)
+                          gemm=a.gemm, cuda_graph=a.cuda_graph, attention=a.attention,
+                          tensor_parallel_shards=a.tensor_parallel_shards)
     out = compile_model(a.model, a.output, opts)
     print(f"compiled {a.model} -> {out}")
     return 0

@@ -17,7 +17,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _ffi_api as rt
 from ..errors import LoraError, PoolExhaustedError, UnknownAdapterError
 from ..lora.layout import LoraSpec, pack_adapter
 from ..lora.peft import LoraAdapter, load_peft_adapter
@@ -82,8 +81,11 @@ class AdapterTable:
                             f"pages, but the whole pool has {total}")
         aid = next(self._next_id)
         try:
-            rt.pool_load_adapter(self.kv, aid, packed.pages, packed.a_off, packed.b_off, packed.rank,
-                                 packed.scale, bool(pin))
+            if getattr(self.runner, "num_shards", 1) > 1:  # every shard packs its own slices
+                self.runner.load_adapter(self.kv, aid, path, bool(pin))
+            else:
+                self.runner.pool("pool_load_adapter")(self.kv, aid, packed.pages, packed.a_off, packed.b_off,
+                                                      packed.rank, packed.scale, bool(pin))
         except PoolExhaustedError as e:
             raise PoolExhaustedError(f"cannot load adapter {name!r} ({n} pages): {e}") from None
         cfg = adapter.config
@@ -107,7 +109,7 @@ class AdapterTable:
         return a
 
     def info(self, a: Adapter) -> dict[str, Any]:
-        pool = rt.pool_adapter_info(self.kv, a.id)
+        pool = self.runner.pool("pool_adapter_info")(self.kv, a.id)
         return dict(name=a.name, id=a.id, path=a.path, rank=a.rank, lora_alpha=a.lora_alpha,
                     use_rslora=a.use_rslora, scales=dict(a.scales), target_modules=list(a.target_modules),
                     pinned=bool(pool["pinned"]), resident=bool(pool["resident"]), pages=a.num_pages,
@@ -138,17 +140,17 @@ class AdapterTable:
         self.runner.kv_add(self.kv, seq_id)
         a = self._of_seq.get(seq_id)
         if a is not None:
-            rt.pool_set_sequence_adapter(self.kv, seq_id, a.id)
+            self.runner.pool("pool_set_sequence_adapter")(self.kv, seq_id, a.id)
 
     def _free_if_unused(self, a: Adapter) -> None:
         if a.unloading and a.users == 0:
-            rt.pool_unload_adapter(self.kv, a.id)
+            self.runner.pool("pool_unload_adapter")(self.kv, a.id)
             del self.by_id[a.id]
 
     # --- pages --------------------------------------------------------------------------------
 
     def pool_stats(self) -> dict[str, int]:
-        return {k: int(v) for k, v in rt.pool_stats(self.kv).items()}
+        return {k: int(v) for k, v in self.runner.pool("pool_stats")(self.kv).items()}
 
     def available_pages(self) -> int:
         """Pages a batch can take: free ones plus those of idle unpinned adapters (evicted LRU)."""
@@ -158,7 +160,7 @@ class AdapterTable:
     def pages_to_run(self, aid: int) -> int:
         """Pages a batch must find for adapter `aid`: all of them unless it is resident and kept
         (pinned, or held by a running sequence); an idle resident one stops being evictable."""
-        info = rt.pool_adapter_info(self.kv, aid)
+        info = self.runner.pool("pool_adapter_info")(self.kv, aid)
         kept = bool(info["resident"]) and (bool(info["pinned"]) or int(info["refs"]) > 0)
         return 0 if kept else int(info["num_pages"])
 
@@ -181,4 +183,4 @@ class AdapterTable:
                     pool_pages_evictable=s["evictable_pages"],
                     adapters_loaded=sorted(self.by_name),
                     adapters_resident=sorted(a.name for a in self.by_id.values()
-                                             if bool(rt.pool_adapter_info(self.kv, a.id)["resident"])))
+                                             if bool(self.runner.pool("pool_adapter_info")(self.kv, a.id)["resident"])))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import MLCLoraError, PoolExhaustedError, RequestError
-from ..runner import CONFIG_FILE, ModelRunner
+from ..runner import CONFIG_FILE, open_runner
 from ..tokenizer import Detokenizer, Tokenizer, check_messages
 from . import protocol as P
 from .sampler import TOP_LOGPROBS_MAX, Sampled, Sampler
@@ -70,7 +70,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
     def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
                  max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
                  params=None):
-        self.runner = ModelRunner(model_dir, device, params=params)
+        # tensor-parallel models: one worker per shard
+        self.runner = open_runner(model_dir, device, params=params)
         mc = self.runner.model_config
         self.context_window = mc["context_window_size"]
         self.max_num_seqs = max_num_seqs or mc.get("max_batch_size", 64)

@@ -17,8 +17,9 @@ from .peft import load_peft_adapter
 
 
 def pack_peft_adapter(folder: str | Path, compiled_config: dict[str, Any],
-                      name: str | None = None) -> PackedAdapter:
-    """A PEFT adapter folder -> pool input, for the model of `compiled_config` (its JSON config)."""
+                      name: str | None = None, shard: int = 0) -> PackedAdapter:
+    """A PEFT adapter folder -> pool input, for the model of `compiled_config` (its JSON config);
+    under tensor parallelism, the input of shard `shard`'s pool."""
     from ..models.llama import LlamaConfig  # pylint: disable=import-outside-toplevel
 
     if not compiled_config.get("lora"):
@@ -31,7 +32,7 @@ def pack_peft_adapter(folder: str | Path, compiled_config: dict[str, Any],
         import ml_dtypes  # pylint: disable=import-outside-toplevel
 
         dtype = ml_dtypes.bfloat16
-    return pack_adapter(spec, load_peft_adapter(folder, cfg, spec, name), dtype)
+    return pack_adapter(spec, load_peft_adapter(folder, cfg, spec, name), dtype, shard)
 
 
 __all__ = ["LoraSpec", "PackedAdapter", "load_peft_adapter", "pack_adapter", "pack_peft_adapter"]

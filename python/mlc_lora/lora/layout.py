@@ -40,6 +40,10 @@ class LoraSpec:
     max_rank: int
     pool_pages: int  # default pool size (KV + adapter pages); the compiled model takes any size
     kernel: str = "gather"
+    # Tensor parallelism: `modules` and `page_elems` are one shard's; every shard's pool holds its
+    # slices of each adapter (column-parallel modules: all of A, B split by output; row-parallel
+    # ones: A split by input, all of B). See docs/TP.md.
+    tensor_parallel_shards: int = 1
 
     @property
     def module_names(self) -> list[str]:
@@ -57,18 +61,29 @@ class LoraSpec:
             "modules": [dataclasses.asdict(m) for m in self.modules],
             "max_rank": self.max_rank, "kernel": self.kernel, "pool_pages": self.pool_pages,
             "page_elems": self.page_elems, "num_layers": self.num_layers,
+            "tensor_parallel_shards": self.tensor_parallel_shards,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "LoraSpec":
         return cls(num_layers=d["num_layers"], page_elems=d["page_elems"],
                    modules=tuple(LoraModule(**m) for m in d["modules"]), max_rank=d["max_rank"],
-                   pool_pages=d["pool_pages"], kernel=d["kernel"])
+                   pool_pages=d["pool_pages"], kernel=d["kernel"],
+                   tensor_parallel_shards=d.get("tensor_parallel_shards", 1))
+
+
+# Modules whose weight is split by output rows under tensor parallelism; the others (o_proj,
+# down_proj) are split by input columns.
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _shards(cfg) -> int:
+    return getattr(cfg, "tensor_parallel_shards", 1)
 
 
 def page_elems(cfg) -> int:
-    """E: elements of one KV page of one layer."""
-    return 2 * cfg.num_key_value_heads * PAGE_SIZE * cfg.head_dim
+    """E: elements of one KV page of one layer (of one tensor-parallel shard)."""
+    return 2 * (cfg.num_key_value_heads // _shards(cfg)) * PAGE_SIZE * cfg.head_dim
 
 
 def module_shapes(cfg) -> dict[str, tuple[int, int]]:
@@ -77,6 +92,29 @@ def module_shapes(cfg) -> dict[str, tuple[int, int]]:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def shard_module_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every module on one tensor-parallel shard."""
+    k = _shards(cfg)
+    return {n: (i, o // k) if n in COLUMN_PARALLEL else (i // k, o)
+            for n, (i, o) in module_shapes(cfg).items()}
+
+
+def shard_adapter(adapter, shards: int, shard: int):
+    """`adapter` (a `peft.LoraAdapter`) as shard `shard` of `shards` holds it: column-parallel
+    modules keep A and take their output columns of B^T; row-parallel ones take their input
+    columns of A and keep B^T (their partial products are summed by the base all-reduce)."""
+    if shards == 1:
+        return adapter
+    weights = {}
+    for (l, m), (a, bt) in adapter.weights.items():
+        if m in COLUMN_PARALLEL:
+            bt = np.ascontiguousarray(np.split(bt, shards, axis=1)[shard])
+        else:
+            a = np.ascontiguousarray(np.split(a, shards, axis=1)[shard])
+        weights[(l, m)] = (a, bt)
+    return dataclasses.replace(adapter, weights=weights)
 
 
 def make_spec(cfg, max_rank: int, pool_pages: int, target_modules: Sequence[str] | None = None,
@@ -94,7 +132,7 @@ def make_spec(cfg, max_rank: int, pool_pages: int, target_modules: Sequence[str]
         raise LoraError(f"--max-lora-rank must be >= 1, got {max_rank}")
     if pool_pages < 1:
         raise LoraError(f"--lora-pool-pages must be >= 1, got {pool_pages}")
-    shapes = module_shapes(cfg)
+    shapes = shard_module_shapes(cfg)
     E = page_elems(cfg)
     mods = tuple(LoraModule(n, *shapes[n]) for n in ALL_MODULES if n in names)
     too_long = [m.name for m in mods if max(m.in_features, m.out_features) > E]
@@ -102,7 +140,7 @@ def make_spec(cfg, max_rank: int, pool_pages: int, target_modules: Sequence[str]
         raise LoraError(f"rows of {too_long} are longer than a page ({E} elements); cannot page them")
     if pool_pages * E >= 2**31:
         raise LoraError(f"--lora-pool-pages {pool_pages} x page {E} elements exceeds 2^31 per layer")
-    return LoraSpec(cfg.num_hidden_layers, E, mods, max_rank, pool_pages, kernel)
+    return LoraSpec(cfg.num_hidden_layers, E, mods, max_rank, pool_pages, kernel, _shards(cfg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,8 +213,11 @@ class PackedAdapter:
     scale: np.ndarray  # [M] float32, 0 for modules the adapter does not target
 
 
-def pack_adapter(spec: LoraSpec, adapter, dtype) -> PackedAdapter:
-    """Put `adapter` (a `peft.LoraAdapter`) into page format for a model compiled with `spec`."""
+def pack_adapter(spec: LoraSpec, adapter, dtype, shard: int = 0) -> PackedAdapter:
+    """Put `adapter` (a `peft.LoraAdapter`) into page format for a model compiled with `spec`
+    (under tensor parallelism: shard `shard`'s slices; every shard gets the same layout)."""
+    if not 0 <= shard < spec.tensor_parallel_shards:
+        raise LoraError(f"shard {shard} out of range for {spec.tensor_parallel_shards} shards")
     if adapter.rank > spec.max_rank:
         raise LoraError(f"adapter {adapter.name} has rank {adapter.rank}, above the compiled "
                         f"--max-lora-rank {spec.max_rank}")
@@ -184,6 +225,7 @@ def pack_adapter(spec: LoraSpec, adapter, dtype) -> PackedAdapter:
     if missing:
         raise LoraError(f"adapter {adapter.name} targets {missing}, which the model was not compiled "
                         f"for (compiled LoRA modules: {', '.join(spec.module_names)})")
+    adapter = shard_adapter(adapter, spec.tensor_parallel_shards, shard)
     mods = [m for m in spec.modules if m.name in adapter.modules]
     lay = layout_adapter(spec.page_elems, mods, adapter.rank)
     L, E, M, R = spec.num_layers, spec.page_elems, len(spec.modules), spec.max_rank

@@ -42,6 +42,8 @@ class LlamaConfig:  # pylint: disable=too-many-instance-attributes
     context_window_size: int = 0
     prefill_chunk_size: int = 2048
     max_batch_size: int = 64
+    # Megatron-style tensor parallelism over this many GPUs (docs/TP.md); 1 = one device.
+    tensor_parallel_shards: int = 1
 
     def __post_init__(self):
         if self.num_key_value_heads == 0:
@@ -58,9 +60,27 @@ class LlamaConfig:  # pylint: disable=too-many-instance-attributes
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        self._check_shards()
         if self.context_window_size == 0:
             self.context_window_size = self.max_position_embeddings
         self.prefill_chunk_size = min(self.prefill_chunk_size, self.context_window_size)
+
+    def _check_shards(self):
+        k = self.tensor_parallel_shards
+        if not isinstance(k, int) or k < 1:
+            raise ModelConfigError(f"tensor_parallel_shards must be a positive integer, got {k!r}")
+        # Every shard holds whole heads (and whole KV heads: no KV replication) and an equal slice
+        # of the MLP.
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(self, name) % k:
+                raise ModelConfigError(
+                    f"cannot split the model over {k} tensor-parallel shards: {name} "
+                    f"{getattr(self, name)} is not divisible by {k}"
+                )
+
+    def shard(self, n: int) -> int:
+        """`n` (heads, intermediate size) divided over the tensor-parallel shards."""
+        return n // self.tensor_parallel_shards
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], **overrides) -> "LlamaConfig":
@@ -109,23 +129,36 @@ class LlamaConfig:  # pylint: disable=too-many-instance-attributes
 
     @property
     def qkv_out(self) -> int:
-        return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+        """Rows of one shard's fused qkv_proj."""
+        return self.shard(self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+
+
+def _allreduce(x: Tensor, cfg: LlamaConfig) -> Tensor:
+    """Sum of the shards' partial outputs of a row-parallel linear (o_proj, down_proj)."""
+    return op.ccl_allreduce(x, "sum") if cfg.tensor_parallel_shards > 1 else x
 
 
 class LlamaMLP(nn.Module):
+    """gate_up_proj is column-parallel, down_proj row-parallel (one all-reduce)."""
+
     def __init__(self, cfg: LlamaConfig):
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        i = cfg.shard(cfg.intermediate_size)
+        self.cfg = cfg
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * i, bias=False)
+        self.down_proj = nn.Linear(i, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+        return _allreduce(self.down_proj(op.silu(gate) * up), self.cfg)
 
 
 class LlamaAttention(nn.Module):
+    """A shard's heads: qkv_proj is column-parallel, o_proj row-parallel (one all-reduce)."""
+
     def __init__(self, cfg: LlamaConfig):
-        self.num_q = cfg.num_attention_heads
-        self.num_kv = cfg.num_key_value_heads
+        self.cfg = cfg
+        self.num_q = cfg.shard(cfg.num_attention_heads)
+        self.num_kv = cfg.shard(cfg.num_key_value_heads)
         self.head_dim = cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.qkv_out, bias=False)
         self.o_proj = nn.Linear(self.num_q * self.head_dim, cfg.hidden_size, bias=False)
@@ -135,7 +168,7 @@ class LlamaAttention(nn.Module):
         qkv = op.reshape(self.qkv_proj(x), (b, s, self.num_q + 2 * self.num_kv, self.head_dim))
         # RoPE, the KV append and paged attention all happen inside the cache call.
         o = kv.attention_with_fused_qkv(layer_id, qkv, self.num_q, sm_scale=self.head_dim**-0.5)
-        return self.o_proj(op.reshape(o, (b, s, self.num_q * self.head_dim)))
+        return _allreduce(self.o_proj(op.reshape(o, (b, s, self.num_q * self.head_dim))), self.cfg)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -213,8 +246,8 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             support_sliding_window=support_sliding_window,
             layer_partition=relax.ShapeExpr([0, cfg.num_hidden_layers]),
             num_hidden_layers=cfg.num_hidden_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads,
+            num_attention_heads=cfg.shard(cfg.num_attention_heads),
+            num_key_value_heads=cfg.shard(cfg.num_key_value_heads),
             qk_head_dim=cfg.head_dim,
             v_head_dim=cfg.head_dim,
             mla_original_qk_head_dim=0,
@@ -267,10 +300,11 @@ def _current_target():
 
 # The Hugging Face names of the linear layers inside our fused parameters, with their row ranges,
 # so that LoRA targets (q_proj, gate_proj, ...) can be located in the fused outputs.
+# Sizes are one tensor-parallel shard's (the whole model when tensor_parallel_shards is 1).
 def fused_linear_parts(cfg: LlamaConfig) -> dict[str, list[tuple[str, int, int]]]:
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    i = cfg.intermediate_size
+    q = cfg.shard(cfg.num_attention_heads) * cfg.head_dim
+    kv = cfg.shard(cfg.num_key_value_heads) * cfg.head_dim
+    i = cfg.shard(cfg.intermediate_size)
     return {
         "qkv_proj": [("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)],
         "gate_up_proj": [("gate_proj", 0, i), ("up_proj", i, 2 * i)],

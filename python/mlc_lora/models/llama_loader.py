@@ -113,3 +113,26 @@ def _np_dtype(dtype: str):
 
         return ml_dtypes.bfloat16
     return np.dtype(dtype)
+
+
+def shard_param(cfg, name: str, arr: np.ndarray, shard: int) -> np.ndarray:
+    """Shard `shard`'s slice of our (whole-model) parameter `name` under tensor parallelism.
+
+    Column-parallel (split by output rows): qkv_proj takes its heads' rows of each of q, k and v;
+    gate_up_proj its rows of gate and of up. Row-parallel (split by input columns): o_proj, down_proj.
+    Embedding, norms and lm_head are replicated. With one shard this is the identity.
+    """
+    k = cfg.tensor_parallel_shards
+    if k == 1:
+        return arr
+    d = cfg.head_dim
+    if name.endswith("qkv_proj.weight"):
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        parts = np.split(arr, [q, q + kv], axis=0)
+    elif name.endswith("gate_up_proj.weight"):
+        parts = np.split(arr, 2, axis=0)
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        return np.ascontiguousarray(np.split(arr, k, axis=1)[shard])
+    else:
+        return arr
+    return np.concatenate([np.split(p, k, axis=0)[shard] for p in parts], axis=0)

@@ -1,0 +1,148 @@
+"""1 GPU vs K GPUs side by side: the same model compiled unsharded and with --tensor-parallel-shards K.
+
+  # on a machine with 2 GPUs (docs/TP.md); NCCL_NVLS_ENABLE=0 is set by mlc_lora.tp itself
+  python scripts/bench_tp.py --model /path/to/Llama-3-8B-hf --shards 2 --num-prompts 256 \
+      --max-output-len 128 --out docs/results/tp_llama3_8b.json
+
+Compiles (once, into --work) `--target cuda` libraries for 1 and K shards, then for each: batch-1
+decode latency (ms per token over --decode-tokens greedy tokens of one request) and offline
+throughput on ShareGPT requests sampled as scripts/bench_throughput.py does (its sample_requests
+and run_mlc), optionally with --adapters PEFT folders spread round-robin over the requests.
+Prints one table and writes the figures as JSON. Not run by CI (it needs K GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
+def _bench_throughput():
+    path = Path(__file__).with_name("bench_throughput.py")
+    spec = importlib.util.spec_from_file_location("bench_throughput", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_variants(model: str, work: Path, shards: int, a) -> dict[int, Path]:
+    from mlc_lora.compile import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
+
+    out = {}
+    for k in (1, shards):
+        folder = work / f"tp{k}"
+        if not (folder / "mlc-lora-config.json").is_file():
+            cpu = a.device == "cpu"
+            compile_model(model, folder, CompileOptions(
+                target="llvm" if cpu else "cuda", dtype="float32" if cpu else a.dtype,
+                max_batch_size=a.max_num_seqs, tensor_parallel_shards=k,
+                max_lora_rank=a.max_lora_rank, lora_pool_pages=a.lora_pool_pages if a.max_lora_rank else 0,
+                lora_kernel=a.lora_kernel))
+        out[k] = folder
+    return out
+
+
+def decode_latency(folder: Path, device: str, prompt: list[int], n: int, adapter: str | None) -> float:
+    """ms per generated token of one greedy request (batch 1), after a warm-up request."""
+    from mlc_lora import MLCEngine  # pylint: disable=import-outside-toplevel
+
+    with MLCEngine(folder, device) as eng:
+        name = None
+        if adapter:
+            eng.load_adapter("a0", adapter)
+            name = "a0"
+        eng.completions.create(prompt=prompt, max_tokens=8, temperature=0, ignore_eos=True, adapter_id=name)
+        t = time.perf_counter()
+        eng.completions.create(prompt=prompt, max_tokens=1, temperature=0, ignore_eos=True, adapter_id=name)
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        eng.completions.create(prompt=prompt, max_tokens=n + 1, temperature=0, ignore_eos=True, adapter_id=name)
+        total = time.perf_counter() - t
+    return (total - prefill) / n * 1e3
+
+
+def throughput(bt, folder: Path, device: str, requests, max_num_seqs: int, adapters: list[str]) -> dict:
+    if not adapters:
+        elapsed, stats = bt.run_mlc(folder, device, requests, max_num_seqs)
+    else:
+        elapsed, stats = _run_with_adapters(folder, device, requests, max_num_seqs, adapters)
+    n_out = sum(n for _, n in requests)
+    return dict(seconds=elapsed, requests_per_s=len(requests) / elapsed, output_tokens_per_s=n_out / elapsed,
+                total_tokens_per_s=(n_out + sum(len(p) for p, _ in requests)) / elapsed,
+                steps=stats.get("num_steps"), peak_batch=stats.get("max_running"))
+
+
+def _run_with_adapters(folder, device, requests, max_num_seqs, adapters):
+    import asyncio  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
+
+    with AsyncMLCEngine(folder, device, max_num_seqs=max_num_seqs) as eng:
+        for i, path in enumerate(adapters):
+            asyncio.run(eng.load_adapter(f"a{i}", path))
+
+        async def run():
+            return await asyncio.gather(*[
+                eng.completions.create(prompt=p, max_tokens=n, temperature=1.0, ignore_eos=True, seed=len(p),
+                                       adapter_id=f"a{j % len(adapters)}")
+                for j, (p, n) in enumerate(requests)])
+
+        t = time.perf_counter()
+        asyncio.run(run())
+        elapsed = time.perf_counter() - t
+        stats = asyncio.run(eng.stats())
+    return elapsed, stats
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF folder, .gguf or embedded name")
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--work", default="build/bench_tp", help="where the compiled libraries go")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: a smoke run of this script (llvm, float32, numpy collectives); no timing value")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--max-output-len", type=int, default=128)
+    ap.add_argument("--max-prompt-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--max-lora-rank", type=int, default=0)
+    ap.add_argument("--lora-pool-pages", type=int, default=4096)
+    ap.add_argument("--lora-kernel", default="sgmv")
+    ap.add_argument("--adapters", nargs="*", default=[], help="PEFT folders (needs --max-lora-rank)")
+    ap.add_argument("--out", default=None, help="write the figures here (JSON)")
+    a = ap.parse_args(argv)
+    if a.shards < 2:
+        sys.exit("--shards must be >= 2 (it is compared with 1)")
+    from mlc_lora.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+
+    bt = _bench_throughput()
+    folders = compile_variants(a.model, Path(a.work), a.shards, a)
+    requests = bt.sample_requests(Tokenizer(folders[1]), a.num_prompts, 0, a.max_output_len,
+                                  max_prompt_len=a.max_prompt_len)
+    prompt = requests[0][0]
+    rows = {}
+    for k, folder in folders.items():
+        rows[k] = dict(decode_ms_per_token=decode_latency(folder, a.device, prompt, a.decode_tokens,
+                                                          a.adapters[0] if a.adapters else None),
+                       **throughput(bt, folder, a.device, requests, a.max_num_seqs, a.adapters))
+    print(f"{'':28s}" + "".join(f"{f'{k} shard' + ('s' if k > 1 else '') + (' (GPUs)' if a.device == 'cuda' else ' (cpu)'):>20s}" for k in rows))
+    for key in ("decode_ms_per_token", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                "peak_batch"):
+        print(f"{key:28s}" + "".join(f"{rows[k][key]:20.2f}" for k in rows))
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(model=a.model, shards=a.shards, device=a.device, requests=len(requests),
+                                               adapters=a.adapters, results=rows), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
