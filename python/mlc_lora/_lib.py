@@ -32,8 +32,14 @@ def load_library():
     if _LIB is not None:
         return _LIB
     # libtvm_ffi and libtvm_runtime must be the ones Python already loaded.
-    import tvm  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    import tvm  # pylint: disable=import-outside-toplevel
 
+    # Disco (tensor parallelism, src/runtime/nccl_ccl.cc) lives in libtvm_runtime_extra, which
+    # `import tvm` does not load in every install (TVM's runtime-only mode): load it from tvm's
+    # own lib folder so the runtime library's dependency resolves to that copy.
+    extra = Path(tvm.__file__).parent / "lib" / "libtvm_runtime_extra.so"
+    if extra.is_file():
+        ctypes.CDLL(str(extra), mode=ctypes.RTLD_GLOBAL)
     tried = _candidates()
     for path in tried:
         if path.is_file():
