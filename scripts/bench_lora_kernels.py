@@ -42,7 +42,6 @@ def fname(kind, r, i, o):
 def compile_lib(out: Path) -> None:
     import tvm  # pylint: disable=import-outside-toplevel
     from mlc_lora.compile import prepare_cuda_build  # pylint: disable=import-outside-toplevel
-    from mlc_lora.compiler_passes import cuda_source  # pylint: disable=import-outside-toplevel
     from mlc_lora.compiler_passes import lora_kernels as K, lora_sgmv as G  # pylint: disable=import-outside-toplevel
     from mlc_lora.compiler_passes import lora_sgmv_cuda as GC  # pylint: disable=import-outside-toplevel
 
@@ -57,10 +56,13 @@ def compile_lib(out: Path) -> None:
             funcs[fname("cshrink", r, i, o)] = GC.shrink_wrapper(i, 0, 1, r, 1, DTYPE)
             funcs[fname("cexpand", r, i, o)] = GC.expand_wrapper(i, o, 0, 1, r, 1, DTYPE)
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
-    for r in RS:  # both variants of stage 3 in one library
-        mod = cuda_source.attach(mod, GC.build_module(DTYPE, r, str(target.arch)))
     with target:
-        tvm.compile(mod, target=target).export_library(str(out))
+        ex = tvm.compile(mod, target=target)
+    # both variants of stage 3 in one library; a TIR-only build ignores the IRModule's
+    # external_mods (relax.build links them), so the CUDA kernels are imported here
+    for r in RS:
+        ex.mod.import_module(GC.build_module(DTYPE, r, str(target.arch)))
+    ex.export_library(str(out))
     print(f"built {out}")
 
 
