@@ -185,7 +185,7 @@ def report(name, elapsed, requests):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("prepare", "compile", "run"):
+    if argv and argv[0] in ("prepare", "compile", "run", "plot"):
         return lora_main(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m",
@@ -590,6 +590,44 @@ def plot(results, path) -> None:
     print(f"plot: {path}")
 
 
+def svg_bars(results, path) -> None:
+    """The same bar chart as `plot`, as a dependency-free SVG (req/s and the ratio to base)."""
+    w, h, top, left, bar = 460, 300, 40, 50, 90
+    peak = max(r["requests_per_s"] for r in results)
+    base = next((r["requests_per_s"] for r in results if r["config"] == "base"), None)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+             f'font-size="12"><text x="{w / 2}" y="20" text-anchor="middle" font-size="14">'
+             'ShareGPT offline throughput (requests/s)</text>']
+    for i, r in enumerate(results):
+        bh = (h - top - 50) * r["requests_per_s"] / peak
+        x, y = left + i * (bar + 40), h - 40 - bh
+        label = f'{r["requests_per_s"]:.2f}' + (f' ({r["requests_per_s"] / base:.2f}x)' if base else "")
+        parts += [f'<rect x="{x}" y="{y:.1f}" width="{bar}" height="{bh:.1f}" fill="#1f77b4"/>',
+                  f'<text x="{x + bar / 2}" y="{y - 5:.1f}" text-anchor="middle">{label}</text>',
+                  f'<text x="{x + bar / 2}" y="{h - 22}" text-anchor="middle">{r["config"]}</text>']
+    Path(path).write_text("\n".join(parts + ["</svg>"]) + "\n")
+    print(f"plot: {path}")
+
+
+def merge_plot(a) -> int:
+    """Merge result files of runs split over processes; write the merged JSON and plots."""
+    merged = None
+    for f in a.results:
+        data = json.loads(Path(f).read_text())
+        if merged is None:
+            merged = data
+        else:
+            merged["results"] += data["results"]
+    base = next((r["requests_per_s"] for r in merged["results"] if r["config"] == "base"), None)
+    for r in merged["results"]:
+        r["ratio_vs_base"] = r["requests_per_s"] / base if base else None
+    out = Path(a.out)
+    out.write_text(json.dumps(merged, indent=1))
+    svg_bars(merged["results"], out.with_suffix(".svg"))
+    plot(merged["results"], out.with_suffix(".png"))
+    return 0
+
+
 def lora_main(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -621,8 +659,11 @@ def lora_main(argv) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="bench_lora_throughput.json")
     r.add_argument("--append", action="store_true", help="merge with the configs already in --out")
+    m = sub.add_parser("plot", help="merge result files of split runs into one JSON + plot (here)")
+    m.add_argument("results", nargs="+")
+    m.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    return {"prepare": prepare, "compile": compile_libs, "run": run_lora}[a.cmd](a)
+    return {"prepare": prepare, "compile": compile_libs, "run": run_lora, "plot": merge_plot}[a.cmd](a)
 
 
 if __name__ == "__main__":
