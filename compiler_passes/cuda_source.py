@@ -33,7 +33,8 @@ def build_cubin(source: Path, arch: str, defines: dict[str, str | int | None]) -
     """`source` compiled for `arch` (e.g. "sm_90a") with `-D` defines; cached by content."""
     flags = ["-O3", "-std=c++17", "--cubin", f"-arch={arch}", "-lineinfo"]
     flags += [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in sorted(defines.items())]
-    text = source.read_text()
+    # the key covers the headers beside the source (#include "x.cuh"), not only the source
+    text = "".join(f.read_text() for f in [source, *sorted(source.parent.glob("*.cuh"))])
     key = hashlib.sha256((text + "\0" + " ".join(flags)).encode()).hexdigest()[:24]
     out = _cache_dir() / f"{source.stem}-{key}.cubin"
     if out.exists():

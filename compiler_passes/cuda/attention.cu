@@ -14,9 +14,9 @@
 // Semantics: o[i, h] = softmax_j(sm_scale * q[i, h] . K[j, h / (h_q / h_kv)]) @ V[j, ...]
 //            lse[i, h] = log2(sum_j exp2(sm_scale * log2(e) * q . K[j]))
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "dtype.cuh"
 
 #ifndef MLC_HEAD_DIM
 #error "define MLC_HEAD_DIM"
@@ -26,20 +26,6 @@ namespace {
 
 constexpr int D = MLC_HEAD_DIM;
 constexpr int PAGE = 16;
-
-#ifdef MLC_BF16
-typedef __nv_bfloat16 T;
-typedef __nv_bfloat162 T2;
-__device__ __forceinline__ float to_f(T x) { return __bfloat162float(x); }
-__device__ __forceinline__ T from_f(float x) { return __float2bfloat16_rn(x); }
-__device__ __forceinline__ T2 from_f2(float x, float y) { return __floats2bfloat162_rn(x, y); }
-#else
-typedef __half T;
-typedef __half2 T2;
-__device__ __forceinline__ float to_f(T x) { return __half2float(x); }
-__device__ __forceinline__ T from_f(float x) { return __float2half_rn(x); }
-__device__ __forceinline__ T2 from_f2(float x, float y) { return __floats2half2_rn(x, y); }
-#endif
 
 __device__ __forceinline__ uint32_t pack2(float x, float y) {
   T2 v = from_f2(x, y);  // x in the low half: the lower column of an mma fragment pair

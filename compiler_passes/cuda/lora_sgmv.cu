@@ -21,9 +21,9 @@
 // is 16-byte aligned, scalar loads otherwise) and applied to every tile token on that slot.
 // The grid depends only on the token count and the layer shape (CUDA graphs).
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "dtype.cuh"
 
 #ifndef MLC_MAX_RANK
 #error "define MLC_MAX_RANK"
@@ -35,20 +35,6 @@
 #define MLC_CAT(a, b) MLC_CAT2(a, b)
 
 namespace {
-
-#ifdef MLC_BF16
-typedef __nv_bfloat16 T;
-typedef __nv_bfloat162 T2;
-__device__ __forceinline__ T from_f(float x) { return __float2bfloat16_rn(x); }
-__device__ __forceinline__ float2 to_f2(T2 x) { return __bfloat1622float2(x); }
-__device__ __forceinline__ T2 from_f2(float x, float y) { return __floats2bfloat162_rn(x, y); }
-#else
-typedef __half T;
-typedef __half2 T2;
-__device__ __forceinline__ T from_f(float x) { return __float2half_rn(x); }
-__device__ __forceinline__ float2 to_f2(T2 x) { return __half22float2(x); }
-__device__ __forceinline__ T2 from_f2(float x, float y) { return __floats2half2_rn(x, y); }
-#endif
 
 constexpr int TILE = 16;   // tokens per block (both kernels); fits the 32-bit token masks
 constexpr int CHUNK = 512; // in_f elements per shrink block: _CHUNK in lora_sgmv.py
