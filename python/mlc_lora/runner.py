@@ -85,6 +85,20 @@ def device_of(name: str):
     raise MLCLoraError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
 
 
+def read_compiled_config(model_dir: Path, device: str) -> dict:
+    """The folder's mlc-lora-config.json, checked to be a compiled model for `device`'s target."""
+    cfg_path = model_dir / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise MLCLoraError(f"{model_dir} is not a compiled mlc-lora model (no {CONFIG_FILE})")
+    config = json.loads(cfg_path.read_text())
+    want = config["target"]["kind"]
+    if (want == "llvm") != (device == "cpu"):
+        raise MLCLoraError(
+            f"{model_dir} was compiled for target {want!r} and cannot run on device {device!r}"
+        )
+    return config
+
+
 def open_runner(model_dir: str | Path, device: str = "cpu", params: Sequence | None = None):
     """The runner of a compiled model: ModelRunner, or for a model compiled with
     --tensor-parallel-shards K > 1 the ShardedModelRunner of K disco workers (mlc_lora.tp).
@@ -106,10 +120,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         """`params`: the weights already on the device, in `param_names` order (e.g. made there by
         a benchmark); by default they are read from the model folder."""
         model_dir = Path(model_dir)
-        cfg_path = model_dir / CONFIG_FILE
-        if not cfg_path.is_file():
-            raise MLCLoraError(f"{model_dir} is not a compiled mlc-lora model (no {CONFIG_FILE})")
-        self.config = json.loads(cfg_path.read_text())
+        self.config = read_compiled_config(model_dir, device)
         self.model_dir = model_dir
         self.model_config = self.config["model_config"]
         if int(self.config.get("tensor_parallel_shards", 1)) > 1:
@@ -117,10 +128,6 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
                                f"{self.config['tensor_parallel_shards']}: open it with "
                                "mlc_lora.runner.open_runner (one disco worker per shard)")
         want = self.config["target"]["kind"]
-        if (want == "llvm") != (device == "cpu"):
-            raise MLCLoraError(
-                f"{model_dir} was compiled for target {want!r} and cannot run on device {device!r}"
-            )
         tvm = _tvm()
         self.device = device_of(device)
         if want == "cuda" and self.config.get("compile_options", {}).get("gemm") == "cublas":

@@ -24,8 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import MLCLoraError
-
-CONFIG_FILE = "mlc-lora-config.json"
+from .runner import CONFIG_FILE, read_compiled_config
 NUMPY_CCL = "mlc_lora_numpy"
 # Multicast (NVLS) collectives stay off on the lent H200 machines: set in every GPU process.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -267,17 +266,10 @@ class ShardedModelRunner:  # pylint: disable=too-many-instance-attributes
 
     def __init__(self, model_dir: str | Path, device: str = "cpu", session=None):
         model_dir = Path(model_dir)
-        cfg_path = model_dir / CONFIG_FILE
-        if not cfg_path.is_file():
-            raise MLCLoraError(f"{model_dir} is not a compiled mlc-lora model (no {CONFIG_FILE})")
-        self.config = json.loads(cfg_path.read_text())
+        self.config = read_compiled_config(model_dir, device)
         self.model_dir = model_dir
         self.model_config = self.config["model_config"]
         self.num_shards = _shards(self.config)
-        want = self.config["target"]["kind"]
-        if (want == "llvm") != (device == "cpu"):
-            raise MLCLoraError(f"{model_dir} was compiled for target {want!r} and cannot run on "
-                               f"device {device!r}")
         tvm = _tvm()
         self.sess = session if session is not None else make_session(self.num_shards, device)
         if self.sess.num_workers != self.num_shards:
