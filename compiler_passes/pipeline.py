@@ -7,7 +7,7 @@ from tvm import relax
 
 from .attach_sampler import AttachSampler
 from .dispatch_attention import DispatchAttention
-from .dispatch_cublas import DispatchCublas
+from .dispatch_cublas import GEMV_MAX_ROWS, DispatchCublas
 from .dispatch_kv_cache import DispatchKVCache
 from .lora_rewrite import LoraRewrite
 
@@ -16,14 +16,16 @@ GEMM_BACKENDS = ("cublas", "tvm")
 
 def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
                  lora: dict | None = None, stock_kv_cache: bool = False,
-                 gemm: str = "cublas", attention: str = "flash") -> tvm.transform.Pass:
+                 gemm: str = "cublas", attention: str = "flash",
+                 gemv_max_rows: int = GEMV_MAX_ROWS) -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
     `lora` (LoraRewrite's keyword arguments) and `extra_passes` run first, on the exported module,
     while linears are still `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
     `stock_kv_cache` keeps TVM's own paged KV cache (tests compare the two). `gemm` picks who runs
     the base linears: "cublas" (our runtime's GEMM extern: cuBLAS on CUDA, its multi-threaded
-    float32 GEMM on llvm) or "tvm" (dlight kernels on CUDA, unscheduled loops on llvm).
+    float32 GEMM on llvm) or "tvm" (dlight kernels on CUDA, unscheduled loops on llvm); with
+    "cublas" on CUDA, fp16/bf16 linears of up to `gemv_max_rows` tokens run our gemv kernel (0: none).
     `attention` "flash" runs the pool cache's attention on our tensor-core CUDA kernels where they
     fit the model (CUDA, fp16/bf16, head_dim 64/128), "tir" keeps TVM's kernels.
     """
@@ -36,7 +38,9 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
     passes += list(extra_passes or [])
     if target.kind.name in ("cuda", "llvm") and gemm == "cublas":
         # After LoraRewrite: it keeps the base matmul and adds its delta to the output.
-        passes.append(DispatchCublas(cpu=target.kind.name == "llvm"))
+        cpu = target.kind.name == "llvm"
+        passes.append(DispatchCublas(cpu=cpu, arch=None if cpu else str(target.arch),
+                                     gemv_max_rows=gemv_max_rows))
     if not stock_kv_cache:
         # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
         passes.append(DispatchKVCache())

@@ -37,6 +37,8 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     max_batch_size: int = 64
     gemm: str = "cublas"  # base linears on our runtime GEMM (cuBLAS / CPU) or TVM's kernels ("tvm")
     cuda_graph: bool = True  # cuda only: capture decode in CUDA graphs
+    # cuda, gemm "cublas": fp16/bf16 linears of up to this many tokens on our gemv kernel (0: none)
+    gemv_max_rows: int = 1
     # cuda only: paged attention on our tensor-core kernels ("flash": fp16/bf16, head_dim 64/128;
     # other models keep TVM's) or on TVM's TIR kernels ("tir")
     attention: str = "flash"
@@ -183,6 +185,9 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
 
     if options.gemm not in ("cublas", "tvm"):
         raise CompileError(f"unsupported gemm {options.gemm!r}; choose cublas or tvm")
+    if not 0 <= options.gemv_max_rows <= 8:
+        raise CompileError(f"gemv_max_rows must be 0..8 (the gemv kernels' largest token bound), "
+                           f"not {options.gemv_max_rows}")
     if options.attention not in ATTENTION_BACKENDS:
         raise CompileError(f"unsupported attention {options.attention!r}; choose one of "
                            f"{', '.join(ATTENTION_BACKENDS)}")
@@ -195,7 +200,7 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)
     pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, gemm=options.gemm,
-                            attention=options.attention)
+                            attention=options.attention, gemv_max_rows=options.gemv_max_rows)
     with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": use_graph}):
         ex = tvm.compile(mod, target, relax_pipeline=pipeline)
         ex.export_library(str(lib_path))

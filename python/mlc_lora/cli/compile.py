@@ -20,6 +20,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--gemm", choices=["cublas", "tvm"], default="cublas",
                    help="cuda: base linears on cuBLAS (needs mlc-lora[cuda] where it runs) or TVM kernels")
+    p.add_argument("--gemv-max-rows", type=int, default=1, metavar="N",
+                   help="cuda: linears of up to N tokens (0-8) on mlc-lora's GEMV kernel, cuBLAS above")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="cuda: do not capture decode in CUDA graphs")
     p.add_argument("--attention", choices=["flash", "tir"], default="flash",
@@ -41,7 +43,7 @@ def main(argv: list[str]) -> int:
                           prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,
                           lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
                           lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
-                          gemm=a.gemm, cuda_graph=a.cuda_graph, attention=a.attention,
+                          gemm=a.gemm, gemv_max_rows=a.gemv_max_rows, cuda_graph=a.cuda_graph, attention=a.attention,
                           tensor_parallel_shards=a.tensor_parallel_shards)
     out = compile_model(a.model, a.output, opts)
     print(f"compiled {a.model} -> {out}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +128,8 @@ def test_pipeline_dispatches_on_cuda_and_llvm():
     linear = tvm.IRModule({"linear": Before["linear"]})
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     with cuda:
-        assert CUBLAS_GEMM in get_pipeline(cuda, gemm="cublas")(linear)["linear"].script()
+        # (with the gemv kernels off: test_gemv_kernels.py covers them)
+        assert CUBLAS_GEMM in get_pipeline(cuda, gemm="cublas", gemv_max_rows=0)(linear)["linear"].script()
         assert CUBLAS_GEMM not in get_pipeline(cuda, gemm="tvm")(linear)["linear"].script()
     llvm = tvm.target.Target("llvm")
     # The CPU path takes float32 only: the float16 linear stays on TVM's matmul.
@@ -312,22 +315,28 @@ def test_composes_with_lora_rewrite(kernel):
     assert text.count("R.matmul") == lora_text.count("R.matmul") - base
 
 
-def test_decode_cuda_graphs_capture_the_cublas_calls():
-    """With decode's graph attributes, RewriteCUDAGraph lifts the cuBLAS calls into the captured
-    functions; the KV-cache attention calls stay in decode itself. (fp16: the lm_head GEMM writes
-    an intermediate, the float32 cast the output; a GEMM writing decode's output directly would
-    stay outside, as the output is allocated per call.)"""
-    from mlc_lora.compile import _decode_graph_attrs
+@pytest.mark.parametrize("gemv_max_rows", [0, 8])
+def test_decode_cuda_graphs_capture_the_linears(gemv_max_rows):
+    """With decode's graph attributes, RewriteCUDAGraph lifts the linears (cuBLAS calls, or the
+    gemv/cuBLAS wrappers) into the captured functions; the KV-cache attention calls stay in decode
+    itself. (fp16: the lm_head GEMM writes an intermediate, the float32 cast the output; a GEMM
+    writing decode's output directly would stay outside, as the output is allocated per call.)"""
+    from mlc_lora.compile import _decode_graph_attrs, prepare_cuda_build
 
+    if gemv_max_rows:
+        if shutil.which("nvcc") is None:
+            pytest.skip("needs nvcc")
+        prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     _, cfg, mod, _ = _tiny_llama(cuda, "float16")
     mod = _decode_graph_attrs(mod, 4)
     with cuda, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
-        lowered = get_pipeline(cuda, stock_kv_cache=True)(mod)
+        lowered = get_pipeline(cuda, stock_kv_cache=True, gemv_max_rows=gemv_max_rows)(mod)
     captured = [f.script() for gv, f in lowered.functions_items()
                 if gv.name_hint.startswith("decode_cuda_graph_capture")]
     assert captured, "decode was not captured"
-    assert sum(s.count(CUBLAS_GEMM) for s in captured) == 4 * cfg.num_hidden_layers + 1
+    linear = r"mlc_lora_linear_\w+\(" if gemv_max_rows else re.escape(CUBLAS_GEMM)
+    assert sum(len(re.findall(linear, s)) for s in captured) == 4 * cfg.num_hidden_layers + 1
     decode = lowered["decode"].script()
-    assert CUBLAS_GEMM not in decode
+    assert not re.search(linear, decode) and CUBLAS_GEMM not in decode
     assert decode.count("vm.builtin.cuda_graph.run_or_capture") >= cfg.num_hidden_layers + 1

@@ -1,6 +1,6 @@
 // Runs CUDA C++ kernels on the CPU for the tests (no GPU in CI): a block is a set of std::threads,
 // __syncthreads and warp shuffles are std::barriers, __shared__ is a function-local static (blocks
-// run one after another). Only what compiler_passes/cuda/lora_sgmv.cu uses; warp-uniform control
+// run one after another). Only what compiler_passes/cuda/{lora_sgmv,gemv}.cu use; warp-uniform control
 // flow is assumed, as on the GPU with full-mask shuffles.
 #pragma once
 #include <barrier>
@@ -17,7 +17,7 @@ struct uint4 {
 };
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 thread_local dim3 threadIdx;
-dim3 blockIdx, gridDim;
+dim3 blockIdx, gridDim, blockDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -45,6 +45,7 @@ inline int min(int a, int b) { return a < b ? a : b; }
 template <class F>
 void launch(dim3 grid, int threads, F f) {
   gridDim = grid;
+  blockDim = {unsigned(threads), 1, 1};
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {

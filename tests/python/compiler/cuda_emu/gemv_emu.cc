@@ -1,0 +1,45 @@
+// gemv.cu on the CPU (prelude.h), launched as gemv_kernels.wrapper launches it.
+// Usage: gemv_emu DIR NT n K N threads; reads DIR/{x, w} (raw), writes DIR/y.
+#include "prelude.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "gemv.cu"
+
+template <class E>
+std::vector<E> read(const std::string& p, size_t n) {
+  std::vector<E> v(n);
+  FILE* f = fopen(p.c_str(), "rb");
+  if (!f || fread(v.data(), sizeof(E), n, f) != n) {
+    fprintf(stderr, "cannot read %zu items from %s\n", n, p.c_str());
+    exit(1);
+  }
+  fclose(f);
+  return v;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 7) return 2;
+  const std::string d = argv[1];
+  const int nt = atoi(argv[2]), n = atoi(argv[3]), K = atoi(argv[4]), N = atoi(argv[5]), threads = atoi(argv[6]);
+  auto x = read<T>(d + "/x", size_t(n) * K);
+  auto w = read<T>(d + "/w", size_t(N) * K);
+  std::vector<T> y(size_t(n) * N, from_f(7.f));  // garbage the kernel must overwrite
+  const dim3 grid{unsigned((N + ROWS - 1) / ROWS), 1, 1};
+  launch(grid, threads, [&] {
+    const T *xp = x.data(), *wp = w.data();
+    T* yp = y.data();
+    switch (nt) {
+      case 1: MLC_CAT(MLC_CAT(mlc_lora_gemv_, MLC_SUFFIX), _t1)(xp, wp, yp, n, K, N); break;
+      case 2: MLC_CAT(MLC_CAT(mlc_lora_gemv_, MLC_SUFFIX), _t2)(xp, wp, yp, n, K, N); break;
+      case 4: MLC_CAT(MLC_CAT(mlc_lora_gemv_, MLC_SUFFIX), _t4)(xp, wp, yp, n, K, N); break;
+      default: MLC_CAT(MLC_CAT(mlc_lora_gemv_, MLC_SUFFIX), _t8)(xp, wp, yp, n, K, N); break;
+    }
+  });
+  FILE* f = fopen((d + "/y").c_str(), "wb");
+  fwrite(y.data(), sizeof(T), y.size(), f);
+  fclose(f);
+  return 0;
+}
