@@ -22,15 +22,22 @@ PROMPT = 512  # tokens per prompt (prefill) and context before the timed decode 
 PEAK_BW = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate (read + write)
 
 
-def compile_variants(out: Path, layers: int) -> None:
+# name: (CUDA graphs for decode, attention kernels, gemv_max_rows). graph: the default build;
+# cublas: the same without our gemv kernel (every linear on cuBLAS); nograph: without graphs;
+# tir: TVM's TIR attention kernels and no gemv (the baseline).
+VARIANTS = {"graph": (True, "flash", 8), "cublas": (True, "flash", 0), "nograph": (False, "flash", 8),
+            "tir": (True, "tir", 0)}
+DECODE_BATCHES = (1, 4, 8, 16, 64)
+
+
+def compile_variants(out: Path, layers: int, variants: list[str]) -> None:
     from mlc_lora import compile as C  # pylint: disable=import-outside-toplevel
 
-    # graph / nograph: our attention kernels; tir: TVM's TIR attention (the baseline), graphs on
-    for name, graph, attention in (("graph", True, "flash"), ("nograph", False, "flash"),
-                                   ("tir", True, "tir")):
+    for name in variants:
+        graph, attention, gemv = VARIANTS[name]
         opts = C.CompileOptions(target="cuda", dtype="float16", prefill_chunk_size=16 * PROMPT,
                                 context_window_size=16 * PROMPT, max_batch_size=64, gemm="cublas",
-                                cuda_graph=graph, attention=attention)
+                                cuda_graph=graph, attention=attention, gemv_max_rows=gemv)
         secs = build(out / name, dict(LLAMA2_7B, num_hidden_layers=layers), opts, name="llama-2-7b-shape-random")
         print(f"{name}: built in {secs:.0f} s, {(out / name / 'lib.cuda.so').stat().st_size >> 10} KiB")
 
@@ -131,7 +138,8 @@ def run(args) -> int:
     say(f"params: {sum(v.numel() for v in p.values()) / 1e9:.2f} B on GPU in {time.time() - t0:.1f} s")
     names = cfg_json["param_names"]
     tparams = [tvm_ffi.from_dlpack(p[n]) for n in names]
-    variants = [v for v in ("graph", "nograph", "tir") if (model / v).is_dir()]
+    variants = [v for v in VARIANTS if (model / v).is_dir() and (not args.variants or v in args.variants.split(","))]
+    batches = [int(b) for b in args.batches.split(",")]
     runners = {v: ModelRunner(model / v, "cuda", params=tparams) for v in variants}
 
     L, H, V = mc["num_hidden_layers"], mc["hidden_size"], mc["vocab_size"]
@@ -142,7 +150,7 @@ def run(args) -> int:
 
     # --- prefill: ours vs plain torch, same weights, same prompts -------------------------------
     ref = TorchLlama(p, mc, torch)
-    for v, b in [(v, b) for v in ("graph", "tir") if v in runners for b in (1, 4, 16)]:
+    for v, b in [(v, b) for v in ("graph", "tir") if v in runners and args.prefill for b in (1, 4, 16)]:
         r = runners[v]
         ids = torch.randint(0, V, (b, PROMPT), generator=gen)
         toks = [row.tolist() for row in ids]
@@ -173,18 +181,21 @@ def run(args) -> int:
 
     # --- decode at batch 1, 16, 64 with PROMPT tokens of context --------------------------------
     dec = []
+    first = {}  # (variant, batch) -> logits of the first decode step, same prompts in every variant
     steps = 20
     for v, r in runners.items():
-        for b in (1, 16, 64):
+        for b in batches:
             kv = r.create_kv_cache(64, 64 * (PROMPT + 64))
             for i in range(b):
                 r.kv_add(kv, i)
+            pgen = torch.Generator(device="cpu").manual_seed(100 + b)
             for s in range(0, b, 16):
                 chunk = list(range(s, min(b, s + 16)))
-                r.prefill(kv, chunk, [torch.randint(0, V, (PROMPT,), generator=gen).tolist() for _ in chunk])
+                r.prefill(kv, chunk, [torch.randint(0, V, (PROMPT,), generator=pgen).tolist() for _ in chunk])
             seqs = list(range(b))
             tok = [1] * b
-            for _ in range(3):  # the first step captures the graphs
+            first[(v, b)] = torch.from_dlpack(r.decode(kv, seqs, tok)).float().reshape(b, -1).clone()
+            for _ in range(2):  # the first steps capture the graphs
                 r.decode(kv, seqs, tok)
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -195,20 +206,31 @@ def run(args) -> int:
             ctx = PROMPT + 3 + steps // 2
             floor = (w_bytes + b * ctx * kv_bytes_tok) / PEAK_BW * 1e3
             bd = None
-            if v in ("graph", "tir"):
+            if v in ("graph", "cublas", "tir"):
                 from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         r.decode(kv, seqs, tok)
                     torch.cuda.synchronize()
                 bd, ka = kernel_breakdown(prof, 5)
-                if b in (1, 64):
+                if b in (1, 64) or v == "graph":
                     (out_dir / f"decode{b}_{v}_kernels.txt").write_text(
                         ka.table(sort_by="device_time_total", row_limit=25))
             dec.append((v, b, ms, floor, bd))
             say(f"decode[{v}] b={b}: {ms:.3f} ms/step, floor {floor:.3f} ms "
                 f"({floor / ms * 100:.0f}% of the floor's bandwidth)" + (f", kernels {bd}" if bd else ""))
             del kv
+    # Same weights, same prompts: every variant's first decode logits against the cuBLAS-only one
+    # (whose prefill matches the torch model above).
+    agree = []
+    ref_v = "cublas" if "cublas" in runners else None
+    for (v, b), lg in first.items():
+        if ref_v and v != ref_v:
+            rl = first[(ref_v, b)]
+            agree.append((v, b, ((lg - rl).norm() / rl.norm()).item(),
+                          (lg.argmax(-1) == rl.argmax(-1)).float().mean().item()))
+            say(f"decode[{v}] b={b} first-step logits vs [{ref_v}]: rel err {agree[-1][2]:.2e}, "
+                f"argmax agree {agree[-1][3]:.2f}")
 
     # --- attention kernels vs SDPA on the same shapes ------------------------------------------
     nh, d = mc["num_attention_heads"], mc["head_dim"]
@@ -226,15 +248,15 @@ def run(args) -> int:
         return e0.elapsed_time(e1) / 20
 
     att = []
-    for b in (1, 16, 64):
+    for b in batches:
         q = torch.randn(b, nh, 1, d, device="cuda", dtype=torch.float16)
         k = torch.randn(b, nh, PROMPT + 13, d, device="cuda", dtype=torch.float16)
         sd = sdpa_ms(q, k, k.clone(), False) * L
-        for v in ("graph", "tir"):
+        for v in ("graph", "cublas", "tir"):
             ours = next((x[4]["attention"] for x in dec if x[0] == v and x[1] == b), None)
             if ours is not None:
                 att.append((f"decode[{v}]", b, ours, sd))
-    for v, b in [(v, b) for v in ("graph", "tir") if v in runners for b in (1, 4, 16)]:
+    for v, b in [(v, b) for v in ("graph", "tir") if v in runners and args.prefill for b in (1, 4, 16)]:
         r = runners[v]
         kv = r.create_kv_cache(64, 16 * PROMPT + 1024)
         for i in range(b):
@@ -260,6 +282,9 @@ def run(args) -> int:
     for v, b, ms, floor, bd in dec:
         g = f"{bd['gemm']:.3f} | {bd['attention']:.3f} | {bd['other']:.3f}" if bd else "- | - | -"
         say(f"| {v} | {b} | {ms:.3f} | {floor:.3f} | {floor / ms * 100:.0f}% | {g} |")
+    say("\n| decode | batch | first-step logits rel err vs cublas | argmax agree |\n|---|---|---|---|")
+    for v, b, e, a in agree:
+        say(f"| {v} | {b} | {e:.1e} | {a:.2f} |")
     say("\n| attention | batch | paged-KV kernels ms (all layers) | SDPA ms (x layers) | ratio |\n|---|---|---|---|---|")
     for ph, b, ours, sd in att:
         say(f"| {ph} | {b} | {ours:.3f} | {sd:.3f} | {ours / sd:.2f} |")
@@ -272,14 +297,18 @@ def main() -> int:
     c = sub.add_parser("compile")
     c.add_argument("--out", required=True)
     c.add_argument("--layers", type=int, default=32)
+    c.add_argument("--variants", default="graph,cublas,tir", help=f"comma-separated, of {', '.join(VARIANTS)}")
     rr = sub.add_parser("run")
     rr.add_argument("--model", required=True)
     rr.add_argument("--ext", default=None, help="src/runtime/cublas_gemm.cc built alone (scripts/build_cublas_gemm.sh), "
                    "for a runtime library without it")
     rr.add_argument("--log-dir", default="bench_logs")
+    rr.add_argument("--variants", default="", help="comma-separated subset of the compiled variants")
+    rr.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
+    rr.add_argument("--no-prefill", dest="prefill", action="store_false", help="decode only")
     a = ap.parse_args()
     if a.cmd == "compile":
-        compile_variants(Path(a.out), a.layers)
+        compile_variants(Path(a.out), a.layers, a.variants.split(","))
         return 0
     return run(a)
 

@@ -3,7 +3,7 @@
   # here (CPU): compile for llvm float32, record logits and greedy tokens
   python scripts/check_gpu_parity.py reference --model smollm2-135m --out ref.npz
   # on the GPU machine (runtime-only TVM is enough): run cuda builds and compare
-  python scripts/check_gpu_parity.py device --ref ref.npz --lib-dir DIR [DIR ...] [--weights MODEL.gguf]
+  python scripts/check_gpu_parity.py device --ref ref.npz --lib-dir DIR [DIR ...] [--weights MODEL.gguf] [--single]
 
 `device` teacher-forces the CPU's greedy tokens so that every step's logits are comparable, and
 separately reports how many of its own greedy tokens agree with the CPU's.
@@ -77,23 +77,28 @@ def device(args) -> int:
         cfg = json.loads((lib_dir / "mlc-lora-config.json").read_text())
         if not (lib_dir / cfg["params_file"]).exists():
             convert(args.weights, lib_dir, cfg)
-        t0 = time.time()
-        runner = ModelRunner(lib_dir, "cuda")
-        logits, _ = run(runner, prompts, ref["greedy"][:-1], STEPS)
-        _, own_greedy = run(runner, prompts, None, STEPS)
-        elapsed = time.time() - t0
-        b = ref["logits"].astype(np.float64)
-        a = logits[: len(b)].astype(np.float64)
-        max_abs = float(np.abs(a - b).max())
-        rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-        same = float((own_greedy == ref["greedy"]).mean())
-        first_diff = next((k for k in range(own_greedy.shape[0])
-                           if (own_greedy[k] != ref["greedy"][k]).any()), None)
-        rows.append((lib_dir.name, cfg["dtype"], max_abs, rel, same, first_diff, elapsed))
-    print(f"\n{'build':<20} {'dtype':<9} {'max|d|':>10} {'rel err':>10} {'greedy same':>12} "
+        runner = ModelRunner(lib_dir, args.device)
+        # all prompts in one batch; with --single also each prompt alone (batch-1 decode paths)
+        groups = [("", list(range(len(prompts))))]
+        groups += [(f" [b=1 #{i}]", [i]) for i in range(len(prompts))] if args.single else []
+        for tag, idx in groups:
+            t0 = time.time()
+            sub = [prompts[i] for i in idx]
+            logits, _ = run(runner, sub, ref["greedy"][:-1][:, idx], STEPS)
+            _, own_greedy = run(runner, sub, None, STEPS)
+            elapsed = time.time() - t0
+            b = ref["logits"][:, idx].astype(np.float64)
+            a = logits[: len(b)].astype(np.float64)
+            want = ref["greedy"][:, idx]
+            max_abs = float(np.abs(a - b).max())
+            rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+            same = float((own_greedy == want).mean())
+            first_diff = next((k for k in range(own_greedy.shape[0]) if (own_greedy[k] != want[k]).any()), None)
+            rows.append((lib_dir.name + tag, cfg["dtype"], max_abs, rel, same, first_diff, elapsed))
+    print(f"\n{'build':<28} {'dtype':<9} {'max|d|':>10} {'rel err':>10} {'greedy same':>12} "
           f"{'1st diff step':>14} {'secs':>6}")
     for r in rows:
-        print(f"{r[0]:<20} {r[1]:<9} {r[2]:>10.3e} {r[3]:>10.3e} {r[4]:>12.1%} "
+        print(f"{r[0]:<28} {r[1]:<9} {r[2]:>10.3e} {r[3]:>10.3e} {r[4]:>12.1%} "
               f"{str(r[5]):>14} {r[6]:>6.1f}")
     return 0
 
@@ -124,6 +129,8 @@ def main() -> int:
     d.add_argument("--ref", required=True)
     d.add_argument("--lib-dir", nargs="+", required=True)
     d.add_argument("--weights", help="model source to convert weights from where a folder has none")
+    d.add_argument("--single", action="store_true", help="also run each prompt alone (batch-1 decode)")
+    d.add_argument("--device", default="cuda", help="cuda, or cpu to check the script on the reference build")
     a = p.parse_args()
     return reference(a) if a.cmd == "reference" else device(a)
 
