@@ -1,14 +1,15 @@
-"""Our compiled linear (y = x @ W^T through DispatchCublas: our gemv kernel at one token, cuBLAS
-above: the default `gemv_max_rows`) against torch.matmul, and against the same linear on cuBLAS alone (the gemv kernel off).
+"""Our compiled linear (y = x @ W^T through DispatchCublas with the default `gemv_max_rows`: our
+gemv kernel at one token, cuBLAS above) against torch.matmul and against cuBLAS alone.
 
 Two steps:
-  compile (any machine, no GPU):  python scripts/bench_gemm.py compile --out DIR
+  compile (any machine, no GPU):  python scripts/bench_gemm.py compile --out DIR [--sweep]
   run (the GPU machine):          python scripts/bench_gemm.py run --lib-dir DIR [--ext libcublas_gemm.so]
 DIR holds ours.so (the default dispatch) and cublas.so (gemv_max_rows=0, and a static-1 twin of
 every linear left to dlight's GEMV); with --sweep also sweep_r{ROWS}_u{UNROLL}.so, the gemv kernel
-with other tile sizes (float16, n <= 8), timed against ours.so in the same run.
+with other tile sizes up to 8 tokens (float16), timed against ours.so in the same run.
 Timing: CUDA events around replays of a CUDA graph that holds one call per weight copy, the copies
-rotated so that the weights (>= 256 MB in all) never sit in the 50 MB L2; median per call.
+rotated so that the weights (>= 256 MB in all) never sit in the 50 MB L2; the graphs' replays are
+interleaved with the order rotated every repetition; median per call.
 Error: ||y - ref|| / ||ref|| against a float64 product of the same inputs.
 """
 
@@ -105,15 +106,17 @@ def run(args) -> int:  # pylint: disable=too-many-locals
         g.replay()
         return g, keep
 
-    def timed(graphs, calls, reps=15):
-        """Median us per call of each graph; replays interleaved so clock drift hits all alike."""
+    def timed(graphs, calls, reps=20):  # 20: every position equally often for 4 or 5 graphs
+        """Median us per call of each graph; replays interleaved, and the order rotated every
+        repetition, so that clock drift and the position in the sequence hit all alike."""
         ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                for _ in range(reps)] for _ in graphs]
         for i in range(reps):
-            for (g, _), e in zip(graphs, ev):
-                e[i][0].record()
-                g.replay()
-                e[i][1].record()
+            for j in range(len(graphs)):
+                k = (i + j) % len(graphs)
+                ev[k][i][0].record()
+                graphs[k][0].replay()
+                ev[k][i][1].record()
         torch.cuda.synchronize()
         return [statistics.median(a.elapsed_time(b) for a, b in e) * 1e3 / calls for e in ev]
 
