@@ -24,9 +24,9 @@ PEAK_BW = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate (rea
 
 # name: (CUDA graphs for decode, attention kernels, gemv_max_rows; None: the default). graph: the default build;
 # cublas: the same without our gemv kernel (every linear on cuBLAS); nograph: without graphs;
-# tir: TVM's TIR attention kernels and no gemv (the baseline).
+# tir: TVM's TIR attention kernels and no gemv (the baseline); gemv8: our kernels up to 8 tokens.
 VARIANTS = {"graph": (True, "flash", None), "cublas": (True, "flash", 0), "nograph": (False, "flash", None),
-            "tir": (True, "tir", 0)}
+            "tir": (True, "tir", 0), "gemv8": (True, "flash", 8)}
 DECODE_BATCHES = (1, 4, 8, 16, 64)
 
 
@@ -207,7 +207,7 @@ def run(args) -> int:
             ctx = PROMPT + 3 + steps // 2
             floor = (w_bytes + b * ctx * kv_bytes_tok) / PEAK_BW * 1e3
             bd = None
-            if v in ("graph", "cublas", "tir"):
+            if v in ("graph", "cublas", "tir", "gemv8"):
                 from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
@@ -253,7 +253,7 @@ def run(args) -> int:
         q = torch.randn(b, nh, 1, d, device="cuda", dtype=torch.float16)
         k = torch.randn(b, nh, PROMPT + 13, d, device="cuda", dtype=torch.float16)
         sd = sdpa_ms(q, k, k.clone(), False) * L
-        for v in ("graph", "cublas", "tir"):
+        for v in ("graph", "cublas", "tir", "gemv8"):
             ours = next((x[4]["attention"] for x in dec if x[0] == v and x[1] == b), None)
             if ours is not None:
                 att.append((f"decode[{v}]", b, ours, sd))
