@@ -83,13 +83,15 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
 
     lora = lora_spec(cfg, options)
     output.mkdir(parents=True, exist_ok=True)
+    # Weights first: a wrong-shaped or missing tensor (the user's input) fails in seconds, not
+    # after the library build.
+    steps.set_postfix_str("converting weights")
+    convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress)
+    steps.update()
+
     steps.set_postfix_str(f"building library ({options.target})")
     lib_name = f"lib.{options.target}.so"
     param_names = build_library(arch_module, cfg, dtype, options, output / lib_name, lora=lora)
-    steps.update()
-
-    steps.set_postfix_str("converting weights")
-    convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress)
     steps.update()
 
     steps.set_postfix_str("writing config and tokenizer")

@@ -40,6 +40,10 @@ def test_weight_with_wrong_shape_is_named(tmp_path):
     cfg = llama.LlamaConfig.from_dict(src.config)
     with pytest.raises(WeightError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*\(64, 100\)"):
         list(llama_loader.convert_hf_weights(cfg, src.weights(), "float32"))
+    # compile fails on it before building the library (the slow step)
+    with pytest.raises(WeightError, match=r"down_proj\.weight"):
+        compile_model(tmp_path / "m", tmp_path / "out", progress=False)
+    assert not list((tmp_path / "out").glob("lib.*.so"))
 
 
 def test_unknown_model_name(tmp_path):
