@@ -25,6 +25,8 @@ from .sampler import TOP_LOGPROBS_MAX, Sampled, Sampler
 from .adapters import AdapterTable
 from .scheduler import PAGE_SIZE, Batch, SamplingParams, Scheduler, Sequence, Status
 
+MAX_CHOICES = 16  # `n` of one request: each choice is a sequence of its own (the prompt prefilled n times)
+
 
 def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtype: Optional[str] = None,
                      max_lora_rank: int = 0, lora_pool_pages: int = 0) -> Path:
@@ -359,37 +361,71 @@ class _Request:
             top_logprobs=[{name(i): lp for i, lp in (s.top or [])} for s in tokens],
             text_offset=[offset] * len(tokens))
 
-    def chunk(self, out: _Out, seq: Sequence, first: bool, offset: int):
-        usage = P.CompletionUsage(out.usage[0], out.usage[1], sum(out.usage)) if out.usage else None
+    def chunk(self, out: _Out, seq: Sequence, first: bool, offset: int, index: int = 0,
+              usage: Optional[tuple[int, int]] = None):
+        """Choice `index`'s piece `out`; `usage` (prompt, completion tokens) goes on the last one."""
+        usage_obj = P.CompletionUsage(usage[0], usage[1], sum(usage)) if usage else None
         lp = self._logprobs(out.tokens, seq, offset)
         model = self.engine.model_name
         if self.chat:
             delta = P.ChoiceDelta(content=out.text, role="assistant" if first else None)
             return P.ChatCompletionChunk(self.id, self.created, model,
-                                         [P.ChatCompletionChunkChoice(0, delta, out.finish_reason, lp)], usage)
+                                         [P.ChatCompletionChunkChoice(index, delta, out.finish_reason, lp)],
+                                         usage_obj)
         return P.Completion(self.id, self.created, model,
-                            [P.CompletionChoice(0, out.text, out.finish_reason, lp)], usage)
+                            [P.CompletionChoice(index, out.text, out.finish_reason, lp)], usage_obj)
 
-    def whole(self, outs: list[_Out], seq: Sequence):
-        text = "".join(o.text for o in outs)
-        tokens = [s for o in outs for s in o.tokens]
-        last = outs[-1]
-        usage = P.CompletionUsage(last.usage[0], last.usage[1], sum(last.usage))
-        lp = self._logprobs(tokens, seq, 0)
+    def whole(self, outs: list[list[_Out]], seqs: list[Sequence]):
+        """The response: choice i from the outputs outs[i] of seqs[i]; the prompt counted once."""
+        choices, completion = [], 0
+        for i, (seq_outs, seq) in enumerate(zip(outs, seqs)):
+            text = "".join(o.text for o in seq_outs)
+            tokens = [s for o in seq_outs for s in o.tokens]
+            last = seq_outs[-1]
+            completion += last.usage[1]
+            lp = self._logprobs(tokens, seq, 0)
+            ids = [s.token for s in tokens]
+            if self.chat:
+                choices.append(P.ChatCompletionChoice(i, P.ChatCompletionMessage("assistant", text),
+                                                      last.finish_reason, lp, ids))
+                continue
+            if lp is not None:  # text offsets of each token in the returned text
+                pos, offs = 0, []
+                for o in seq_outs:
+                    offs += [pos] * len(o.tokens)
+                    pos += len(o.text)
+                lp.text_offset = offs
+            choices.append(P.CompletionChoice(i, text, last.finish_reason, lp, ids))
+        prompt = outs[0][-1].usage[0]
+        usage = P.CompletionUsage(prompt, completion, prompt + completion)
         model = self.engine.model_name
         if self.chat:
-            return P.ChatCompletion(self.id, self.created, model, [P.ChatCompletionChoice(
-                0, P.ChatCompletionMessage("assistant", text), last.finish_reason, lp,
-                [s.token for s in tokens])], usage)
-        if lp is not None:  # text offsets of each token in the returned text
-            pos, offs = 0, []
-            for o in outs:
-                offs += [pos] * len(o.tokens)
-                pos += len(o.text)
-            lp.text_offset = offs
-        return P.Completion(self.id, self.created, model,
-                            [P.CompletionChoice(0, text, last.finish_reason, lp, [s.token for s in tokens])],
-                            usage)
+            return P.ChatCompletion(self.id, self.created, model, choices, usage)
+        return P.Completion(self.id, self.created, model, choices, usage)
+
+
+class _Choices:
+    """The streaming side of a request's n sequences: each output becomes a chunk of its choice;
+    the usage (prompt once, every choice's tokens) rides on the chunk that finishes the last one."""
+
+    def __init__(self, req: _Request, seqs: list[Sequence]):
+        self.req, self.seqs = req, seqs
+        self.first, self.offset = [True] * len(seqs), [0] * len(seqs)
+        self.done, self.completion = 0, 0
+
+    def chunk(self, i: int, out: _Out):
+        """The chunk for output `out` of choice `i`, or None when it carries nothing."""
+        seq, usage = self.seqs[i], None
+        if out.finish_reason is not None:
+            self.done += 1
+            self.completion += out.usage[1]
+            if self.done == len(self.seqs):
+                usage = (out.usage[0], self.completion)
+        if not (out.text or out.finish_reason is not None or (out.tokens and seq.params.logprobs)):
+            return None
+        c = self.req.chunk(out, seq, self.first[i], self.offset[i], i, usage)
+        self.first[i], self.offset[i] = False, self.offset[i] + len(out.text)
+        return c
 
 
 class MLCEngine:
@@ -448,7 +484,9 @@ class MLCEngine:
 
     # --- request plumbing shared by the sync and async front ends ---------------------------
 
-    def _prepare(self, chat: bool, messages=None, prompt=None, adapter_id=None, **kw) -> Sequence:
+    def _prepare(self, chat: bool, messages=None, prompt=None, adapter_id=None, n: int = 1,
+                 **kw) -> list[Sequence]:
+        """The request's n sequences (with a seed, choice i samples with seed + i)."""
         params = _sampling_params(**kw)
         tok = self.engine.tokenizer
         if chat:
@@ -464,7 +502,9 @@ class MLCEngine:
             ids = list(prompt)
         else:
             raise RequestError("prompt must be a string or a list of token ids")
-        return self.engine.make_sequence(ids, params, adapter_id)
+        return [self.engine.make_sequence(ids, params if params.seed is None or i == 0 else
+                                          dataclasses.replace(params, seed=params.seed + i), adapter_id)
+                for i in range(n)]
 
 
 class _Namespace:
@@ -474,8 +514,10 @@ class _Namespace:
 
 def _kwargs(max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None, stop=None,
             logprobs=None, top_logprobs=None, ignore_eos=False, stop_token_ids=None, n=1, **extra):
-    if n != 1:
-        raise RequestError("n > 1 is not supported")
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
     unknown = set(extra) - {"model", "stream_options", "user", "max_completion_tokens"}
     if unknown:
         raise RequestError(f"unknown request arguments: {', '.join(sorted(unknown))}")
@@ -483,7 +525,7 @@ def _kwargs(max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None
         max_tokens = extra["max_completion_tokens"]
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                 stop=stop, logprobs=logprobs, top_logprobs=top_logprobs, ignore_eos=ignore_eos,
-                stop_token_ids=stop_token_ids)
+                stop_token_ids=stop_token_ids, n=n)
 
 
 class _Creator:
@@ -494,38 +536,47 @@ class _Creator:
 
     def create(self, *, messages=None, prompt=None, stream: bool = False, adapter_id=None, **kw):
         owner = self.owner
-        seq = owner._prepare(self.chat, messages=messages, prompt=prompt,  # pylint: disable=protected-access
-                             adapter_id=adapter_id, **_kwargs(**kw))
+        seqs = owner._prepare(self.chat, messages=messages, prompt=prompt,  # pylint: disable=protected-access
+                              adapter_id=adapter_id, **_kwargs(**kw))
         q: queue.Queue = queue.Queue()
-        seq.sink = q.put
+        for i, seq in enumerate(seqs):
+            seq.sink = lambda out, i=i: q.put((i, out))
         req = _Request(owner, self.chat, stream)
-        owner._loop.submit(seq)  # pylint: disable=protected-access
+        for seq in seqs:
+            owner._loop.submit(seq)  # pylint: disable=protected-access
+        outputs = self._outputs(q, seqs)
         if stream:
-            return self._stream(req, seq, q)
-        outs = []
-        while True:
-            out = q.get()
-            if out.error is not None:
-                raise out.error
-            outs.append(out)
-            if out.finish_reason is not None:
-                return req.whole(outs, seq)
+            return self._stream(_Choices(req, seqs), outputs)
+        outs: list[list[_Out]] = [[] for _ in seqs]
+        for i, out in outputs:
+            outs[i].append(out)
+        return req.whole(outs, seqs)
 
-    def _stream(self, req: _Request, seq: Sequence, q: queue.Queue):
-        first, offset = True, 0
+    def _outputs(self, q: queue.Queue, seqs: list[Sequence]):
+        """(choice, output) until every sequence finished; an error raises, and whatever is left
+        unfinished (an error, or the caller stopped reading) is aborted."""
+        done = 0
         try:
-            while True:
-                out = q.get()
+            while done < len(seqs):
+                i, out = q.get()
                 if out.error is not None:
                     raise out.error
-                if out.text or out.finish_reason is not None or (out.tokens and seq.params.logprobs):
-                    yield req.chunk(out, seq, first, offset)
-                    first, offset = False, offset + len(out.text)
-                if out.finish_reason is not None:
-                    return
+                done += out.finish_reason is not None
+                yield i, out
         finally:
-            if seq.finish_reason is None:
-                self.owner._loop.abort(seq)  # pylint: disable=protected-access
+            for seq in seqs:
+                if seq.finish_reason is None:
+                    self.owner._loop.abort(seq)  # pylint: disable=protected-access
+
+    @staticmethod
+    def _stream(choices: _Choices, outputs):
+        try:
+            for i, out in outputs:
+                chunk = choices.chunk(i, out)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            outputs.close()
 
 
 class AsyncMLCEngine(MLCEngine):
@@ -552,36 +603,47 @@ class AsyncMLCEngine(MLCEngine):
 class _AsyncCreator(_Creator):
     async def create(self, *, messages=None, prompt=None, stream: bool = False, adapter_id=None, **kw):
         owner = self.owner
-        seq = owner._prepare(self.chat, messages=messages, prompt=prompt,  # pylint: disable=protected-access
-                             adapter_id=adapter_id, **_kwargs(**kw))
+        seqs = owner._prepare(self.chat, messages=messages, prompt=prompt,  # pylint: disable=protected-access
+                              adapter_id=adapter_id, **_kwargs(**kw))
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        seq.sink = lambda out: loop.call_soon_threadsafe(q.put_nowait, out)
+        for i, seq in enumerate(seqs):
+            seq.sink = lambda out, i=i: loop.call_soon_threadsafe(q.put_nowait, (i, out))
         req = _Request(owner, self.chat, stream)
-        owner._loop.submit(seq)  # pylint: disable=protected-access
+        for seq in seqs:
+            owner._loop.submit(seq)  # pylint: disable=protected-access
+        outputs = self._aoutputs(q, seqs)
         if stream:
-            return self._astream(req, seq, q)
-        outs = []
-        while True:
-            out = await q.get()
-            if out.error is not None:
-                raise out.error
-            outs.append(out)
-            if out.finish_reason is not None:
-                return req.whole(outs, seq)
-
-    async def _astream(self, req: _Request, seq: Sequence, q: asyncio.Queue):
-        first, offset = True, 0
+            return self._astream(_Choices(req, seqs), outputs)
+        outs: list[list[_Out]] = [[] for _ in seqs]
         try:
-            while True:
-                out = await q.get()
+            async for i, out in outputs:
+                outs[i].append(out)
+        finally:
+            await outputs.aclose()
+        return req.whole(outs, seqs)
+
+    async def _aoutputs(self, q: asyncio.Queue, seqs: list[Sequence]):
+        """_outputs for asyncio."""
+        done = 0
+        try:
+            while done < len(seqs):
+                i, out = await q.get()
                 if out.error is not None:
                     raise out.error
-                if out.text or out.finish_reason is not None or (out.tokens and seq.params.logprobs):
-                    yield req.chunk(out, seq, first, offset)
-                    first, offset = False, offset + len(out.text)
-                if out.finish_reason is not None:
-                    return
+                done += out.finish_reason is not None
+                yield i, out
         finally:
-            if seq.finish_reason is None:
-                self.owner._loop.abort(seq)  # pylint: disable=protected-access
+            for seq in seqs:
+                if seq.finish_reason is None:
+                    self.owner._loop.abort(seq)  # pylint: disable=protected-access
+
+    @staticmethod
+    async def _astream(choices: _Choices, outputs):
+        try:
+            async for i, out in outputs:
+                chunk = choices.chunk(i, out)
+                if chunk is not None:
+                    yield chunk
+        finally:
+            await outputs.aclose()

@@ -228,21 +228,30 @@ class Server:  # pylint: disable=too-many-instance-attributes
             raise
         finally:
             await gen.aclose()
-            self._finished(endpoint, outcome, chunks[-1].usage if chunks else None, t0)
+            usage = next((c.usage for c in reversed(chunks) if c.usage is not None), None)
+            self._finished(endpoint, outcome, usage, t0)
         last = chunks[-1]
-        choices = [c.choices[0] for c in chunks]
-        lps = [c.logprobs for c in choices if c.logprobs is not None]
+        by_index: dict[int, list] = {}  # choice index -> its chunks' choice objects, in order
+        for c in chunks:
+            by_index.setdefault(c.choices[0].index, []).append(c.choices[0])
+        out = []
+        for index, choices in sorted(by_index.items()):
+            lps = [c.logprobs for c in choices if c.logprobs is not None]
+            if chat:
+                lp = P.ChoiceLogprobs([t for x in lps for t in x.content]) if lps else None
+                text = "".join(c.delta.content or "" for c in choices)
+                out.append(P.ChatCompletionChoice(index, P.ChatCompletionMessage("assistant", text),
+                                                  choices[-1].finish_reason, lp))
+                continue
+            lp = None
+            if lps:  # each chunk's text_offset is already its offset in the whole text
+                lp = P.CompletionLogprobs([t for x in lps for t in x.tokens], [t for x in lps for t in x.token_logprobs],
+                                          [t for x in lps for t in x.top_logprobs],
+                                          [t for x in lps for t in x.text_offset])
+            out.append(P.CompletionChoice(index, "".join(c.text for c in choices), choices[-1].finish_reason, lp))
         if chat:
-            lp = P.ChoiceLogprobs([t for x in lps for t in x.content]) if lps else None
-            text = "".join(c.delta.content or "" for c in choices)
-            return P.ChatCompletion(last.id, last.created, model, [P.ChatCompletionChoice(
-                0, P.ChatCompletionMessage("assistant", text), choices[-1].finish_reason, lp)], last.usage)
-        lp = None
-        if lps:  # each chunk's text_offset is already its offset in the whole text
-            lp = P.CompletionLogprobs([t for x in lps for t in x.tokens], [t for x in lps for t in x.token_logprobs],
-                                      [t for x in lps for t in x.top_logprobs], [t for x in lps for t in x.text_offset])
-        return P.Completion(last.id, last.created, model, [P.CompletionChoice(
-            0, "".join(c.text for c in choices), choices[-1].finish_reason, lp)], last.usage)
+            return P.ChatCompletion(last.id, last.created, model, out, usage)
+        return P.Completion(last.id, last.created, model, out, usage)
 
     def _finished(self, endpoint: str, outcome: str, usage, t0: float) -> None:
         m = self.metrics

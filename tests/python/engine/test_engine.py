@@ -96,6 +96,50 @@ def test_seed_gives_same_text(engine):
     assert a != c
 
 
+def test_n_choices(engine):
+    """n choices: greedy ones all equal the single answer; with a seed, choice i is the single
+    request with seed + i (sync and async, whole and streamed); usage counts the prompt once."""
+    one = engine.chat.completions.create(messages=MSG, max_tokens=20, temperature=0)
+    three = engine.chat.completions.create(messages=MSG, max_tokens=20, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert all(c.message.content == one.choices[0].message.content for c in three.choices)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    kw = dict(prompt="The quick brown", max_tokens=20, temperature=1.0, seed=21, ignore_eos=True)
+    singles = [engine.completions.create(**{**kw, "seed": 21 + i}).choices[0].text for i in range(3)]
+    assert len(set(singles)) > 1
+    assert [c.text for c in engine.completions.create(n=3, **kw).choices] == singles
+    chunks = list(engine.completions.create(n=3, stream=True, **kw))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)] == singles
+    assert [c.usage.completion_tokens for c in chunks if c.usage is not None] == [60]
+    for bad in (0, 17, 1.5, True, "2"):
+        with pytest.raises(RequestError, match="n must be an integer"):
+            engine.completions.create(n=bad, **kw)
+    s = engine.stats()
+    assert s["running"] == 0 and s["kv_pages_free"] == s["kv_pages_total"]
+
+
+def test_n_choices_async_and_abort(tiny_chat):
+    _, compiled = tiny_chat
+    kw = dict(prompt="The quick brown", max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    with AsyncMLCEngine(compiled, "cpu") as eng:
+        async def run():
+            whole = await eng.completions.create(n=2, **kw)
+            parts = {0: "", 1: ""}
+            async for c in await eng.completions.create(n=2, stream=True, **kw):
+                parts[c.choices[0].index] += c.choices[0].text
+            # a stream closed half way aborts both choices
+            stream = await eng.completions.create(n=2, stream=True, **{**kw, "max_tokens": 64})
+            await stream.__anext__()
+            await stream.aclose()
+            await eng.completions.create(prompt="Hello", max_tokens=2)  # the loop has seen the aborts
+            return whole, parts, await eng.stats()
+
+        whole, parts, stats = asyncio.run(run())
+    assert [c.text for c in whole.choices] == [parts[0], parts[1]]
+    assert stats["running"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
 def test_finish_reasons(engine):
     greedy = engine.completions.create(prompt="Hello", max_tokens=30, temperature=0, ignore_eos=True)
     ids = greedy.choices[0].token_ids

@@ -111,6 +111,26 @@ def test_streamed_completion_with_logprobs_equals_whole(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_n_choices_whole_and_streamed(client):
+    """n = 3 with a seed: choice i is the single request with seed + i, streamed or not; usage
+    counts the prompt once and every choice's tokens, on its own last chunk when asked."""
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    singles = [client.completions.create(seed=40 + i, **kw) for i in range(3)]
+    many = client.completions.create(n=3, seed=40, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.text for c in many.choices] == [r.choices[0].text for r in singles]
+    assert len({r.choices[0].text for r in singles}) > 1
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(r.usage.completion_tokens for r in singles) == 36
+    chunks = list(client.completions.create(n=3, seed=40, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in many.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 36
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=6, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_token_id_prompt_equals_text_prompt(client, hf_tokenizer):
     ids = hf_tokenizer(PROMPT)["input_ids"]
     by_text = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
@@ -127,7 +147,8 @@ def test_token_id_prompt_equals_text_prompt(client, hf_tokenizer):
     (dict(max_tokens=100000), "exceeds the context"),
     (dict(extra_body={"temperature": "hot"}), "temperature must be a number"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
-    (dict(n=2), "n > 1"),
+    (dict(n=0), "n must be an integer in [1, 16]"),
+    (dict(n=17), "n must be an integer in [1, 16]"),
 ])
 def test_invalid_requests_get_400(client, kw, needle):
     with pytest.raises(openai.BadRequestError) as e:
