@@ -163,6 +163,9 @@ class _Rewriter(relax.PyExprMutator):
         dtype = y.ty.dtype
         n = self.n_tok
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([n, in_f])))
+        if self.opts.kernel == "sgmv" and self._sgmv_cuda(dtype, len(parts)):
+            self.rewritten += 1
+            return self._sgmv_cuda_parts(y, x2, layer, parts, in_f, dtype)
         if self.opts.kernel == "single":
             x2 = bb.emit(relax.op.multiply(x2, self._mask(dtype)))  # base-model tokens get no delta
         deltas = []
@@ -199,6 +202,31 @@ class _Rewriter(relax.PyExprMutator):
         h = bb.emit(relax.op.matmul(x2, relax.op.permute_dims(a)))
         return bb.emit(relax.op.matmul(h, b))
 
+    def _sgmv_cuda_parts(self, y, x2, layer: int, parts, in_f: int, dtype: str) -> relax.Expr:
+        """y + the deltas of all parts, by one shrink and one in-place expand (lora_sgmv_cuda)."""
+        bb, t, n, o, dtype = self.builder_, self.inputs, self.n_tok, self.opts, str(dtype)
+        mods = tuple(o.module_index.get(name, -1) for name, _, _ in parts)
+        widths = tuple(hi - lo for _, lo, hi in parts)
+        key = ("sgmv_cuda", in_f, mods, widths, dtype)
+        if key not in self.kernels:
+            tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
+            shrink = lora_sgmv_cuda.shrink_wrapper(in_f, mods, o.num_layers, o.max_rank, o.num_modules, dtype)
+            expand = lora_sgmv_cuda.expand_wrapper(in_f, widths, mods, o.num_layers, o.max_rank, o.num_modules, dtype)
+            names = (f"lora_sgmv_shrink_m{tag}_{in_f}", f"lora_sgmv_expand_m{tag}_{in_f}x{sum(widths)}")
+            self.kernels[key] = tuple(self.builder_.add_func(f.with_attr("global_symbol", nm), nm)
+                                      for f, nm in zip((shrink, expand), names))
+        shrink, expand = self.kernels[key]
+        lay = relax.prim_value(tvm.tirx.IntImm("int64", layer))
+        v = bb.emit(relax.call_tir(shrink, [x2, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
+                                            t["lora_scale"], t["lora_a_off"], lay],
+                                   relax.TensorType([n, len(parts), num_chunks(in_f), o.max_rank], "float32")))
+        y2 = bb.emit(relax.op.reshape(y, relax.ShapeExpr([n, sum(widths)])))
+        # In place: the GEMM's output takes the deltas (no delta tensor, no add, no concat).
+        y2 = bb.emit(relax.call_tir_inplace(expand, [v, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
+                                                     t["lora_scale"], t["lora_b_off"], lay, y2], [7],
+                                            relax.TensorType([n, sum(widths)], dtype)))
+        return relax.op.reshape(y2, y.ty.shape)
+
     def _mask(self, dtype: str) -> relax.Var:
         """(n, 1): 1 for tokens on an adapter slot, 0 for base-model tokens (slot -1)."""
         # Emitted per use: a cached var could belong to another dataflow block.
@@ -217,12 +245,13 @@ class _Rewriter(relax.PyExprMutator):
         return self.kernels[key]
 
 
-    def _sgmv_cuda(self, dtype: str) -> bool:
-        """Whether stage 3 runs on cuda/lora_sgmv.cu (building its module once per dtype)."""
-        backend, R = self.opts.sgmv_backend, self.opts.max_rank
+    def _sgmv_cuda(self, dtype: str, num_parts: int) -> bool:
+        """Whether stage 3 of a linear of `num_parts` parts runs on cuda/lora_sgmv.cu (building its
+        module once per dtype)."""
+        backend, R, dtype = self.opts.sgmv_backend, self.opts.max_rank, str(dtype)
         if backend == "tir" or self.target.kind.name != "cuda":
             return False
-        why = lora_sgmv_cuda.supported(dtype, R)
+        why = lora_sgmv_cuda.supported(dtype, R, num_parts)
         if why is not None:
             if backend == "cuda":
                 raise ValueError(f"sgmv_backend='cuda': no CUDA sgmv kernels for {why}")
@@ -232,17 +261,12 @@ class _Rewriter(relax.PyExprMutator):
         return True
 
     def _sgmv_kernels(self, in_f: int, out_f: int, mi: int, dtype):
+        """The TIR stage-3 kernels (lora_sgmv.py) of module `mi`."""
         o, out, dtype = self.opts, [], str(dtype)  # a relax PrimType compares equal, hashes not
-        if self._sgmv_cuda(dtype):
-            make_shrink = lambda: lora_sgmv_cuda.shrink_wrapper(in_f, mi, o.num_layers, o.max_rank,  # noqa: E731
-                                                                o.num_modules, dtype)
-            make_expand = lambda: lora_sgmv_cuda.expand_wrapper(in_f, out_f, mi, o.num_layers,  # noqa: E731
-                                                                o.max_rank, o.num_modules, dtype)
-        else:
-            make_shrink = lambda: lora_sgmv_shrink_kernel(in_f, mi, o.num_layers, o.max_rank,  # noqa: E731
-                                                          o.num_modules, dtype, self.target)
-            make_expand = lambda: lora_sgmv_expand_kernel(in_f, out_f, mi, o.num_layers, o.max_rank,  # noqa: E731
-                                                          o.num_modules, dtype, self.target)
+        make_shrink = lambda: lora_sgmv_shrink_kernel(in_f, mi, o.num_layers, o.max_rank,  # noqa: E731
+                                                      o.num_modules, dtype, self.target)
+        make_expand = lambda: lora_sgmv_expand_kernel(in_f, out_f, mi, o.num_layers, o.max_rank,  # noqa: E731
+                                                      o.num_modules, dtype, self.target)
         for part, make in (("shrink", make_shrink), ("expand", make_expand)):
             key = ("sgmv", part, in_f, out_f if part == "expand" else 0, mi, dtype)
             if key not in self.kernels:

@@ -1,16 +1,20 @@
-"""Stage 3 (`sgmv`) on CUDA as hand-written kernels (cuda/lora_sgmv.cu): the TIR wrappers that
-launch them, with the TIR kernels' signatures and semantics (lora_sgmv.py, whose numpy
-references `lora_sgmv_shrink_ref` / `lora_sgmv_expand_ref` the tests compare both with).
+"""Stage 3 (`sgmv`) on CUDA as hand-written kernels (cuda/lora_sgmv.cu) and the TIR wrappers that
+launch them. One shrink and one expand per fused linear, for all its parts (q|k|v, gate|up):
+the parts share x, and the expand adds each part's delta into the base GEMM's output in place,
+so a Llama layer takes 8 LoRA launches (per-module kernels: 14, plus the concats and adds).
 
-Semantics (as lora_sgmv.py):
-  shrink: v[t, c, k] = scale[s, m] * sum_{i in chunk c} x[t, i] * A[s, m][k, i] for
-          s = slot[t] >= 0, k < rank[s]; 0 elsewhere; v (n, C, R) float32, C = ceil(in / 512).
-  expand: delta[t] = sum_{k < rank[s]} (sum_c v[t, c, k]) * B[s, m].T[k] for s = slot[t] >= 0,
-          else 0; delta (n, out).
+Semantics (a part p is module mods[p] of the tables, -1 = none; s = slot[t] >= 0, m = mods[p] >= 0,
+scale[s, m] != 0, k < rank[s]):
+  shrink: v[t, p, c, k] = scale[s, m] * sum_{i in chunk c} x[t, i] * A[s, m][k, i], 0 elsewhere;
+          v (n, P, C, R) float32, C = ceil(in / 512).
+  expand: y[t, o_p:o_p + w_p] += sum_k (sum_c v[t, p, c, k]) * B[s, m].T[k], in place; o_p = the
+          widths of the parts before p; other rows and parts untouched.
+References: `sgmv_parts_shrink_ref` / `sgmv_parts_expand_ref` below, built on lora_sgmv.py's
+per-module references (the TIR stage 3, which the tests compare both with).
 
 What they do better than the TIR kernels: a block owns a tile of 16 tokens and reads each A/B
 row once per distinct slot of the tile (16-byte loads), instead of once per token; the grid is
-(ceil(n / 16), C, z) and (ceil(n / 16), ceil(out / 512), z), z in 1..8 splitting a tile's
+(ceil(n / 16), C, z) and (ceil(n / 16), out tiles of all parts, z), z in 1..8 splitting a tile's
 rows over more blocks when there are few tiles: token count and layer shape only.
 """
 
@@ -18,15 +22,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 from tvm.script import tirx as T
 
 from . import cuda_source
 from .lora_kernels import _attrs
-from .lora_sgmv import num_chunks
+from .lora_sgmv import lora_sgmv_expand_ref, lora_sgmv_shrink_ref, num_chunks
 
 SOURCE = Path(__file__).parent / "cuda" / "lora_sgmv.cu"
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 MAX_RANK = 128  # the .cu sizes shared memory for R <= 128
+MAX_PARTS = 3  # parts of one fused linear (q|k|v)
 TILE = 16  # tokens per block (TILE in lora_sgmv.cu)
 SHRINK_THREADS, EXPAND_THREADS, EXPAND_OUT = 128, 64, 512
 TARGET_BLOCKS = 528  # 4 per H200 SM: below that, gridDim.z splits a tile's rows over more blocks
@@ -39,13 +45,41 @@ def _split(blocks):
     return T.Cast("int32", T.max(1, T.min(MAX_SPLIT, (TARGET_BLOCKS + blocks - 1) // blocks)))
 
 
-def supported(dtype: str, max_rank: int) -> str | None:
+def supported(dtype: str, max_rank: int, num_parts: int = 1) -> str | None:
     """None when these kernels can run stage 3 of a model, else why not."""
     if dtype not in DTYPES:
         return f"dtype {dtype} (the kernels are float16/bfloat16)"
     if not 1 <= max_rank <= MAX_RANK:
         return f"max rank {max_rank} (the kernels are built for 1..{MAX_RANK})"
+    if not 1 <= num_parts <= MAX_PARTS:
+        return f"a linear of {num_parts} parts (the kernels take 1..{MAX_PARTS})"
     return None
+
+
+def sgmv_parts_shrink_ref(x, arena, layer, num_layers, slot, rank, scale, a_off, mods, max_rank):
+    """Semantics: v[t, p] = lora_sgmv_shrink_ref(x, ..., m=mods[p])[t] for mods[p] >= 0, else 0;
+    x (n, in) -> v (n, P, C, R) float32."""
+    n, in_f = x.shape
+    v = np.zeros((n, len(mods), num_chunks(in_f), max_rank), np.float32)
+    for p, m in enumerate(mods):
+        if m >= 0:
+            v[:, p] = lora_sgmv_shrink_ref(x, arena, layer, num_layers, slot, rank, scale, a_off, m, max_rank)
+    return v
+
+
+def sgmv_parts_expand_ref(y, v, arena, layer, num_layers, slot, rank, scale, b_off, mods, widths):
+    """Semantics: y[:, o_p:o_p + w_p] += lora_sgmv_expand_ref(v[:, p], ..., m=mods[p]) for the
+    tokens whose adapter targets mods[p] >= 0 (scale != 0); y (n, sum(widths)), returned in float32."""
+    out = y.astype(np.float32)
+    o = 0
+    for p, (m, w) in enumerate(zip(mods, widths)):
+        if m >= 0:
+            on = (slot >= 0) & (scale[np.maximum(slot, 0), m] != 0)
+            d = lora_sgmv_expand_ref(v[:, p], arena, layer, num_layers, np.where(on, slot, -1), rank, b_off, m,
+                                     w, np.float32)
+            out[:, o:o + w] += d
+        o += w
+    return out
 
 
 def kernel_names(dtype: str, max_rank: int) -> tuple[str, str]:
@@ -65,15 +99,23 @@ def build_module(dtype: str, max_rank: int, arch: str):
     cubin = cuda_source.build_cubin(SOURCE, arch, defines)
     ptr, i32, i64 = "handle", "int32", "int64"
     return cuda_source.cuda_module(cubin, {
-        shrink: [ptr] * 7 + [i32, i32, i32, i32, i64],
-        expand: [ptr] * 6 + [i32, i32, i32, i32, i32, i64],
+        shrink: [ptr] * 7 + [i32] * 7 + [i64],   # ..., n, in_f, P, m0..m2, num_modules, base
+        expand: [ptr] * 7 + [i32] * 10 + [i64],  # ..., n, C, P, m0..m2, w0..w2, num_modules, base
     })
 
 
-def shrink_wrapper(in_f: int, m: int, num_layers: int, max_rank: int, num_modules: int, dtype: str):
+def _padded(values, fill):
+    values = [int(v) for v in values]
+    if not 1 <= len(values) <= MAX_PARTS:
+        raise ValueError(f"a linear of {len(values)} parts (the kernels take 1..{MAX_PARTS})")
+    return values + [fill] * (MAX_PARTS - len(values))
+
+
+def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str):
     """Signature: (x (n, in_f), arena (size,), slot (n,), rank (S,), scale (S, M), a_off (S, M, R),
-    layer: int64, v (n, C, R) float32 [out]): lora_sgmv_shrink_kernel's."""
-    R, M, L, C = max_rank, num_modules, num_layers, num_chunks(in_f)
+    layer: int64, v (n, P, C, R) float32 [out]); part p is module mods[p] (-1: none)."""
+    R, M, L, C, P = max_rank, num_modules, num_layers, num_chunks(in_f), len(mods)
+    m0, m1, m2 = _padded(mods, -1)
     name = kernel_names(dtype, max_rank)[0]
 
     # pylint: disable=unused-variable
@@ -88,40 +130,44 @@ def shrink_wrapper(in_f: int, m: int, num_layers: int, max_rank: int, num_module
         rank = T.match_buffer(rank_h, (S,), "int32")
         scale = T.match_buffer(scale_h, (S, M), "float32")
         a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
-        v = T.match_buffer(v_h, (n, C, R), "float32")
+        v = T.match_buffer(v_h, (n, P, C, R), "float32")
         if n > 0:
             T.call_packed(name, x.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                          v.data, T.Cast("int32", n), in_f, m, M, layer * (size // L),
+                          v.data, T.Cast("int32", n), in_f, P, m0, m1, m2, M, layer * (size // L),
                           T.Cast("int32", (n + TILE - 1) // TILE), C, _split((n + TILE - 1) // TILE * C),
                           SHRINK_THREADS)
 
     return sgmv_shrink_cuda
 
 
-def expand_wrapper(in_f: int, out_f: int, m: int, num_layers: int, max_rank: int, num_modules: int,
-                   dtype: str):
-    """Signature: (v (n, C, R) float32, arena (size,), slot (n,), rank (S,), b_off (S, M, R),
-    layer: int64, delta (n, out_f) [out]): lora_sgmv_expand_kernel's."""
-    R, M, L, C = max_rank, num_modules, num_layers, num_chunks(in_f)
+def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str):
+    """Signature: (v (n, P, C, R) float32, arena (size,), slot (n,), rank (S,), scale (S, M),
+    b_off (S, M, R), layer: int64, y (n, W) [in place]); W = sum(widths), part p = module mods[p]."""
+    R, M, L, C, P, W = max_rank, num_modules, num_layers, num_chunks(in_f), len(mods), sum(widths)
+    if len(widths) != P:
+        raise ValueError(f"{len(widths)} widths for {P} parts")
+    m0, m1, m2 = _padded(mods, -1)
+    w0, w1, w2 = _padded(widths, 0)
+    out_tiles = sum((w + EXPAND_OUT - 1) // EXPAND_OUT for w in widths)
     name = kernel_names(dtype, max_rank)[1]
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)  # as the TIR kernels (and as relax.BlockBuilder.add_func leaves them)
     def sgmv_expand_cuda(v_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
-                         boff_h: T.handle, layer: T.int64, y_h: T.handle):
+                         scale_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle):
         T.func_attr(_attrs(True))
         n, S, size = T.int64(), T.int64(), T.int64()
-        v = T.match_buffer(v_h, (n, C, R), "float32")
+        v = T.match_buffer(v_h, (n, P, C, R), "float32")
         arena = T.match_buffer(arena_h, (size,), dtype)
         slot = T.match_buffer(slot_h, (n,), "int32")
         rank = T.match_buffer(rank_h, (S,), "int32")
+        scale = T.match_buffer(scale_h, (S, M), "float32")
         b_off = T.match_buffer(boff_h, (S, M, R), "int32")
-        y = T.match_buffer(y_h, (n, out_f), dtype)
+        y = T.match_buffer(y_h, (n, W), dtype)
         if n > 0:
-            T.call_packed(name, v.data, arena.data, slot.data, rank.data, b_off.data, y.data,
-                          T.Cast("int32", n), C, out_f, m, M, layer * (size // L),
-                          T.Cast("int32", (n + TILE - 1) // TILE), (out_f + EXPAND_OUT - 1) // EXPAND_OUT,
-                          _split((n + TILE - 1) // TILE * ((out_f + EXPAND_OUT - 1) // EXPAND_OUT)),
-                          EXPAND_THREADS)
+            T.call_packed(name, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
+                          T.Cast("int32", n), C, P, m0, m1, m2, w0, w1, w2, M, layer * (size // L),
+                          T.Cast("int32", (n + TILE - 1) // TILE), out_tiles,
+                          _split((n + TILE - 1) // TILE * out_tiles), EXPAND_THREADS)
 
     return sgmv_expand_cuda

@@ -4,6 +4,13 @@ kernels (cuda/lora_sgmv.cu, `sgmv_cuda`), a torch gathered-bmm reference, agains
 
   compile (any machine, no GPU):  python scripts/bench_lora_kernels.py compile --out lora_k.so
   run (the GPU machine):          python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR [--quick]
+  one Llama-2-7B layer:           python scripts/bench_lora_kernels.py layer --lib lora_k.so --log-dir DIR
+
+`layer` times the LoRA of all seven linears of a Llama-2-7B layer against the layer's four base
+GEMMs (qkv, o, gate_up, down through torch.matmul = cuBLAS) in one run: the TIR stage 3 as the
+model ran it before (a shrink and an expand per module, then torch.cat and the add into the GEMM
+output) and the CUDA stage 3 as the model runs it now (one shrink and one in-place expand per
+fused linear), both checked against a float64 reference of the whole layer's deltas.
 
 Timing: CUDA events around replays of a CUDA graph holding one call per copy; the base weights and
 the adapter rows are rotated over >= 256 MB (copies capped for the big token counts) so they are
@@ -22,6 +29,11 @@ import sys
 from pathlib import Path
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in, out)
+# A Llama-2-7B layer: fused linear -> (in, the parts' widths); the parts are modules 0..6 in order
+# q, k, v, o, gate, up, down.
+LAYER = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "gate_up": (4096, (11008, 11008)),
+         "down": (11008, (4096,))}
+LAYER_POINTS = [(t, n, r) for t in (1, 16, 64, 256, 1024) for n, r in ((4, 8), (16, 16))]
 RS = [16, 64]  # compiled max ranks
 DTYPE = "float16"
 HBM = 4.2e12
@@ -53,8 +65,14 @@ def compile_lib(out: Path) -> None:
             funcs[fname("gather", r, i, o)] = K.lora_gather_kernel(i, o, 0, 1, r, 1, DTYPE, target)
             funcs[fname("shrink", r, i, o)] = G.lora_sgmv_shrink_kernel(i, 0, 1, r, 1, DTYPE, target)
             funcs[fname("expand", r, i, o)] = G.lora_sgmv_expand_kernel(i, o, 0, 1, r, 1, DTYPE, target)
-            funcs[fname("cshrink", r, i, o)] = GC.shrink_wrapper(i, 0, 1, r, 1, DTYPE)
-            funcs[fname("cexpand", r, i, o)] = GC.expand_wrapper(i, o, 0, 1, r, 1, DTYPE)
+            funcs[fname("cshrink", r, i, o)] = GC.shrink_wrapper(i, (0,), 1, r, 1, DTYPE)
+            funcs[fname("cexpand", r, i, o)] = GC.expand_wrapper(i, (o,), (0,), 1, r, 1, DTYPE)
+        first = 0
+        for name, (i, widths) in LAYER.items():
+            mods = tuple(range(first, first + len(widths)))
+            first += len(widths)
+            funcs[f"lshrink_{name}_r{r}"] = GC.shrink_wrapper(i, mods, 1, r, 7, DTYPE)
+            funcs[f"lexpand_{name}_r{r}"] = GC.expand_wrapper(i, widths, mods, 1, r, 7, DTYPE)
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
     with target:
         ex = tvm.compile(mod, target=target)
@@ -143,7 +161,7 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
         y2 = torch.empty(T, o_f, device=dev, dtype=torch.float16)
         y3 = torch.empty(T, o_f, device=dev, dtype=torch.float16)
         y4 = torch.empty(T, o_f, device=dev, dtype=torch.float16)
-        vc = torch.empty(T, C, R, device=dev, dtype=torch.float32)
+        vc = torch.empty(T, 1, C, R, device=dev, dtype=torch.float32)
         gather, shrink, expand, cshrink, cexpand = (
             lib[fname(k, R, i_f, o_f)] for k in ("gather", "shrink", "expand", "cshrink", "cexpand"))
 
@@ -159,7 +177,7 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
         def stage3_cuda(c):
             a, b = tables[c % copies]
             cshrink(x, arena, t_slot, t_rank, scale, a, 0, vc)
-            cexpand(vc, arena, t_slot, t_rank, b, 0, y4)
+            cexpand(vc, arena, t_slot, t_rank, scale, b, 0, y4)  # y4 += delta
 
         # Correctness: both against a float64 torch reference of the same rows (copy 0).
         a0, b0 = (t.cpu().numpy().astype(np.int64) for t in tables[0])
@@ -172,12 +190,13 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
             ref[idx] = 2.0 * (x[idx].double() @ A.T) @ B
         stage2(0)
         stage3(0)
+        y4.zero_()
         stage3_cuda(0)
         torch.cuda.synchronize()
         err2 = ((y2.double() - ref).norm() / ref.norm()).item()
         err3 = ((y3.double() - ref).norm() / ref.norm()).item()
         err4 = ((y4.double() - ref).norm() / ref.norm()).item()
-        errv = ((vc.sum(1) - v.sum(1)).norm() / v.sum(1).norm()).item()  # shrink: CUDA vs TIR
+        errv = ((vc[:, 0].sum(1) - v.sum(1)).norm() / v.sum(1).norm()).item()  # shrink: CUDA vs TIR
         # torch gathered bmm over stacked (N, r_max, in) / (N, out, r_max) weights (padded ranks).
         rmax = max(ranks)
         As = torch.zeros(N, rmax, i_f, device=dev, dtype=torch.float16)
@@ -235,6 +254,164 @@ def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
     return 0
 
 
+def run_layer(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
+    """LoRA on all seven linears of a Llama-2-7B layer vs the layer's base GEMMs, per token count."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+    from mlc_lora.runner import _tvm, load_cuda_runtime  # pylint: disable=import-outside-toplevel
+
+    tvm = _tvm()
+    load_cuda_runtime()
+    lib = tvm.runtime.load_module(args.lib)
+    out_dir = Path(args.log_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir / "bench_lora_layer.log", "w")  # pylint: disable=consider-using-with
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    dev = "cuda"
+    mods = [(name, i, w) for name, (i, ws) in LAYER.items() for w in ws]  # the 7 modules in order
+
+    def capture(fn, n_calls):
+        fn(0)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(g, capture_error_mode="relaxed")):
+            for c in range(n_calls):
+                fn(c)
+        g.replay()
+        return g
+
+    def timed(g, calls, reps=10):
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for a, b in ev:
+            a.record()
+            g.replay()
+            b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3 / calls
+
+    rows = []
+    for T, N, rk in LAYER_POINTS:
+        R = 16 if rk <= 16 else 64
+        slot = rng.integers(0, N, T).astype(np.int32)
+        region = N * rk * sum(i + w for _, i, w in mods)  # one copy of all adapters' rows, all modules
+        copies = max(2, min(16, math.ceil((256 << 20) / (2 * region))))
+        arena = torch.randn(copies * region, device=dev, dtype=torch.float16) * 0.05
+        tabs = []  # per copy: (a_off, b_off) (N, 7, R) for the fused kernels
+        pos = 0
+        for _ in range(copies):
+            a_off = np.zeros((N, 7, R), np.int32)
+            b_off = np.zeros((N, 7, R), np.int32)
+            for s in range(N):
+                for m, (_, i, w) in enumerate(mods):
+                    for k in range(rk):
+                        a_off[s, m, k] = pos
+                        pos += i
+                    for k in range(rk):
+                        b_off[s, m, k] = pos
+                        pos += w
+            tabs.append((a_off, b_off))
+        t_tabs = [tuple(torch.from_numpy(t).to(dev) for t in ab) for ab in tabs]
+        # the TIR kernels take one module's tables (N, 1, R)
+        t_mod = [[tuple(torch.from_numpy(np.ascontiguousarray(t[:, m:m + 1])).to(dev) for t in ab)
+                  for m in range(7)] for ab in tabs]
+        t_slot = torch.from_numpy(slot).to(dev)
+        t_rank = torch.full((N,), rk, dtype=torch.int32, device=dev)
+        scale7 = torch.full((N, 7), 2.0, dtype=torch.float32, device=dev)
+        scale1 = torch.full((N, 1), 2.0, dtype=torch.float32, device=dev)
+        x = {name: torch.randn(T, i, device=dev, dtype=torch.float16) for name, (i, _) in LAYER.items()}
+        wbytes = 2 * sum(i * sum(ws) for i, ws in LAYER.values())
+        wcopies = max(2, min(16, math.ceil((512 << 20) / wbytes)))
+        W = [{name: torch.randn(sum(ws), i, device=dev, dtype=torch.float16) * i ** -0.5
+              for name, (i, ws) in LAYER.items()} for _ in range(wcopies)]
+        y = {name: torch.empty(T, sum(ws), device=dev, dtype=torch.float16) for name, (_, ws) in LAYER.items()}
+        C = {name: -(-i // 512) for name, (i, _) in LAYER.items()}
+        v_tir = {name: torch.empty(T, C[name], R, device=dev, dtype=torch.float32) for name in LAYER}
+        v_cuda = {name: torch.empty(T, len(ws), C[name], R, device=dev, dtype=torch.float32)
+                  for name, (_, ws) in LAYER.items()}
+        d_tir = [torch.empty(T, w, device=dev, dtype=torch.float16) for _, _, w in mods]
+        shape_of = {"qkv": (4096, 4096), "o": (4096, 4096), "gate_up": (4096, 11008), "down": (11008, 4096)}
+
+        def base(c):
+            for name in LAYER:
+                torch.matmul(x[name], W[c % wcopies][name].T, out=y[name])
+
+        def lora_tir(c):
+            base(c)
+            m = 0
+            for name, (i, ws) in LAYER.items():
+                io = shape_of[name]
+                parts = []
+                for _ in ws:
+                    a, b = t_mod[c % copies][m]
+                    lib[fname("shrink", R, *io)](x[name], arena, t_slot, t_rank, scale1, a, 0, v_tir[name])
+                    lib[fname("expand", R, *io)](v_tir[name], arena, t_slot, t_rank, b, 0, d_tir[m])
+                    parts.append(d_tir[m])
+                    m += 1
+                y[name].add_(torch.cat(parts, 1) if len(parts) > 1 else parts[0])
+
+        def lora_cuda(c):
+            base(c)
+            a, b = t_tabs[c % copies]
+            for name in LAYER:
+                lib[f"lshrink_{name}_r{R}"](x[name], arena, t_slot, t_rank, scale7, a, 0, v_cuda[name])
+                lib[f"lexpand_{name}_r{R}"](v_cuda[name], arena, t_slot, t_rank, scale7, b, 0, y[name])
+
+        # Correctness (copy 0): the deltas of both against float64, per fused linear.
+        ar = arena.double()
+        a0, b0 = tabs[0]
+        errs = {"tir": 0.0, "cuda": 0.0}
+        refs = {}
+        m = 0
+        for name, (i, ws) in LAYER.items():
+            ref = []
+            for w in ws:
+                d = torch.zeros(T, w, dtype=torch.float64, device=dev)
+                for s in sorted(set(slot.tolist())):
+                    idx = torch.from_numpy(np.flatnonzero(slot == s)).to(dev)
+                    A = ar[int(a0[s, m, 0]):int(a0[s, m, 0]) + rk * i].view(rk, i)
+                    B = ar[int(b0[s, m, 0]):int(b0[s, m, 0]) + rk * w].view(rk, w)
+                    d[idx] = 2.0 * (x[name][idx].double() @ A.T) @ B
+                ref.append(d)
+                m += 1
+            refs[name] = torch.cat(ref, 1)
+        for kind, fn in (("tir", lora_tir), ("cuda", lora_cuda)):
+            base(0)
+            torch.cuda.synchronize()
+            y0 = {name: t.double() for name, t in y.items()}
+            fn(0)
+            torch.cuda.synchronize()
+            errs[kind] = max(((y[name].double() - y0[name] - refs[name]).norm() / refs[name].norm()).item()
+                             for name in LAYER)
+        t_base = timed(capture(base, wcopies), wcopies)
+        t_tir = timed(capture(lora_tir, wcopies), wcopies) - t_base
+        t_cuda = timed(capture(lora_cuda, wcopies), wcopies) - t_base
+        row = dict(T=T, N=N, r=rk, R=R, base=t_base, tir=t_tir, cuda=t_cuda, err_tir=errs["tir"],
+                   err_cuda=errs["cuda"])
+        rows.append(row)
+        msg = (f"layer T={T} N={N} r={rk} (R={R}): base GEMMs {t_base:.1f} us; LoRA: tir per-module "
+               f"{t_tir:.1f} us ({t_tir / t_base:.2f}x base), cuda fused in place {t_cuda:.1f} us "
+               f"({t_cuda / t_base:.2f}x base), tir/cuda {t_tir / t_cuda:.2f}; rel err of the deltas tir "
+               f"{errs['tir']:.1e} cuda {errs['cuda']:.1e}")
+        print(msg, flush=True)
+        log.write(msg + "\n")
+        del arena, W, t_tabs, t_mod
+        torch.cuda.empty_cache()
+    lines = ["| T | N | r | R | base GEMMs us | LoRA tir us | LoRA cuda us | tir/base | cuda/base | tir/cuda | "
+             "err tir | err cuda |", "|" + "---|" * 12]
+    for w in rows:
+        lines.append(f"| {w['T']} | {w['N']} | {w['r']} | {w['R']} | {w['base']:.1f} | {w['tir']:.1f} | "
+                     f"{w['cuda']:.1f} | {w['tir'] / w['base']:.2f} | {w['cuda'] / w['base']:.2f} | "
+                     f"{w['tir'] / w['cuda']:.2f} | {w['err_tir']:.1e} | {w['err_cuda']:.1e} |")
+    text = "\n".join(lines)
+    log.write(text + "\n")
+    print(text)
+    import json  # pylint: disable=import-outside-toplevel
+    (out_dir / "bench_lora_layer.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -244,11 +421,14 @@ def main(argv=None) -> int:
     r.add_argument("--lib", required=True)
     r.add_argument("--log-dir", default=".")
     r.add_argument("--quick", action="store_true", help="only 4096->4096, N=16, r=16 over T (random and grouped)")
+    lay = sub.add_parser("layer")
+    lay.add_argument("--lib", required=True)
+    lay.add_argument("--log-dir", default=".")
     a = p.parse_args(argv)
     if a.cmd == "compile":
         compile_lib(a.out)
         return 0
-    return run(a)
+    return run_layer(a) if a.cmd == "layer" else run(a)
 
 
 if __name__ == "__main__":

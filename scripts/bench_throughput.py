@@ -244,6 +244,9 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # the same 4 x r8 on a library compiled for max rank 16 (vLLM's default max_lora_rank) instead
     # of 64: the kernels' register tiles and loops are sized by the compiled maximum
     "lora4-r16": ("lora-r16", [(8, 4)]),
+    # the same 4 x r8 on the TIR stage-3 kernels (a shrink and an expand per module, then the
+    # concat and add), which the CUDA kernels (one pair per fused linear, in place) replace
+    "lora4-tir": ("lora-tir", [(8, 4)]),
 }
 
 
@@ -312,7 +315,9 @@ def compile_libs(a) -> int:
                        ("lora", CompileOptions(**common, max_lora_rank=MAX_RANK, lora_pool_pages=pages,
                                                lora_kernel="sgmv")),
                        ("lora-r16", CompileOptions(**common, max_lora_rank=16, lora_pool_pages=pages,
-                                                   lora_kernel="sgmv"))):
+                                                   lora_kernel="sgmv")),
+                       ("lora-tir", CompileOptions(**common, max_lora_rank=MAX_RANK, lora_pool_pages=pages,
+                                                   lora_kernel="sgmv", lora_sgmv_backend="tir"))):
         secs = random_model.build(out / name, model_cfg, opts, name=f"llama-{'tiny' if a.smoke else '2-7b'}-random")
         print(f"{out / name}: built in {secs:.0f} s")
     print(f"pool: {size['kv_pages']} KV pages + {adapters} for {NUM_ADAPTERS_MAX} adapters of rank {MAX_RANK} "

@@ -47,6 +47,9 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     max_lora_rank: int = 0
     lora_target_modules: list[str] | None = None
     lora_kernel: str = "gather"
+    # lora_kernel "sgmv" on cuda fp16/bf16: our CUDA kernels, one shrink and one in-place expand per
+    # fused linear ("auto", "cuda"), or the TIR kernels per module ("tir")
+    lora_sgmv_backend: str = "auto"
     # Megatron-style tensor parallelism over this many GPUs (docs/TP.md).
     tensor_parallel_shards: int = 1
 
@@ -197,7 +200,9 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
         prepare_cuda_build()
     target = make_target(options)
     mod, param_names = export_model(arch_module, cfg, dtype, target)
-    lora_opts = lora_pass_options(lora, cfg, arch_module, param_names) if lora is not None else None
+    lora_opts = None
+    if lora is not None:
+        lora_opts = dict(lora_pass_options(lora, cfg, arch_module, param_names), sgmv_backend=options.lora_sgmv_backend)
     use_graph = options.target == "cuda" and options.cuda_graph
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)

@@ -35,6 +35,8 @@ def main(argv: list[str]) -> int:
                    help="linears adapters may target (default: q k v o gate up down _proj)")
     p.add_argument("--lora-kernel", choices=["single", "gather", "sgmv"], default="gather",
                    help="single: one adapter per batch, dense GEMMs; gather: per-token gather; sgmv: fused shrink+expand")
+    p.add_argument("--lora-sgmv-backend", choices=["auto", "cuda", "tir"], default="auto",
+                   help="sgmv on cuda: our CUDA kernels (one launch pair per fused linear, auto) or the TIR kernels")
     p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
                    help="split the model over K GPUs (Megatron-style; docs/TP.md)")
     a = p.parse_args(argv)
@@ -43,6 +45,7 @@ def main(argv: list[str]) -> int:
                           prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,
                           lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
                           lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
+                          lora_sgmv_backend=a.lora_sgmv_backend,
                           gemm=a.gemm, gemv_max_rows=a.gemv_max_rows, cuda_graph=a.cuda_graph, attention=a.attention,
                           tensor_parallel_shards=a.tensor_parallel_shards)
     out = compile_model(a.model, a.output, opts)

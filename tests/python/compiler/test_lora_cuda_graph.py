@@ -53,8 +53,10 @@ def test_decode_graphs_capture_the_sgmv_kernels():
                 if gv.name_hint.startswith("decode_cuda_graph_capture")}
     assert captures, "decode was not captured"
     inside = [c for f in captures.values() for c in _calls(f, "lora_sgmv_")]
-    # shrink + expand for each of the 7 modules in every layer, all inside the graphs
-    assert len(inside) == 2 * 7 * cfg.num_hidden_layers
+    # one shrink + one in-place expand per fused linear (qkv, o, gate_up, down: all 7 modules) in
+    # every layer, all inside the graphs
+    assert len(inside) == 2 * 4 * cfg.num_hidden_layers
+    assert sum("expand" in c for c in inside) == 4 * cfg.num_hidden_layers
     assert not _calls(lowered["decode"], "lora_sgmv_")
     # the base linears (gemv / cuBLAS wrappers) stay captured too: the LoRA deltas do not split the
     # layers' graphs

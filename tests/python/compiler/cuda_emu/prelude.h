@@ -39,6 +39,7 @@ inline float __shfl_xor_sync(unsigned, float x, int o) {
 }
 inline uint4 __ldg(const uint4* p) { return *p; }
 inline int __ffs(unsigned x) { return __builtin_ffs(x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned atomicOr(uint32_t* p, uint32_t v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 inline int min(int a, int b) { return a < b ? a : b; }
 
