@@ -75,7 +75,8 @@ void PagePool::ReleaseAdapterPages(Adapter* a) {
 }
 
 PoolStats PagePool::Stats() const {
-  PoolStats s{num_pages_, num_free(), 0, 0, 0, 0, static_cast<int64_t>(adapters_.size())};
+  PoolStats s{num_pages_, num_free(), 0, 0, 0, 0, static_cast<int64_t>(adapters_.size()),
+              evictions_, page_ins_};
   for (Owner o : owner_) {
     s.kv += o == Owner::kKV;
     s.adapter += o == Owner::kAdapter;
@@ -224,6 +225,7 @@ Reservation PagePool::ReserveAppend(const std::vector<int64_t>& seqs,
     for (int32_t j = 0; j < a.n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
     a.resident = true;
     r.paged_in.push_back(id);
+    ++page_ins_;
   }
   for (size_t i = 0; i < seqs.size(); ++i) {
     Seq& s = GetSeq(seqs[i]);
@@ -280,6 +282,7 @@ std::vector<int64_t> PagePool::PlanEviction(int64_t need, const std::vector<int6
 void PagePool::Evict(const std::vector<int64_t>& victims, std::vector<int64_t>* evicted) {
   for (int64_t id : victims) {
     ReleaseAdapterPages(&adapters_.at(id));
+    ++evictions_;
     if (evicted) evicted->push_back(id);
   }
 }
@@ -339,6 +342,7 @@ bool PagePool::PinAdapter(int64_t adapter, bool pinned, std::vector<int64_t>* ev
     for (int32_t j = 0; j < a.n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
     a.resident = true;
     a.last_use = ++clock_;
+    ++page_ins_;
   }
   a.pinned = pinned;
   return page_in;

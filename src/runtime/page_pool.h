@@ -45,6 +45,7 @@ struct Reservation {
 
 struct PoolStats {
   int64_t total, free, kv, adapter, evictable, resident_adapters, loaded_adapters;
+  int64_t evictions, page_ins;  // cumulative: adapters evicted, evicted adapters paged back in
 };
 
 class PagePool {
@@ -138,6 +139,7 @@ class PagePool {
   std::unordered_map<int64_t, Seq> seqs_;
   std::unordered_map<int64_t, Adapter> adapters_;
   uint64_t clock_ = 0;
+  int64_t evictions_ = 0, page_ins_ = 0;
 };
 
 }  // namespace mlc_lora

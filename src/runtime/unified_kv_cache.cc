@@ -441,6 +441,8 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
             {"evictable_pages", s.evictable},
             {"resident_adapters", s.resident_adapters},
             {"loaded_adapters", s.loaded_adapters},
+            {"adapter_evictions", s.evictions},
+            {"adapter_page_ins", s.page_ins},
             {"page_elems", page_elems_},
             {"kv_tokens", pool_.TotalSequenceLength()}};
   }

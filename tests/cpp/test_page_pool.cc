@@ -135,6 +135,8 @@ static void TestAdapters() {
   auto s = pool.Stats();
   CHECK(s.free + s.kv + s.adapter == s.total);
   CHECK(s.evictable == 2 && s.resident_adapters == 2 && s.loaded_adapters == 2);
+  // 7 and 9 were evicted once each and paged back in once each; the refused pin counted nothing.
+  CHECK(s.evictions == 2 && s.page_ins == 2);
   EXPECT_ERROR(pool, kValue, "unknown adapter", pool.SetSequenceAdapter(0, 123));
   EXPECT_ERROR(pool, kValue, "unknown adapter", pool.RemoveAdapter(123));
   pool.CheckInvariants();

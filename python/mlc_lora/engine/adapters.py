@@ -101,6 +101,18 @@ class AdapterTable:
         a.unloading = True
         self._free_if_unused(a)
 
+    def pin(self, name: str, pin: bool) -> dict[str, Any]:
+        """Pin (page in now if evicted, never evict for KV) or unpin a loaded adapter."""
+        if not isinstance(pin, bool):
+            raise LoraError(f"pin must be true or false, got {pin!r}")
+        a = self.get(name)
+        try:
+            self.runner.pool("pool_pin_adapter")(self.kv, a.id, pin)
+        except PoolExhaustedError as e:
+            raise PoolExhaustedError(f"cannot pin adapter {name!r} ({a.num_pages} pages): {e}") from None
+        a.pinned = pin
+        return self.info(a)
+
     def get(self, name) -> Adapter:
         a = self.by_name.get(name) if isinstance(name, str) else None
         if a is None:
@@ -181,6 +193,7 @@ class AdapterTable:
         return dict(pool_pages_total=s["total_pages"], pool_pages_free=s["free_pages"],
                     pool_pages_kv=s["kv_pages"], pool_pages_adapter=s["adapter_pages"],
                     pool_pages_evictable=s["evictable_pages"],
+                    adapter_evictions=s["adapter_evictions"], adapter_page_ins=s["adapter_page_ins"],
                     adapters_loaded=sorted(self.by_name),
                     adapters_resident=sorted(a.name for a in self.by_id.values()
                                              if bool(self.runner.pool("pool_adapter_info")(self.kv, a.id)["resident"])))

@@ -465,6 +465,11 @@ class MLCEngine:
         Returns its list_adapters() entry."""
         return self._loop.call(lambda: self.engine.adapters.load(name, path, pin))
 
+    def pin_adapter(self, name: str, pin: bool = True) -> dict[str, Any]:
+        """Pin a loaded adapter (paged back in now if it was evicted; never evicted for KV) or unpin
+        it (evictable again once idle). Returns its list_adapters() entry."""
+        return self._loop.call(lambda: self.engine.adapters.pin(name, pin))
+
     def unload_adapter(self, name: str) -> None:
         """Forget `name` now; its pages go back to the pool when its running requests end."""
         self._loop.call(lambda: self.engine.adapters.unload(name))
@@ -592,6 +597,9 @@ class AsyncMLCEngine(MLCEngine):
 
     async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:  # type: ignore[override]
         return await asyncio.get_running_loop().run_in_executor(None, MLCEngine.load_adapter, self, name, path, pin)
+
+    async def pin_adapter(self, name: str, pin: bool = True) -> dict[str, Any]:  # type: ignore[override]
+        return await asyncio.get_running_loop().run_in_executor(None, MLCEngine.pin_adapter, self, name, pin)
 
     async def unload_adapter(self, name: str) -> None:  # type: ignore[override]
         await asyncio.get_running_loop().run_in_executor(None, MLCEngine.unload_adapter, self, name)

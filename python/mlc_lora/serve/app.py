@@ -159,6 +159,12 @@ class Server:  # pylint: disable=too-many-instance-attributes
         del self.adapters[name]
         self.metrics.adapter_unloads.inc()
 
+    async def pin_adapter(self, name: str, pin: bool) -> None:
+        if name not in self.adapters:
+            raise APIError(404, f"no adapter named {name!r} is loaded", "not_found_error", "model_not_found",
+                           "lora_name")
+        await _call(self._adapter_api("pin_adapter"), name, pin)
+
     async def list_adapters(self) -> list[dict[str, Any]]:
         fn = getattr(self.engine, "list_adapters", None)
         return list(await _call(fn)) if fn is not None else []
@@ -379,6 +385,19 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
         await server.unload_adapter(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    @v1.post("/pin_lora_adapter")
+    async def pin_lora_adapter(request: Request):
+        """Ours (vLLM has none): {"lora_name": ..., "pin": true|false}; pinning an evicted adapter
+        pages it back in now."""
+        body = await _json_body(request)
+        name, pin = body.get("lora_name"), body.get("pin", True)
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
+        if not isinstance(pin, bool):
+            raise APIError(400, "pin must be true or false", param="pin")
+        await server.pin_adapter(name, pin)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {'pinned' if pin else 'unpinned'}.")
 
     app.include_router(v1)
 

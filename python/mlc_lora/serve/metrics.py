@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "mlc_lora"
 # window over which the tokens/s gauge is averaged
@@ -67,9 +67,6 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-_EVICTION_KEYS = ("adapter_evictions", "num_adapter_evictions", "num_evictions", "pool_evictions")
-
-
 class _EngineCollector:
     """Gauges read from the last engine snapshot (a custom collector: no state to keep in sync)."""
 
@@ -100,10 +97,11 @@ class _EngineCollector:
         for state in ("loaded", "resident"):
             adapters.add_metric([state], len(s.get(f"adapters_{state}", ())))
         yield adapters
-        ev = next((k for k in _EVICTION_KEYS if k in s), None)
-        if ev is not None:
-            yield GaugeMetricFamily(f"{PREFIX}_adapter_evictions", "Adapters evicted from the pool (cumulative)",
-                                    value=s[ev])
+        if "adapter_evictions" in s:  # engines with LoRA
+            yield CounterMetricFamily(f"{PREFIX}_adapter_evictions", "Idle adapters evicted from the pool for KV "
+                                      "or other adapters", value=s["adapter_evictions"])
+            yield CounterMetricFamily(f"{PREFIX}_adapter_page_ins", "Evicted adapters paged back in from their "
+                                      "host copies", value=s["adapter_page_ins"])
         # everything else the engine reports, under its own name
         for k, v in sorted(s.items()):
             if isinstance(v, (int, float)) and not isinstance(v, bool):

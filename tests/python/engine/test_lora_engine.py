@@ -182,6 +182,7 @@ def test_idle_adapter_evicted_for_kv_and_paged_back(small):
         state = {a["name"]: (a["resident"], a["pinned"]) for a in eng.list_adapters()}
         assert state == {"qv8": (False, False), "qv4": (True, True)}
         assert eng.stats()["adapters_resident"] == ["qv4"]
+        assert (eng.stats()["adapter_evictions"], eng.stats()["adapter_page_ins"]) == (1, 0)
         # its next request pages it back in from the host copy
         short = prompt[:20]
         for name in ("qv8", "qv4"):
@@ -189,7 +190,38 @@ def test_idle_adapter_evicted_for_kv_and_paged_back(small):
                                          adapter_id=name)
             assert out.choices[0].token_ids == peft_greedy(refs[name], short, 5)[0]
         assert eng.stats()["adapters_resident"] == ["qv4", "qv8"]
+        assert (eng.stats()["adapter_evictions"], eng.stats()["adapter_page_ins"]) == (1, 1)
         assert_idle(eng.stats(), 3)
+
+
+def test_pin_and_unpin_at_runtime(small):
+    """Pinning an evicted adapter pages it back in and keeps it from KV; unpinning gives its pages
+    back to whoever needs them."""
+    lib, d, refs = small
+    prompt = [(7 * i) % 128 for i in range(150)]  # 10 KV pages of the 12
+    with MLCEngine(lib, "cpu") as eng:
+        eng.load_adapter("qv8", d / "qv8")
+        eng.load_adapter("qv4", d / "qv4", pin=True)
+        eng.completions.create(prompt=prompt, max_tokens=2, ignore_eos=True)  # evicts qv8
+        info = eng.pin_adapter("qv8")
+        assert (info["pinned"], info["resident"]) == (True, True)
+        assert (eng.stats()["adapter_evictions"], eng.stats()["adapter_page_ins"]) == (1, 1)
+        # 3 pinned pages leave 9: the request cannot run, the engine goes on
+        with pytest.raises(PoolExhaustedError, match="3 by pinned or busy"):
+            eng.completions.create(prompt=prompt, max_tokens=2, ignore_eos=True)
+        short = prompt[:20]
+        out = eng.completions.create(prompt=short, max_tokens=5, temperature=0, ignore_eos=True, adapter_id="qv8")
+        assert out.choices[0].token_ids == peft_greedy(refs["qv8"], short, 5)[0]
+        info = eng.pin_adapter("qv8", False)
+        assert (info["pinned"], info["resident"]) == (False, True)
+        out = eng.completions.create(prompt=prompt, max_tokens=5, temperature=0, ignore_eos=True)
+        assert out.choices[0].token_ids == peft_greedy(refs[None], prompt, 5)[0]
+        assert {a["name"]: a["resident"] for a in eng.list_adapters()} == {"qv8": False, "qv4": True}
+        with pytest.raises(UnknownAdapterError, match="'nope'"):
+            eng.pin_adapter("nope")
+        with pytest.raises(LoraError, match="pin must be true or false"):
+            eng.pin_adapter("qv4", "yes")
+        assert_idle(eng.stats(), 1)
 
 
 def test_request_that_cannot_fit_beside_pinned_adapters_fails_others_go_on(small):

@@ -163,3 +163,24 @@ def test_unload_then_404_and_reload(server, client, setup):
     assert lps == pytest.approx(want_lp, abs=1e-3)
     m = scrape(server)
     assert m["mlc_lora_adapter_loads_total"] == 9 and m["mlc_lora_adapter_unloads_total"] == 1
+    # the pool's own counters (the engine test evicts and pages in; here the pool is large enough)
+    assert m["mlc_lora_adapter_evictions_total"] == 0 and m["mlc_lora_adapter_page_ins_total"] == 0
+
+
+def test_pin_and_unpin_through_the_api(server, client):
+    def pin(body):
+        return httpx.post(f"{server}/v1/pin_lora_adapter", json=body, headers=H, timeout=60)
+
+    def state(name):
+        return next((m.model_extra["pinned"], m.model_extra["resident"])
+                    for m in client.models.list().data if m.id == name)
+
+    assert pin({"lora_name": "a7"}).status_code == 200
+    assert state("a7") == (True, True)
+    assert pin({"lora_name": "a7", "pin": False}).status_code == 200
+    assert state("a7") == (False, True)
+    r = pin({"lora_name": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert pin({"lora_name": "a7", "pin": "yes"}).status_code == 400
+    assert pin({"pin": True}).status_code == 400
+    assert httpx.post(f"{server}/v1/pin_lora_adapter", json={"lora_name": "a7"}, timeout=60).status_code == 401
