@@ -5,6 +5,7 @@ kernels (cuda/lora_sgmv.cu, `sgmv_cuda`), a torch gathered-bmm reference, agains
   compile (any machine, no GPU):  python scripts/bench_lora_kernels.py compile --out lora_k.so
   run (the GPU machine):          python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR [--quick]
   one Llama-2-7B layer:           python scripts/bench_lora_kernels.py layer --lib lora_k.so --log-dir DIR
+  its chart again:                python scripts/bench_lora_kernels.py plot DIR/bench_lora_layer.json --out F.svg
 
 `layer` times the LoRA of all seven linears of a Llama-2-7B layer against the layer's four base
 GEMMs (qkv, o, gate_up, down through torch.matmul = cuBLAS) in one run: the TIR stage 3 as the
@@ -409,7 +410,52 @@ def run_layer(args) -> int:  # pylint: disable=too-many-locals,too-many-statemen
     print(text)
     import json  # pylint: disable=import-outside-toplevel
     (out_dir / "bench_lora_layer.json").write_text(json.dumps(rows, indent=1))
+    layer_svg(rows, out_dir / "bench_lora_layer.svg")
     return 0
+
+
+def layer_svg(rows, path) -> None:
+    """LoRA cost / the layer's GEMMs vs T (log scale), TIR per module and CUDA fused, one line per
+    (N, r): a dependency-free SVG (the device has no matplotlib)."""
+    w, h, left, top, right, bottom = 620, 340, 60, 40, 200, 50
+    ts = sorted({r["T"] for r in rows})
+    ymax = max(max(r["tir"], r["cuda"]) / r["base"] for r in rows) * 1.1
+
+    def x(t):
+        return left + (w - left - right) * (math.log(t + 1) / math.log(ts[-1] + 1))
+
+    def y(v):
+        return h - bottom - (h - top - bottom) * v / ymax
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="11">',
+           f'<text x="{(w - right) / 2}" y="18" text-anchor="middle" font-size="13">LoRA of a Llama-2-7B layer / '
+           'its base GEMMs (H200)</text>',
+           f'<line x1="{left}" y1="{h - bottom}" x2="{w - right}" y2="{h - bottom}" stroke="black"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{h - bottom}" stroke="black"/>']
+    for t in ts:
+        out.append(f'<text x="{x(t):.1f}" y="{h - bottom + 15}" text-anchor="middle">{t}</text>')
+    out.append(f'<text x="{(w - right) / 2}" y="{h - 12}" text-anchor="middle">tokens T</text>')
+    step = 0.25 if ymax < 2 else 0.5
+    v = 0.0
+    while v <= ymax:
+        out.append(f'<line x1="{left - 4}" y1="{y(v):.1f}" x2="{w - right}" y2="{y(v):.1f}" stroke="#ddd"/>'
+                   f'<text x="{left - 7}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
+        v += step
+    colors = {"tir": "#d62728", "cuda": "#1f77b4"}
+    legend = 0
+    for (n, r) in sorted({(row["N"], row["r"]) for row in rows}):
+        pts = sorted((row for row in rows if (row["N"], row["r"]) == (n, r)), key=lambda row: row["T"])
+        for kind, label in (("tir", "TIR per module"), ("cuda", "CUDA fused")):
+            dash = "" if r == 8 else ' stroke-dasharray="5,3"'
+            line = " ".join(f'{x(q["T"]):.1f},{y(q[kind] / q["base"]):.1f}' for q in pts)
+            out.append(f'<polyline points="{line}" fill="none" stroke="{colors[kind]}" stroke-width="2"{dash}/>')
+            ly = top + 14 * legend
+            out.append(f'<line x1="{w - right + 10}" y1="{ly}" x2="{w - right + 30}" y2="{ly}" '
+                       f'stroke="{colors[kind]}" stroke-width="2"{dash}/><text x="{w - right + 34}" y="{ly + 4}">'
+                       f'{label}, {n} x r{r}</text>')
+            legend += 1
+    Path(path).write_text("\n".join(out + ["</svg>"]) + "\n")
+    print(f"plot: {path}")
 
 
 def main(argv=None) -> int:
@@ -424,7 +470,15 @@ def main(argv=None) -> int:
     lay = sub.add_parser("layer")
     lay.add_argument("--lib", required=True)
     lay.add_argument("--log-dir", default=".")
+    pl = sub.add_parser("plot", help="the SVG of a `layer` run's JSON")
+    pl.add_argument("json")
+    pl.add_argument("--out", required=True)
     a = p.parse_args(argv)
+    if a.cmd == "plot":
+        import json  # pylint: disable=import-outside-toplevel
+
+        layer_svg(json.loads(Path(a.json).read_text()), a.out)
+        return 0
     if a.cmd == "compile":
         compile_lib(a.out)
         return 0

@@ -602,7 +602,8 @@ def plot(results, path) -> None:
 
 def svg_bars(results, path) -> None:
     """The same bar chart as `plot`, as a dependency-free SVG (req/s and the ratio to base)."""
-    w, h, top, left, bar = 460, 300, 40, 50, 90
+    h, top, left, bar = 300, 40, 50, 90
+    w = max(460, left + len(results) * (bar + 40) + 20)
     peak = max(r["requests_per_s"] for r in results)
     base = next((r["requests_per_s"] for r in results if r["config"] == "base"), None)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
