@@ -22,6 +22,10 @@ TINY_CONFIGS = {
                    head_dim=16, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                               "high_freq_factor": 4.0,
                                               "original_max_position_embeddings": 64}),
+    # linear RoPE scaling (position interpolation, e.g. LongChat / Vicuna-16k)
+    "linear_rope": dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                        num_hidden_layers=2, vocab_size=80, tie_word_embeddings=False,
+                        rope_scaling={"rope_type": "linear", "factor": 4.0}),
 }
 
 

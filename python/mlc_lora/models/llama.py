@@ -121,11 +121,24 @@ class LlamaConfig:  # pylint: disable=too-many-instance-attributes
         rs = dict(self.rope_scaling or {})
         if "type" in rs and "rope_type" not in rs:
             rs["rope_type"] = rs.pop("type")
-        if rs.get("rope_type") in (None, "default"):
+        if rs.get("rope_type") in (None, "default", "linear"):  # linear: rope_scale below
             return {}
         if rs["rope_type"] != "llama3":
-            raise ModelConfigError(f"unsupported rope_scaling type {rs['rope_type']!r} (supported: llama3)")
+            raise ModelConfigError(f"unsupported rope_scaling type {rs['rope_type']!r} "
+                                   "(supported: linear, llama3)")
         return rs
+
+    @property
+    def rope_scale(self) -> float:
+        """Multiplier of the positions in RoPE: 1 / factor for linear scaling (position
+        interpolation), else 1."""
+        rs = dict(self.rope_scaling or {})
+        if rs.get("rope_type", rs.get("type")) != "linear":
+            return 1.0
+        factor = float(rs.get("factor", 1.0))
+        if not factor > 0:
+            raise ModelConfigError(f"linear rope_scaling needs a factor > 0, got {rs.get('factor')!r}")
+        return 1.0 / factor
 
     @property
     def qkv_out(self) -> int:
@@ -253,7 +266,7 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
             rope_mode=RopeMode.NORMAL,
-            rope_scale=1,
+            rope_scale=cfg.rope_scale,
             rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling_dict,
             rope_ext_factors=relax.prim_value(0),

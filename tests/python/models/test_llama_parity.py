@@ -53,3 +53,21 @@ def test_prefill_chunks_continue_a_sequence(tiny_models):
     r.prefill(kv, [7], [p[:9]])
     last = r.prefill(kv, [7], [p[9:]]).numpy()[0]
     np.testing.assert_allclose(last, _hf_last_logits(hf, p), atol=1e-4, rtol=0)
+
+
+def test_rope_scaling_kinds():
+    """linear scales the positions (HF parity above: `linear_rope`); llama3 goes to TVM's RoPE
+    kernels; the others are refused by name."""
+    from mlc_lora.errors import ModelConfigError
+    from mlc_lora.models.llama import LlamaConfig
+
+    base = dict(TINY_CONFIGS["gqa"])
+    lin = LlamaConfig(**base, rope_scaling={"type": "linear", "factor": 4.0})
+    assert lin.rope_scale == 0.25 and lin.rope_scaling_dict == {}
+    l3 = LlamaConfig(**TINY_CONFIGS["llama3"])
+    assert l3.rope_scale == 1.0 and l3.rope_scaling_dict["rope_type"] == "llama3"
+    for kind in ("dynamic", "yarn"):
+        with pytest.raises(ModelConfigError, match=f"'{kind}'.*supported: linear, llama3"):
+            LlamaConfig(**base, rope_scaling={"rope_type": kind, "factor": 2.0}).rope_scaling_dict
+    with pytest.raises(ModelConfigError, match="factor > 0"):
+        LlamaConfig(**base, rope_scaling={"rope_type": "linear", "factor": 0}).rope_scale
