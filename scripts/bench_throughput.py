@@ -484,7 +484,7 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed) -> float:
            for i, rank in enumerate((8, 64))}
     for i, ad in ads.items():
         p = pack_adapter(spec, ad, _numpy_dtype(r.dtype))
-        rt.pool_load_adapter(kv, i, p.pages, p.a_off, p.b_off, p.rank, p.scale, True)
+        rt.pool_load_adapter(kv, i, *p.ffi_args(), True)
     rng = np.random.default_rng(seed)
     rows = [(0, rng.integers(0, r.vocab_size, 7).tolist()), (None, rng.integers(0, r.vocab_size, 19).tolist()),
             (1, rng.integers(0, r.vocab_size, 33).tolist())]

@@ -181,7 +181,7 @@ def _worker_load_adapter(kv, model_dir: str, folder: str, adapter_id: int, pin: 
 
     config = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
     p = pack_peft_adapter(folder, config, name=str(adapter_id), shard=_worker_rank())
-    _ffi_api.pool_load_adapter(kv, adapter_id, p.pages, p.a_off, p.b_off, p.rank, p.scale, pin)
+    _ffi_api.pool_load_adapter(kv, adapter_id, *p.ffi_args(), pin)
     return p.pages.shape[1]
 
 

@@ -84,8 +84,7 @@ class AdapterTable:
             if getattr(self.runner, "num_shards", 1) > 1:  # every shard packs its own slices
                 self.runner.load_adapter(self.kv, aid, path, bool(pin))
             else:
-                self.runner.pool("pool_load_adapter")(self.kv, aid, packed.pages, packed.a_off, packed.b_off,
-                                                      packed.rank, packed.scale, bool(pin))
+                self.runner.pool("pool_load_adapter")(self.kv, aid, *packed.ffi_args(), bool(pin))
         except PoolExhaustedError as e:
             raise PoolExhaustedError(f"cannot load adapter {name!r} ({n} pages): {e}") from None
         cfg = adapter.config

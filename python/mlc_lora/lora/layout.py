@@ -212,6 +212,16 @@ class PackedAdapter:
     rank: int
     scale: np.ndarray  # [M] float32, 0 for modules the adapter does not target
 
+    def ffi_args(self) -> tuple:
+        """(pages, a_off, b_off, rank, scale) as pool_load_adapter takes them. numpy's DLPack has no
+        code for ml_dtypes' bfloat16, so bfloat16 pages go as a TVM host tensor."""
+        pages = self.pages
+        if pages.dtype.name == "bfloat16":
+            import tvm  # pylint: disable=import-outside-toplevel  (the runtime-only bundle has it too)
+
+            pages = tvm.runtime.tensor(pages)
+        return pages, self.a_off, self.b_off, self.rank, self.scale
+
 
 def pack_adapter(spec: LoraSpec, adapter, dtype, shard: int = 0) -> PackedAdapter:
     """Put `adapter` (a `peft.LoraAdapter`) into page format for a model compiled with `spec`

@@ -44,7 +44,7 @@ def _engine_like(folder, graph):
     for aid, rank in enumerate((4, 8, 16)):
         ad = random_adapter(f"a{aid}", mc, spec.module_names, rank, torch, "cpu", seed=aid)
         p = pack_adapter(spec, ad, np.float32)
-        rt.pool_load_adapter(kv, aid, p.pages, p.a_off, p.b_off, p.rank, p.scale, False)
+        rt.pool_load_adapter(kv, aid, *p.ffi_args(), False)
     adapters = [0, None, 1, 2, 0, 1]
     for s, aid in enumerate(adapters):
         r.kv_add(kv, s)

@@ -152,7 +152,7 @@ def test_tables_from_the_cpp_pool_match_peft(lora_setup, kernel):
     kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
     for aid in (3, 1, 5, 2, 4):
         p = pack_peft_adapter(root / f"adapter{aid}", runner.config)
-        rt.pool_load_adapter(kv, aid, p.pages, p.a_off, p.b_off, p.rank, p.scale, False)
+        rt.pool_load_adapter(kv, aid, *p.ffi_args(), False)
     batches = [list(range(len(REQUESTS)))] if kernel != "single" else _one_adapter_batches()
     out, seqs = _run_batches(runner, "pool", batches, kv=kv)
     print(f"{kernel} with the C++ pool: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
@@ -208,3 +208,38 @@ def test_mixed_adapter_batch_matches_peft_cuda(lora_setup, kernel):
     batches = [list(range(len(REQUESTS)))] if kernel == "gather" else _one_adapter_batches()
     out, seqs = _run_batches(runner, _arena(runner, cfg, root), batches)
     print(f"cuda {kernel}: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
+
+
+@pytest.mark.parametrize("dtype,tol", [("float16", 1e-2), ("bfloat16", 5e-2)])
+def test_half_precision_library_matches_peft(lora_setup, tmp_path, dtype, tol):
+    """fp16 / bf16 libraries (CPU, sgmv) with the C++ pool's tables against float32 PEFT: relative
+    error of the logits within the dtype's rounding, far below what the adapters change; a bf16
+    engine loads PEFT adapters (its pages are bfloat16 on the host)."""
+    from mlc_lora import MLCEngine
+
+    _, root, refs, _ = lora_setup
+    lib = compile_model(root / "hf", tmp_path / f"lora-{dtype}",
+                        CompileOptions(prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96,
+                                       max_lora_rank=64, lora_kernel="sgmv", dtype=dtype), progress=False)
+    runner = ModelRunner(lib)
+    kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
+    for aid in (3, 1, 5, 2, 4):
+        p = pack_peft_adapter(root / f"adapter{aid}", runner.config)
+        assert p.pages.dtype.name == dtype
+        rt.pool_load_adapter(kv, aid, *p.ffi_args(), False)
+    out, seqs = _run_batches(runner, "pool", [list(range(len(REQUESTS)))], kv=kv)
+    worst, effect = 0.0, np.inf
+    for i, (aid, prompt) in enumerate(REQUESTS):
+        for step, got in enumerate(out[i]):
+            toks = list(seqs[i][: len(prompt) + step])
+            want = _peft_logits(refs[aid], toks)
+            worst = max(worst, np.linalg.norm(np.float32(got) - want) / np.linalg.norm(want))
+            if aid is not None:
+                base = _peft_logits(refs[None], toks)
+                effect = min(effect, np.linalg.norm(want - base) / np.linalg.norm(want))
+    print(f"{dtype}: worst relative error vs PEFT {worst:.2e}, smallest adapter effect {effect:.2e}")
+    assert worst < tol and effect > 5 * tol
+    with MLCEngine(lib, "cpu") as eng:
+        eng.load_adapter("a1", root / "adapter1")
+        out = eng.completions.create(prompt=REQUESTS[0][1], max_tokens=3, ignore_eos=True, adapter_id="a1")
+        assert len(out.choices[0].token_ids) == 3 and eng.list_adapters()[0]["resident"]

@@ -84,7 +84,7 @@ def new_cache(r, spec):
 
 def load(kv, packed, aid, pin=False):
     p = packed[aid]
-    rt.pool_load_adapter(kv, aid, p.pages, p.a_off, p.b_off, p.rank, p.scale, pin)
+    rt.pool_load_adapter(kv, aid, *p.ffi_args(), pin)
 
 
 def test_pool_tables_drive_the_lora_kernels(setup):

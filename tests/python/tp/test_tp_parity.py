@@ -76,7 +76,7 @@ def _unsharded(root, folder):
         from mlc_lora.lora import pack_peft_adapter
 
         p = pack_peft_adapter(root / f"adapter{aid}", r.config)
-        rt.pool_load_adapter(kv, aid, p.pages, p.a_off, p.b_off, p.rank, p.scale, False)
+        rt.pool_load_adapter(kv, aid, *p.ffi_args(), False)
 
     out = _run(r, kv, load, lambda s, a: rt.pool_set_sequence_adapter(kv, s, -1 if a is None else a))
     return out, rt.pool_stats(kv)
