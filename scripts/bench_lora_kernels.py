@@ -85,42 +85,56 @@ def compile_lib(out: Path) -> None:
     print(f"built {out}")
 
 
-def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
-    import numpy as np  # pylint: disable=import-outside-toplevel
+def _open(args, name):
+    """(the kernels' library, the log folder, the open log DIR/name.log); seeds torch."""
     import torch  # pylint: disable=import-outside-toplevel
-    import tvm_ffi  # pylint: disable=import-outside-toplevel
     from mlc_lora.runner import _tvm, load_cuda_runtime  # pylint: disable=import-outside-toplevel
 
     tvm = _tvm()
     load_cuda_runtime()
-    lib = tvm.runtime.load_module(args.lib)
     out_dir = Path(args.log_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir / "bench_lora_kernels.log", "w")  # pylint: disable=consider-using-with
-    rng = np.random.default_rng(0)
     torch.manual_seed(0)
+    return tvm.runtime.load_module(args.lib), out_dir, open(out_dir / f"{name}.log", "w")  # pylint: disable=consider-using-with
+
+
+def capture(fn, n_calls):
+    """A CUDA graph of fn(0) .. fn(n_calls - 1) (after one eager warm-up call)."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with tvm_ffi.use_torch_stream(torch.cuda.graph(g, capture_error_mode="relaxed")):
+        for c in range(n_calls):
+            fn(c)
+    g.replay()
+    return g
+
+
+def timed(graphs, calls, reps=10):
+    """Median us per call of each graph, the graphs' replays interleaved."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+           for _ in range(reps)] for _ in graphs]
+    for i in range(reps):
+        for g, e in zip(graphs, ev):
+            e[i][0].record()
+            g.replay()
+            e[i][1].record()
+    torch.cuda.synchronize()
+    return [statistics.median(a.elapsed_time(b) for a, b in e) * 1e3 / calls for e in ev]
+
+
+def run(args) -> int:  # pylint: disable=too-many-locals,too-many-statements
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
+
+    lib, out_dir, log = _open(args, "bench_lora_kernels")
+    rng = np.random.default_rng(0)
     dev = "cuda"
-
-    def capture(fn, n_calls):
-        fn(0)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with tvm_ffi.use_torch_stream(torch.cuda.graph(g, capture_error_mode="relaxed")):
-            for c in range(n_calls):
-                fn(c)
-        g.replay()
-        return g
-
-    def timed(graphs, calls, reps=10):
-        ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-               for _ in range(reps)] for _ in graphs]
-        for i in range(reps):
-            for g, e in zip(graphs, ev):
-                e[i][0].record()
-                g.replay()
-                e[i][1].record()
-        torch.cuda.synchronize()
-        return [statistics.median(a.elapsed_time(b) for a, b in e) * 1e3 / calls for e in ev]
 
     rows = []
     points = [p for p in POINTS if not args.quick or (p[0] == (4096, 4096) and p[2] == 16 and p[3] == 16)]
@@ -259,38 +273,11 @@ def run_layer(args) -> int:  # pylint: disable=too-many-locals,too-many-statemen
     """LoRA on all seven linears of a Llama-2-7B layer vs the layer's base GEMMs, per token count."""
     import numpy as np  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel
-    import tvm_ffi  # pylint: disable=import-outside-toplevel
-    from mlc_lora.runner import _tvm, load_cuda_runtime  # pylint: disable=import-outside-toplevel
 
-    tvm = _tvm()
-    load_cuda_runtime()
-    lib = tvm.runtime.load_module(args.lib)
-    out_dir = Path(args.log_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir / "bench_lora_layer.log", "w")  # pylint: disable=consider-using-with
+    lib, out_dir, log = _open(args, "bench_lora_layer")
     rng = np.random.default_rng(0)
-    torch.manual_seed(0)
     dev = "cuda"
     mods = [(name, i, w) for name, (i, ws) in LAYER.items() for w in ws]  # the 7 modules in order
-
-    def capture(fn, n_calls):
-        fn(0)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with tvm_ffi.use_torch_stream(torch.cuda.graph(g, capture_error_mode="relaxed")):
-            for c in range(n_calls):
-                fn(c)
-        g.replay()
-        return g
-
-    def timed(g, calls, reps=10):
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for a, b in ev:
-            a.record()
-            g.replay()
-            b.record()
-        torch.cuda.synchronize()
-        return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3 / calls
 
     rows = []
     for T, N, rk in LAYER_POINTS:
@@ -385,9 +372,9 @@ def run_layer(args) -> int:  # pylint: disable=too-many-locals,too-many-statemen
             torch.cuda.synchronize()
             errs[kind] = max(((y[name].double() - y0[name] - refs[name]).norm() / refs[name].norm()).item()
                              for name in LAYER)
-        t_base = timed(capture(base, wcopies), wcopies)
-        t_tir = timed(capture(lora_tir, wcopies), wcopies) - t_base
-        t_cuda = timed(capture(lora_cuda, wcopies), wcopies) - t_base
+        t_base = timed([capture(base, wcopies)], wcopies)[0]
+        t_tir = timed([capture(lora_tir, wcopies)], wcopies)[0] - t_base
+        t_cuda = timed([capture(lora_cuda, wcopies)], wcopies)[0] - t_base
         row = dict(T=T, N=N, r=rk, R=R, base=t_base, tir=t_tir, cuda=t_cuda, err_tir=errs["tir"],
                    err_cuda=errs["cuda"])
         rows.append(row)

@@ -167,9 +167,10 @@ def lora_spec(cfg, options: CompileOptions):
                      options.lora_target_modules, options.lora_kernel)
 
 
-def lora_pass_options(spec, cfg, arch_module, param_names: list[str]) -> dict:
+def lora_pass_options(spec, cfg, arch_module, param_names: list[str], sgmv_backend: str = "auto") -> dict:
     """Keyword arguments of compiler_passes.LoraRewrite for a model compiled with `spec`."""
     return {
+        "sgmv_backend": sgmv_backend,
         "param_names": param_names,
         "modules": [(m.name, m.in_features, m.out_features) for m in spec.modules],
         "linears": arch_module.fused_linear_parts(cfg),
@@ -200,9 +201,8 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
         prepare_cuda_build()
     target = make_target(options)
     mod, param_names = export_model(arch_module, cfg, dtype, target)
-    lora_opts = None
-    if lora is not None:
-        lora_opts = dict(lora_pass_options(lora, cfg, arch_module, param_names), sgmv_backend=options.lora_sgmv_backend)
+    lora_opts = None if lora is None else lora_pass_options(lora, cfg, arch_module, param_names,
+                                                            options.lora_sgmv_backend)
     use_graph = options.target == "cuda" and options.cuda_graph
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)

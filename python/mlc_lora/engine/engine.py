@@ -557,6 +557,11 @@ class _Creator:
             outs[i].append(out)
         return req.whole(outs, seqs)
 
+    def _abort_unfinished(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.finish_reason is None:
+                self.owner._loop.abort(seq)  # pylint: disable=protected-access
+
     def _outputs(self, q: queue.Queue, seqs: list[Sequence]):
         """(choice, output) until every sequence finished; an error raises, and whatever is left
         unfinished (an error, or the caller stopped reading) is aborted."""
@@ -569,9 +574,7 @@ class _Creator:
                 done += out.finish_reason is not None
                 yield i, out
         finally:
-            for seq in seqs:
-                if seq.finish_reason is None:
-                    self.owner._loop.abort(seq)  # pylint: disable=protected-access
+            self._abort_unfinished(seqs)
 
     @staticmethod
     def _stream(choices: _Choices, outputs):
@@ -642,9 +645,7 @@ class _AsyncCreator(_Creator):
                 done += out.finish_reason is not None
                 yield i, out
         finally:
-            for seq in seqs:
-                if seq.finish_reason is None:
-                    self.owner._loop.abort(seq)  # pylint: disable=protected-access
+            self._abort_unfinished(seqs)
 
     @staticmethod
     async def _astream(choices: _Choices, outputs):

@@ -116,11 +116,16 @@ class LlamaConfig:  # pylint: disable=too-many-instance-attributes
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kwargs)
 
-    @property
-    def rope_scaling_dict(self) -> dict[str, Any]:
+    def _rope_scaling(self) -> dict[str, Any]:
+        """rope_scaling with the older `type` key read as `rope_type`."""
         rs = dict(self.rope_scaling or {})
         if "type" in rs and "rope_type" not in rs:
             rs["rope_type"] = rs.pop("type")
+        return rs
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        rs = self._rope_scaling()
         if rs.get("rope_type") in (None, "default", "linear"):  # linear: rope_scale below
             return {}
         if rs["rope_type"] != "llama3":
@@ -132,8 +137,8 @@ class LlamaConfig:  # pylint: disable=too-many-instance-attributes
     def rope_scale(self) -> float:
         """Multiplier of the positions in RoPE: 1 / factor for linear scaling (position
         interpolation), else 1."""
-        rs = dict(self.rope_scaling or {})
-        if rs.get("rope_type", rs.get("type")) != "linear":
+        rs = self._rope_scaling()
+        if rs.get("rope_type") != "linear":
             return 1.0
         factor = float(rs.get("factor", 1.0))
         if not factor > 0:

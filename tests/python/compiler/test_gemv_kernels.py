@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,31 +20,13 @@ from mlc_lora.compiler_passes import cuda_source
 from mlc_lora.compiler_passes import gemv_kernels as G
 from mlc_lora.compiler_passes.dispatch_cublas import CUBLAS_GEMM, GEMV_MAX_ROWS, DispatchCublas
 
-EMU = Path(__file__).parent / "cuda_emu"
-
+from . import emu
 
 @pytest.fixture(scope="module")
 def gemv_emu(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("needs g++")
     out_dir = tmp_path_factory.mktemp("gemv_emu")
-    built = {}
-
-    def build(dtype):
-        if dtype not in built:
-            exe = out_dir / f"gemv_emu_{G.DTYPES[dtype]}"
-            cmd = [cxx, "-std=c++20", "-O1", "-w", "-pthread", f"-I{EMU}", f"-I{G.SOURCE.parent}",
-                   f"-DMLC_SUFFIX={G.DTYPES[dtype]}", "-o", str(exe), str(EMU / "gemv_emu.cc")]
-            if dtype == "bfloat16":
-                cmd.append("-DMLC_BF16")
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                pytest.skip(f"g++ cannot build the emulation (needs C++20 <barrier>): {proc.stderr[-500:]}")
-            built[dtype] = exe
-        return built[dtype]
-
-    return build
+    return lambda dtype: emu.build("gemv_emu.cc", out_dir / f"gemv_emu_{G.DTYPES[dtype]}", dtype,
+                                   {"MLC_SUFFIX": G.DTYPES[dtype]})
 
 
 @pytest.mark.parametrize("dtype,bound,n,k,n_out", [

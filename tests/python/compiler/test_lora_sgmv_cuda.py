@@ -9,7 +9,6 @@ GPU the kernels run against the references and the TIR kernels
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +22,8 @@ from mlc_lora.compiler_passes import lora_kernels as K
 from mlc_lora.compiler_passes import lora_sgmv as G
 from mlc_lora.compiler_passes import lora_sgmv_cuda as GC
 from mlc_lora.compiler_passes.lora_rewrite import LoraRewrite
+
+from . import emu
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build cubin")
 
@@ -399,30 +400,14 @@ def test_sgmv_cuda_kernels_run_against_references(dtype, n, in_f, widths, mods, 
 # Without a GPU: lora_sgmv.cu itself, compiled by g++ against a CPU emulation of the CUDA
 # features it uses (cuda_emu/: threads and barriers for blocks and warps), on the same launch grid.
 
-EMU = Path(__file__).parent / "cuda_emu"
-
-
 @pytest.fixture(scope="module")
 def sgmv_emu(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None:
-        pytest.skip("needs g++")
     out_dir = tmp_path_factory.mktemp("sgmv_emu")
-    built = {}
 
     def build(dtype, R):
         suffix = f"{GC.DTYPES[dtype]}_r{R}"
-        if suffix not in built:
-            exe = out_dir / f"sgmv_emu_{suffix}"
-            cmd = [cxx, "-std=c++20", "-O1", "-w", "-pthread", f"-I{EMU}", f"-I{GC.SOURCE.parent}",
-                   f"-DMLC_MAX_RANK={R}", f"-DMLC_SUFFIX={suffix}", "-o", str(exe), str(EMU / "sgmv_emu.cc")]
-            if dtype == "bfloat16":
-                cmd.append("-DMLC_BF16")
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                pytest.skip(f"g++ cannot build the emulation (needs C++20 <barrier>): {proc.stderr[-500:]}")
-            built[suffix] = exe
-        return built[suffix]
+        return emu.build("sgmv_emu.cc", out_dir / f"sgmv_emu_{suffix}", dtype,
+                         {"MLC_MAX_RANK": R, "MLC_SUFFIX": suffix})
 
     return build
 

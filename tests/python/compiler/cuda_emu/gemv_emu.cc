@@ -1,24 +1,9 @@
 // gemv.cu on the CPU (prelude.h), launched as gemv_kernels.wrapper launches it.
 // Usage: gemv_emu DIR NT n K N threads; reads DIR/{x, w} (raw), writes DIR/y.
 #include "prelude.h"
-
-#include <cstdio>
-#include <cstdlib>
-#include <string>
+#include "io.h"
 
 #include "gemv.cu"
-
-template <class E>
-std::vector<E> read(const std::string& p, size_t n) {
-  std::vector<E> v(n);
-  FILE* f = fopen(p.c_str(), "rb");
-  if (!f || fread(v.data(), sizeof(E), n, f) != n) {
-    fprintf(stderr, "cannot read %zu items from %s\n", n, p.c_str());
-    exit(1);
-  }
-  fclose(f);
-  return v;
-}
 
 int main(int argc, char** argv) {
   if (argc != 7) return 2;
@@ -38,8 +23,6 @@ int main(int argc, char** argv) {
       default: MLC_CAT(MLC_CAT(mlc_lora_gemv_, MLC_SUFFIX), _t8)(xp, wp, yp, n, K, N); break;
     }
   });
-  FILE* f = fopen((d + "/y").c_str(), "wb");
-  fwrite(y.data(), sizeof(T), y.size(), f);
-  fclose(f);
+  write(d + "/y", y);
   return 0;
 }

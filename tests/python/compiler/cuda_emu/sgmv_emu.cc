@@ -2,32 +2,11 @@
 // wrappers launch them. Usage: sgmv_emu DIR n in_f M L S size layer P m0 m1 m2 w0 w1 w2; reads
 // DIR/{x, arena, slot, rank, scale, a_off, b_off, y} (raw), writes DIR/v and DIR/y.
 #include "prelude.h"
+#include "io.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <string>
 
 #include "lora_sgmv.cu"
-
-template <class E>
-std::vector<E> read(const std::string& p, size_t n) {
-  std::vector<E> v(n);
-  FILE* f = fopen(p.c_str(), "rb");
-  if (!f || fread(v.data(), sizeof(E), n, f) != n) {
-    fprintf(stderr, "cannot read %zu items from %s\n", n, p.c_str());
-    exit(1);
-  }
-  fclose(f);
-  return v;
-}
-
-template <class E>
-void write(const std::string& p, const std::vector<E>& v) {
-  FILE* f = fopen(p.c_str(), "wb");
-  fwrite(v.data(), sizeof(E), v.size(), f);
-  fclose(f);
-}
 
 int main(int argc, char** argv) {
   if (argc != 16) return 2;
