@@ -22,7 +22,8 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
-TOP_LOGPROBS_MAX = 20  # OpenAI's limit on top_logprobs; the kernel always returns this many
+from mlc_lora.contract import SAMPLER_FUNCTIONS, TOP_LOGPROBS_MAX
+
 GPU_THREADS = 256  # threads per row on a GPU; a power of two (tree reductions)
 _NEG_INF = -3.4e38
 
@@ -332,6 +333,7 @@ class AttachSampler:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         kernels = _kernels(self.gpu)
+        assert set(kernels) == set(SAMPLER_FUNCTIONS), "the contract's sampler functions"
         bb = relax.BlockBuilder(mod)
 
         def export(name, params, out):

@@ -19,12 +19,13 @@ from pathlib import Path
 import numpy as np
 from tvm.script import tirx as T
 
+from mlc_lora.contract import PAGE_SIZE
+
 from . import cuda_source
 
 SOURCE = Path(__file__).parent / "cuda" / "attention.cu"
 HEAD_DIMS = (64, 128)
 DTYPES = ("float16", "bfloat16")
-PAGE_SIZE = 16
 PREFILL_ROWS = 64  # query rows per prefill block (BM in attention.cu)
 THREADS = 128
 _LOG2E = 1.4426950408889634

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import tvm
+
+from mlc_lora.contract import cache_dir
 
 LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]
 
@@ -26,7 +27,7 @@ class CudaBuildError(RuntimeError):
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora")) / "cubin"
+    return cache_dir() / "cubin"
 
 
 def build_cubin(source: Path, arch: str, defines: dict[str, str | int | None]) -> bytes:

@@ -8,12 +8,12 @@ from typing import Sequence
 import tvm
 from tvm import relax
 
+from mlc_lora.contract import LORA_KERNELS, LORA_TABLE_INPUTS
+
 from . import cuda_source, lora_sgmv_cuda
 from .lora_kernels import KERNELS
 from .lora_sgmv import lora_sgmv_expand_kernel, lora_sgmv_shrink_kernel, num_chunks
 
-# The per-batch inputs of docs/DESIGN.md, in order (the arena first).
-TABLE_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 
@@ -42,8 +42,8 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         symbolic arena size. `kernel`: "single" (stage 1), "gather" (stage 2) or "sgmv" (stage 3).
         `sgmv_backend`: who runs stage 3 on CUDA targets: "cuda" (cuda/lora_sgmv.cu), "tir"
         (lora_sgmv.py's TIR kernels) or "auto" (cuda where lora_sgmv_cuda.supported, else tir)."""
-        if kernel not in (*KERNELS, "sgmv"):
-            raise ValueError(f"unknown LoRA kernel {kernel!r}; choose from {', '.join(KERNELS)}, sgmv")
+        if kernel not in LORA_KERNELS:
+            raise ValueError(f"unknown LoRA kernel {kernel!r}; choose from {', '.join(LORA_KERNELS)}")
         if sgmv_backend not in ("auto", "cuda", "tir"):
             raise ValueError(f"unknown sgmv backend {sgmv_backend!r}; choose from auto, cuda, tir")
         self.param_names = list(param_names)
@@ -102,13 +102,13 @@ class _Rewriter(relax.PyExprMutator):
             "lora_rank": ([slots], "int32"), "lora_scale": ([slots, M], "float32"),
             "lora_a_off": ([slots, M, R], "int32"), "lora_b_off": ([slots, M, R], "int32"),
         }
-        self.inputs = {k: relax.Var(k, relax.TensorType(*shapes[k])) for k in TABLE_INPUTS}
+        self.inputs = {k: relax.Var(k, relax.TensorType(*shapes[k])) for k in LORA_TABLE_INPUTS}
         self.packed = params[-1] if num_input < len(params) else None
         self.n_tok, self.rewritten = n_tok, 0
-        new_params = params[:num_input] + [self.inputs[k] for k in TABLE_INPUTS] + params[num_input:]
+        new_params = params[:num_input] + [self.inputs[k] for k in LORA_TABLE_INPUTS] + params[num_input:]
         func = relax.Function(new_params, func.body, func.ret_ty, func.is_pure, func.attrs, func.span)
         if "relax.rewrite_cuda_graph.capture_symbolic_vars" not in (func.attrs or {}):
-            func = func.with_attr("num_input", num_input + len(TABLE_INPUTS))
+            func = func.with_attr("num_input", num_input + len(LORA_TABLE_INPUTS))
         # else (decode under CUDA graphs): the tables count with the weights, as RewriteCUDAGraph
         # treats every input past num_input as fixed-address, so the LoRA kernels are captured too.
         # The pool keeps its tables at fixed addresses; the runner passes them at a fixed slot

@@ -292,10 +292,11 @@ def pool_pages(model_cfg: dict, kv_pages: int) -> tuple[int, int]:
     """(pages of the largest adapter set of CONFIGS, compiled --lora-pool-pages = KV + that)."""
     import types  # pylint: disable=import-outside-toplevel
 
-    from mlc_lora.lora.layout import ALL_MODULES, layout_adapter, make_spec  # pylint: disable=import-outside-toplevel
+    from mlc_lora.contract import LORA_MODULES
+    from mlc_lora.lora.layout import layout_adapter, make_spec  # pylint: disable=import-outside-toplevel
 
     spec = make_spec(types.SimpleNamespace(**model_cfg, head_dim=model_cfg["hidden_size"] // model_cfg["num_attention_heads"]),
-                     MAX_RANK, 1, ALL_MODULES, "sgmv")
+                     MAX_RANK, 1, LORA_MODULES, "sgmv")
     worst = layout_adapter(spec.page_elems, spec.modules, MAX_RANK).num_pages * NUM_ADAPTERS_MAX
     return worst, kv_pages + worst
 

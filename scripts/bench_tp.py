@@ -16,12 +16,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 
 def _bench_throughput():

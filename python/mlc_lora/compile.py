@@ -14,13 +14,11 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from .contract import CONFIG_FILE, PARAMS_FILE, TOKENIZER_FILE, cache_dir, compiled_contract
 from .errors import CompileError, ModelConfigError
 from .loader import ModelSource, resolve_model
 from .models import ARCHITECTURES, loader_module, model_module
 
-CONFIG_FILE = "mlc-lora-config.json"
-PARAMS_FILE = "params.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("flash", "tir")
 
@@ -112,6 +110,8 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
         "tokenizer": tokenizer,
         "compile_options": dataclasses.asdict(options),
         "lora": lora.to_json() if lora is not None else None,
+        # What a runtime in another language must agree on (mlc_lora/contract.py).
+        "contract": compiled_contract(),
         # The runtimes (ModelRunner, the C++ engine) start one worker per shard from this.
         "tensor_parallel_shards": cfg.tensor_parallel_shards,
         "compiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -297,7 +297,7 @@ def prepare_cuda_build() -> None:
 
 def _cuda_stub() -> Path:
     """Build (once) the stand-in libcuda.so.1 from src/cuda_stub/cuda_stub.c."""
-    cache = Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora"))
+    cache = cache_dir()
     out = cache / "cuda_stub" / "libcuda.so.1"
     if out.exists():
         return out

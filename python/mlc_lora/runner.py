@@ -11,11 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
+from .contract import CONFIG_FILE, LORA_TABLE_INPUTS, PAGE_SIZE
 from .errors import MLCLoraError
 
-CONFIG_FILE = "mlc-lora-config.json"
-# Extra inputs of prefill/decode in a model compiled with LoRA (docs/DESIGN.md, per-batch tables).
-LORA_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
 
 
 def _tvm():
@@ -180,7 +178,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         return out
 
     def create_kv_cache(self, max_batch_size: int, max_total_seq_len: int,
-                        prefill_chunk_size: int | None = None, page_size: int = 16):
+                        prefill_chunk_size: int | None = None, page_size: int = PAGE_SIZE):
         s = _tvm().runtime.ShapeTuple
         chunk = prefill_chunk_size or self.model_config["prefill_chunk_size"]
         kv = self.vm["create_paged_kv_cache"](
@@ -220,7 +218,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         return getattr(_ffi_api, name)
 
     def _lora_args(self, lora: dict | None, n_tok: int) -> list:
-        """The LoRA inputs (arrays or device tensors keyed by LORA_INPUTS); None = all base model.
+        """The LoRA inputs (arrays or device tensors keyed by LORA_TABLE_INPUTS); None = all base model.
         ("pool": the pool's own tables, fetched after begin_forward by `_pool_tables`.)"""
         if not self.lora:
             if lora is not None:
@@ -243,7 +241,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         self._check_slots(lora["lora_rank"].shape[0])
         tvm = _tvm()
         return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self.device)
-                if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_INPUTS]
+                if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_TABLE_INPUTS]
 
     def _check_slots(self, num_slots: int) -> None:
         if self.lora["kernel"] == "single" and num_slots > 1:

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .contract import CONFIG_FILE
 from .errors import RequestError
 
-CONFIG_FILE = "mlc-lora-config.json"
 ROLES = ("system", "user", "assistant", "tool")
 
 

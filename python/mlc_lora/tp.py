@@ -16,7 +16,6 @@ GPU worker processes import it through the entrypoint `python -m mlc_lora.tp_wor
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -24,10 +23,11 @@ from typing import Sequence
 import numpy as np
 
 from .errors import MLCLoraError
-from .runner import CONFIG_FILE, read_compiled_config
+from .contract import CONFIG_FILE, PAGE_SIZE, set_nccl_env
+from .runner import read_compiled_config
+
 NUMPY_CCL = "mlc_lora_numpy"
-# Multicast (NVLS) collectives stay off on the lent H200 machines: set in every GPU process.
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+set_nccl_env()
 
 
 _DISCO_READY = False
@@ -246,7 +246,7 @@ def make_session(num_shards: int, device: str = "cpu"):
         return sess
     if device != "cuda":
         raise MLCLoraError(f"tensor parallelism runs on 'cuda' (NCCL) or 'cpu' (reference), not {device!r}")
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    set_nccl_env(overwrite=True)
     load_nccl()  # the controller makes the NCCL unique id
     sess = disco.ProcessSession(num_shards, entrypoint="mlc_lora.tp_worker")
     sess.init_ccl("nccl", *range(num_shards))
@@ -333,7 +333,7 @@ class ShardedModelRunner:  # pylint: disable=too-many-instance-attributes
     # --- the KV cache / unified pool of every worker ------------------------------------------
 
     def create_kv_cache(self, max_batch_size: int, max_total_seq_len: int,
-                        prefill_chunk_size: int | None = None, page_size: int = 16):
+                        prefill_chunk_size: int | None = None, page_size: int = PAGE_SIZE):
         s = self._shape
         chunk = prefill_chunk_size or self.model_config["prefill_chunk_size"]
         kv = self.mod["create_paged_kv_cache"](s([max_batch_size]), s([max_total_seq_len]), s([chunk]),

@@ -5,10 +5,11 @@ mlc_lora.tp registers the worker-side functions (`mlc_lora.tp.*`) and loading th
 registers NCCL's collectives (`runtime.disco.nccl.*`); NCCL_NVLS_ENABLE=0 is set before NCCL starts.
 """
 
-import os
 import sys
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+from mlc_lora.contract import set_nccl_env
+
+set_nccl_env()
 
 from tvm.exec.disco_worker import main  # noqa: E402  pylint: disable=wrong-import-position
 

@@ -1,13 +1,36 @@
-"""Shared fixtures: tiny random Llama models saved as Hugging Face folders and compiled once."""
+"""Shared fixtures: tiny random Llama models saved as Hugging Face folders and compiled once, and
+the one way tests ask for tools or a GPU (`needs_nvcc`, `needs_cxx`, `cuda_device`)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Build steps that need a tool this machine may lack skip with one reason, the same everywhere.
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build cubin")
+needs_cxx = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
+
+
+@pytest.fixture(scope="session")
+def cuda_device():
+    """TVM's CUDA device 0 with its runtime loaded; skips the test where no CUDA GPU is visible."""
+    from mlc_lora.runner import load_cuda_runtime
+
+    try:
+        load_cuda_runtime()
+    except Exception as e:  # pylint: disable=broad-except
+        pytest.skip(f"no CUDA runtime: {e}")
+    import tvm
+
+    dev = tvm.cuda(0)
+    if not dev.exist:
+        pytest.skip("no CUDA GPU visible")
+    return dev
 
 TINY_CONFIGS = {
     # GQA, untied lm_head

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..compile import DTYPES, CompileOptions, compile_model
+from ..contract import LORA_KERNELS
 
 
 def main(argv: list[str]) -> int:
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-lora-rank", type=int, default=0, help="largest adapter rank served")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="linears adapters may target (default: q k v o gate up down _proj)")
-    p.add_argument("--lora-kernel", choices=["single", "gather", "sgmv"], default="gather",
+    p.add_argument("--lora-kernel", choices=LORA_KERNELS, default="gather",
                    help="single: one adapter per batch, dense GEMMs; gather: per-token gather; sgmv: fused shrink+expand")
     p.add_argument("--lora-sgmv-backend", choices=["auto", "cuda", "tir"], default="auto",
                    help="sgmv on cuda: our CUDA kernels (one launch pair per fused linear, auto) or the TIR kernels")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import queue
 import threading
 import time
@@ -18,12 +17,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import MLCLoraError, PoolExhaustedError, RequestError
-from ..runner import CONFIG_FILE, open_runner
+from ..contract import CONFIG_FILE, PAGE_SIZE, TOP_LOGPROBS_MAX, cache_dir
+from ..runner import open_runner
 from ..tokenizer import Detokenizer, Tokenizer, check_messages
 from . import protocol as P
-from .sampler import TOP_LOGPROBS_MAX, Sampled, Sampler
+from .sampler import Sampled, Sampler
 from .adapters import AdapterTable
-from .scheduler import PAGE_SIZE, Batch, SamplingParams, Scheduler, Sequence, Status
+from .scheduler import Batch, SamplingParams, Scheduler, Sequence, Status
 
 MAX_CHOICES = 16  # `n` of one request: each choice is a sequence of its own (the prompt prefilled n times)
 
@@ -39,7 +39,7 @@ def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtyp
 
     target = "llvm" if device == "cpu" else "cuda"
     opts = CompileOptions(target=target, dtype=dtype, max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
-    cache = Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora"))
+    cache = cache_dir()
     lora = f"-lora{max_lora_rank}x{lora_pool_pages}" if max_lora_rank or lora_pool_pages else ""
     out = cache / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}{lora}"
     if not (out / CONFIG_FILE).is_file():

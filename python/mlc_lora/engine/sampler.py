@@ -12,11 +12,10 @@ from typing import Optional
 
 import numpy as np
 
+from ..contract import SAMPLER_FUNCTIONS
 from ..errors import MLCLoraError
 from .scheduler import Sequence
 
-FUNCTIONS = ("sample_argmax", "sample_top_p", "chosen_logprobs", "top_logprobs")
-TOP_LOGPROBS_MAX = 20  # columns of `top_logprobs`' output (attach_sampler.TOP_LOGPROBS_MAX)
 
 
 @dataclasses.dataclass
@@ -29,7 +28,7 @@ class Sampled:
 class Sampler:
     def __init__(self, runner):
         try:
-            self.fn = {name: runner.vm[name] for name in FUNCTIONS}
+            self.fn = {name: runner.vm[name] for name in SAMPLER_FUNCTIONS}
         except Exception as e:  # pylint: disable=broad-except
             raise MLCLoraError(f"{runner.model_dir} has no sampling functions (compiled by an older "
                                "mlc-lora); compile it again") from e

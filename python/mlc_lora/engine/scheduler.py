@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-PAGE_SIZE = 16
+from ..contract import PAGE_SIZE
+
 
 
 @dataclasses.dataclass

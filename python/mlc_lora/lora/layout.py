@@ -15,12 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..contract import COLUMN_PARALLEL_MODULES, LORA_KERNELS, LORA_MODULES, PAGE_SIZE
 from ..errors import LoraError
 
-PAGE_SIZE = 16
-# Canonical order of the Llama linears a LoRA adapter may target; module index m follows it.
-ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KERNELS = ("single", "gather", "sgmv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +69,6 @@ class LoraSpec:
                    tensor_parallel_shards=d.get("tensor_parallel_shards", 1))
 
 
-# Modules whose weight is split by output rows under tensor parallelism; the others (o_proj,
-# down_proj) are split by input columns.
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 def _shards(cfg) -> int:
@@ -97,7 +91,7 @@ def module_shapes(cfg) -> dict[str, tuple[int, int]]:
 def shard_module_shapes(cfg) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every module on one tensor-parallel shard."""
     k = _shards(cfg)
-    return {n: (i, o // k) if n in COLUMN_PARALLEL else (i // k, o)
+    return {n: (i, o // k) if n in COLUMN_PARALLEL_MODULES else (i // k, o)
             for n, (i, o) in module_shapes(cfg).items()}
 
 
@@ -109,7 +103,7 @@ def shard_adapter(adapter, shards: int, shard: int):
         return adapter
     weights = {}
     for (l, m), (a, bt) in adapter.weights.items():
-        if m in COLUMN_PARALLEL:
+        if m in COLUMN_PARALLEL_MODULES:
             bt = np.ascontiguousarray(np.split(bt, shards, axis=1)[shard])
         else:
             a = np.ascontiguousarray(np.split(a, shards, axis=1)[shard])
@@ -120,21 +114,21 @@ def shard_adapter(adapter, shards: int, shard: int):
 def make_spec(cfg, max_rank: int, pool_pages: int, target_modules: Sequence[str] | None = None,
               kernel: str = "gather") -> LoraSpec:
     """The LoRA part of a compile: validates the options against the model config."""
-    names = list(target_modules or ALL_MODULES)
-    bad = [n for n in names if n not in ALL_MODULES]
+    names = list(target_modules or LORA_MODULES)
+    bad = [n for n in names if n not in LORA_MODULES]
     if bad:
-        raise LoraError(f"unknown LoRA target module(s) {bad}; choose from {', '.join(ALL_MODULES)}")
+        raise LoraError(f"unknown LoRA target module(s) {bad}; choose from {', '.join(LORA_MODULES)}")
     if len(set(names)) != len(names):
         raise LoraError(f"duplicate LoRA target modules in {names}")
-    if kernel not in KERNELS:
-        raise LoraError(f"unknown LoRA kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if kernel not in LORA_KERNELS:
+        raise LoraError(f"unknown LoRA kernel {kernel!r}; choose one of {', '.join(LORA_KERNELS)}")
     if max_rank < 1:
         raise LoraError(f"--max-lora-rank must be >= 1, got {max_rank}")
     if pool_pages < 1:
         raise LoraError(f"--lora-pool-pages must be >= 1, got {pool_pages}")
     shapes = shard_module_shapes(cfg)
     E = page_elems(cfg)
-    mods = tuple(LoraModule(n, *shapes[n]) for n in ALL_MODULES if n in names)
+    mods = tuple(LoraModule(n, *shapes[n]) for n in LORA_MODULES if n in names)
     too_long = [m.name for m in mods if max(m.in_features, m.out_features) > E]
     if too_long:
         raise LoraError(f"rows of {too_long} are longer than a page ({E} elements); cannot page them")
@@ -354,7 +348,7 @@ def reference_page_table(name: str, ranks=(8, 16, 32, 64)) -> list[dict[str, Any
     E = page_elems(_Cfg)
     shapes = module_shapes(_Cfg)
     attn = [LoraModule(n, *shapes[n]) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    full = [LoraModule(n, *shapes[n]) for n in ALL_MODULES]
+    full = [LoraModule(n, *shapes[n]) for n in LORA_MODULES]
     page_mib = L * E * 2 / 2**20
     rows = []
     for r in ranks:

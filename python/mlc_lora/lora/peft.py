@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import LoraError
-from .layout import ALL_MODULES, LoraSpec, module_shapes
+from ..contract import LORA_MODULES
+from .layout import LoraSpec, module_shapes
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -86,11 +87,11 @@ def load_peft_adapter(path: str | Path, model_cfg, spec: LoraSpec | None = None,
         m = _KEY.match(key)
         if m is None:
             raise LoraError(f"{path / WEIGHTS}: tensor {key!r} is not a LoRA A/B weight of a Llama "
-                            f"linear ({', '.join(ALL_MODULES)}); such modules are not supported")
+                            f"linear ({', '.join(LORA_MODULES)}); such modules are not supported")
         module_key, layer, module, ab = m.group(1), int(m.group(2)), m.group(3), m.group(4)
         if module not in shapes:
             raise LoraError(f"{path / WEIGHTS}: tensor {key!r} targets {module!r}; supported LoRA "
-                            f"modules are {', '.join(ALL_MODULES)}")
+                            f"modules are {', '.join(LORA_MODULES)}")
         if layer >= L:
             raise LoraError(f"{path / WEIGHTS}: tensor {key!r} is for layer {layer}, but the base "
                             f"model has {L} layers")
@@ -123,7 +124,7 @@ def load_peft_adapter(path: str | Path, model_cfg, spec: LoraSpec | None = None,
         scales_lm[(layer, module)] = alpha / math.sqrt(r) if rslora else alpha / r
 
     rank = max(ranks.values())
-    modules = [m for m in ALL_MODULES if any(mod == m for _, mod in pairs)]
+    modules = [m for m in LORA_MODULES if any(mod == m for _, mod in pairs)]
     if spec is not None:
         if rank > spec.max_rank:
             raise LoraError(f"adapter {name} has rank {rank}, above the compiled --max-lora-rank "
@@ -187,10 +188,10 @@ def _read_config(path: Path) -> dict[str, Any]:
     if tm is not None and not isinstance(tm, (str, list)):
         raise LoraError(f"{f}: target_modules must be a list or a regex string")
     if isinstance(tm, list):  # a regex string is checked through the tensors it produced
-        bad = [t for t in tm if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in ALL_MODULES]
+        bad = [t for t in tm if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in LORA_MODULES]
         if bad:
             raise LoraError(f"{f}: target_modules {bad} are not supported; mlc-lora serves LoRA on "
-                            f"{', '.join(ALL_MODULES)}")
+                            f"{', '.join(LORA_MODULES)}")
     return cfg
 
 

@@ -28,6 +28,7 @@ TINY = dict(LLAMA2_7B, hidden_size=256, intermediate_size=512, num_attention_hea
 def build(out: Path, model_cfg: dict, opts, name: str = "llama-random") -> float:
     """Compile `model_cfg` (an HF config dict) with `opts` (CompileOptions) into `out`; returns seconds."""
     from .. import compile as C  # pylint: disable=import-outside-toplevel
+    from ..contract import CONFIG_FILE, compiled_contract  # pylint: disable=import-outside-toplevel
     from . import llama, llama_loader  # pylint: disable=import-outside-toplevel
 
     out.mkdir(parents=True, exist_ok=True)
@@ -39,14 +40,14 @@ def build(out: Path, model_cfg: dict, opts, name: str = "llama-random") -> float
     t0 = time.time()
     names = C.build_library(llama, cfg, opts.resolved_dtype(), opts, out / lib, lora=lora)
     shapes = llama_loader.param_shapes(cfg)
-    (out / C.CONFIG_FILE).write_text(json.dumps({
+    (out / CONFIG_FILE).write_text(json.dumps({
         "model_name": name, "architecture": "LlamaForCausalLM",
         "model_config": dataclasses.asdict(cfg), "dtype": opts.resolved_dtype(),
         "target": {"kind": opts.target, "arch": opts.cuda_arch if opts.target == "cuda" else None},
         "library": lib, "params_file": None, "param_names": names,
         "param_shapes": {n: list(shapes[n]) for n in names}, "tokenizer": {},
         "compile_options": dataclasses.asdict(opts),
-        "lora": lora.to_json() if lora is not None else None,
+        "lora": lora.to_json() if lora is not None else None, "contract": compiled_contract(),
     }, indent=1))
     return time.time() - t0
 
@@ -71,11 +72,12 @@ def random_adapter(name: str, model_config: dict, modules, rank: int, torch, dev
     scale), B ~ N(0, 0.02) (PEFT starts B at 0; trained adapters are not), drawn on `device`."""
     import types  # pylint: disable=import-outside-toplevel
 
-    from ..lora.layout import ALL_MODULES, module_shapes  # pylint: disable=import-outside-toplevel
+    from ..contract import LORA_MODULES
+    from ..lora.layout import module_shapes  # pylint: disable=import-outside-toplevel
     from ..lora.peft import LoraAdapter  # pylint: disable=import-outside-toplevel
 
     shapes = module_shapes(types.SimpleNamespace(**model_config))
-    mods = [m for m in ALL_MODULES if m in modules]
+    mods = [m for m in LORA_MODULES if m in modules]
     alpha = float(alpha if alpha is not None else 2 * rank)
     g = torch.Generator(device=device).manual_seed(seed)
     weights = {}

@@ -89,13 +89,14 @@ def test_cubin_builds_with_both_kernels(cuda, dtype, rank):
 def test_layout_rows_allow_16_byte_loads():
     """Row offsets of Llama shapes are multiples of 8 elements, so the kernels' 16-byte path runs
     (odd offsets stay correct: load8 falls back to scalar loads)."""
-    from mlc_lora.lora.layout import ALL_MODULES, LoraModule, layout_adapter
+    from mlc_lora.contract import LORA_MODULES
+    from mlc_lora.lora.layout import LoraModule, layout_adapter
 
     shapes = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024), "o_proj": (4096, 4096),
               "gate_proj": (4096, 14336), "up_proj": (4096, 14336), "down_proj": (14336, 4096)}
     E = 2 * 8 * 16 * 128
     for rank in (8, 16, 64):
-        lay = layout_adapter(E, [LoraModule(n, *shapes[n]) for n in ALL_MODULES], rank)
+        lay = layout_adapter(E, [LoraModule(n, *shapes[n]) for n in LORA_MODULES], rank)
         assert all(off % 8 == 0 for off in lay.offsets.values())
 
 

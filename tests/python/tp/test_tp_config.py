@@ -11,7 +11,8 @@ from mlc_lora import _ffi_api as rt
 from mlc_lora.cli.main import main as cli_main
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import ModelConfigError
-from mlc_lora.lora.layout import COLUMN_PARALLEL, make_spec, shard_adapter, shard_module_shapes
+from mlc_lora.contract import COLUMN_PARALLEL_MODULES
+from mlc_lora.lora.layout import make_spec, shard_adapter, shard_module_shapes
 from mlc_lora.lora.peft import LoraAdapter
 from mlc_lora.models.llama import LlamaConfig, fused_linear_parts
 from mlc_lora.models.llama_loader import shard_param
@@ -90,7 +91,7 @@ def test_adapter_slices_sum_to_the_whole_delta():
         a, bt = weights[(0, n)]
         x = rng.standard_normal((3, i))
         want = x @ a.T @ bt
-        if n in COLUMN_PARALLEL:
+        if n in COLUMN_PARALLEL_MODULES:
             got = np.concatenate([x @ s.weights[(0, n)][0].T @ s.weights[(0, n)][1] for s in shards], 1)
         else:
             xs = np.split(x, 2, axis=1)

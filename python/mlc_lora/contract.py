@@ -1,0 +1,75 @@
+"""The contract between the compiler, the C++ runtime and the engine, written once.
+
+Every constant that more than one part of mlc-lora must agree on lives here and nowhere else:
+the page size of the unified pool, the names and order of the LoRA table inputs of the compiled
+functions, the Llama linears LoRA can target, the kernel stages, the compiled folder's file names,
+the cache directory and the environment of NCCL processes.
+
+How each side reads it:
+- Python (compiler passes, models, runner, engine, server) imports this module.
+- The compiled model folder records what a runtime needs in the "contract" block of its
+  mlc-lora-config.json (`compiled_contract()`); the C++ embedding API reads it from there.
+- The name of that config file itself cannot come from the config: CMake reads `CONFIG_FILE` from
+  this file with `runpy` (which is why it imports nothing but the standard library).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# --- the compiled model folder ------------------------------------------------------------------
+CONFIG_FILE = "mlc-lora-config.json"
+PARAMS_FILE = "params.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+
+# --- the unified page pool ----------------------------------------------------------------------
+# Tokens per KV page. One page id is one KV page of every layer, or a share of one adapter's rows
+# in every layer; the attention, append and copy kernels are compiled for this size.
+PAGE_SIZE = 16
+
+# --- LoRA ---------------------------------------------------------------------------------------
+# The Llama linears an adapter may target, in canonical order: module index m of the tables.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Under tensor parallelism these are split by output rows; the others by input columns.
+COLUMN_PARALLEL_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# The per-batch inputs the LoRA pass adds to prefill/decode, in order (docs/DESIGN.md).
+LORA_TABLE_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
+# Kernel stages: "single" (one adapter per batch), "gather" (per token), "sgmv" (token tiles).
+LORA_KERNELS = ("single", "gather", "sgmv")
+
+# --- sampling -----------------------------------------------------------------------------------
+# The compiled sampling functions, and the columns of `top_logprobs` (OpenAI's limit).
+SAMPLER_FUNCTIONS = ("sample_argmax", "sample_top_p", "chosen_logprobs", "top_logprobs")
+TOP_LOGPROBS_MAX = 20
+
+# --- processes ----------------------------------------------------------------------------------
+# Set in every process that may start NCCL: NVLink multicast (NVLS) collectives stay off.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def cache_dir() -> Path:
+    """Where compiled models and built kernels are cached: $MLC_LORA_CACHE or ~/.cache/mlc_lora."""
+    return Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora"))
+
+
+def set_nccl_env(overwrite: bool = False) -> None:
+    """Put NCCL_ENV into this process's environment (before NCCL starts)."""
+    for key, value in NCCL_ENV.items():
+        if overwrite:
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
+
+
+def compiled_contract() -> dict:
+    """The "contract" block of mlc-lora-config.json: what a runtime of another language needs."""
+    return {
+        "page_size": PAGE_SIZE,
+        "lora_modules": list(LORA_MODULES),
+        "column_parallel_modules": list(COLUMN_PARALLEL_MODULES),
+        "lora_table_inputs": list(LORA_TABLE_INPUTS),
+        "lora_kernels": list(LORA_KERNELS),
+        "sampler_functions": list(SAMPLER_FUNCTIONS),
+        "top_logprobs_max": TOP_LOGPROBS_MAX,
+    }
