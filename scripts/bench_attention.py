@@ -177,11 +177,11 @@ def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-local
 
 
 def main(argv=None) -> None:
-    ap, sub = cli.parser(__doc__)
+    ap, sub = cli.parser(__doc__, __file__)
     cli.add_compile(sub, "one library per shape with both kernel sets (here)")
     r = cli.add_run(sub, "check, then time ours / TIR / SDPA (the GPU machine)")
     r.add_argument("--lib-dir", required=True, type=Path)
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
     if a.cmd == "compile":
         compile_libs(a.out)
     else:

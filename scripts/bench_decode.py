@@ -237,7 +237,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap, sub = cli.parser(__doc__)
+    ap, sub = cli.parser(__doc__, __file__)
     c = cli.add_compile(sub, "the variants' libraries, one folder each (here)")
     c.add_argument("--layers", type=int, default=32)
     c.add_argument("--variants", default="graph,cublas,tir", help=f"comma-separated, of {', '.join(VARIANTS)}")
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     rr.add_argument("--variants", default="", help="comma-separated subset of the compiled variants")
     rr.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
     rr.add_argument("--no-prefill", dest="prefill", action="store_false", help="decode only")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
     if a.cmd == "compile":
         compile_variants(a.out, a.layers, a.variants.split(","))
         return 0

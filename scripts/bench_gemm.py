@@ -188,12 +188,12 @@ def run(args) -> int:  # pylint: disable=too-many-locals
 
 
 def main(argv=None) -> int:
-    ap, sub = cli.parser(__doc__)
+    ap, sub = cli.parser(__doc__, __file__)
     c = cli.add_compile(sub, "ours.so and cublas.so (and the --sweep builds) into one folder (here)")
     c.add_argument("--sweep", action="store_true", help="also build the gemv kernel with other tile sizes")
     r = cli.add_run(sub, "time them against torch.matmul (the GPU machine)")
     r.add_argument("--lib-dir", required=True)
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
     if a.cmd == "compile":
         compile_lib(a.out, a.sweep)
         return 0

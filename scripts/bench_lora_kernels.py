@@ -121,20 +121,20 @@ def sweep(shapes=None, tokens=None, adapters=None, ranks=None, dtypes=None, grou
 
 def estimate_s(p: Point, n_backends: int = 5) -> float:
     """Rough device seconds of one point: weights made, each candidate's calls made once eagerly and
-    captured (host-bound, ~60 us a call), 20 replays of its calls (bytes at 2.5 TB/s + launches), the
-    float64 check; the base GEMM alike. The first point of a peer configuration also compiles its
-    Triton kernels (not counted)."""
+    captured (host-bound, ~120 us a call for the peers' Python wrappers), 20 replays of its calls
+    (bytes at 2.5 TB/s + launches), the float64 check, the base GEMM alike, and 1 s for the peers'
+    Triton kernels of new configurations (compiled on first use) and the host's bookkeeping."""
     per_copy = ELT * (p.T * (p.in_f + p.out_f) + p.N * p.R * (p.in_f + p.out_f))
     n = copies_for(per_copy)
     used = min(p.N, p.T)
     call_us = 10 + 1e6 * ELT * (p.T * (p.in_f + 2 * p.out_f) + used * max(p.ranks) * (p.in_f + p.out_f)) / 2.5e12
-    lora = n * 60e-6 + 21 * n * call_us * 1e-6
+    lora = n * 120e-6 + 21 * n * call_us * 1e-6
     w_bytes = ELT * p.in_f * p.out_f
     nw = copies_for(w_bytes + ELT * p.T * (p.in_f + p.out_f))
     gemm_us = 8 + max(1e6 * w_bytes / 3.5e12, 1e6 * 2 * p.T * p.in_f * p.out_f / 600e12)
     base = nw * 60e-6 + 21 * nw * gemm_us * 1e-6
     setup = 3 * n * per_copy / 50e9 + used * 2e-3  # weights, layouts, the per-adapter reference
-    return setup + base + n_backends * lora
+    return 1.0 + setup + base + n_backends * lora
 
 
 def split_parts(points: list[Point], parts: int) -> list[list[Point]]:
@@ -798,7 +798,7 @@ def plot(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap, sub = cli.parser(__doc__)
+    ap, sub = cli.parser(__doc__, __file__)
     c = cli.add_compile(sub, "the library of our kernels (here)", "the library (.so)")
     c.add_argument("--target", choices=["cuda", "llvm"], default="cuda", help="llvm: the CPU dry run's (tiny shapes)")
 
@@ -834,7 +834,7 @@ def main(argv=None) -> int:
     pt = sub.add_parser("plot", help="the table and chart of result JSON files (here)")
     pt.add_argument("results", nargs="+")
     pt.add_argument("--out", required=True, help="the chart (.svg or .png)")
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
     if a.cmd == "compile":
         compile_lib(a.out, a.target, a.target == "llvm")
         return 0

@@ -294,7 +294,7 @@ def merge_plot(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap, sub = cli.parser(__doc__)
+    ap, sub = cli.parser(__doc__, __file__)
     p = sub.add_parser("prepare", help="sample the ShareGPT requests into a small token file (here)")
     p.add_argument("--out", default="requests.npz")
     p.add_argument("--num-prompts", type=int, default=1000)
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
     m = sub.add_parser("plot", help="merge result files of split runs into one JSON + charts (here)")
     m.add_argument("results", nargs="+")
     m.add_argument("--out", required=True)
-    a = ap.parse_args(argv)
+    a = cli.parse(ap, argv)
     return {"prepare": prepare, "compile": compile_libs, "run": run_lora, "plot": merge_plot}[a.cmd](a)
 
 

@@ -20,10 +20,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
-def parser(doc: str):
-    """(the script's parser, its sub-command group); the parser's help is the module docstring."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+_COMMAND = []  # the command line of this run, as `parse` saw it
+
+
+def parser(doc: str, script: str):
+    """(the script's parser, its sub-command group); the help is the module docstring, `script` the
+    script's __file__ (for the command line the results record)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 prog=f"scripts/{Path(script).name}")
     return ap, ap.add_subparsers(dest="cmd", required=True)
+
+
+def parse(ap, argv=None):
+    """ap.parse_args(argv), remembering the command line for the logs and the result JSON."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _COMMAND[:] = ["python", ap.prog, *argv]
+    return ap.parse_args(argv)
 
 
 def add_compile(sub, help_: str, out_help: str = "where the libraries go"):
@@ -82,7 +94,7 @@ def machine() -> dict:
 
 
 def command_line() -> str:
-    return " ".join(["python", *sys.argv])
+    return " ".join(_COMMAND or ["python", *sys.argv])
 
 
 def write_results(path: Path, payload: dict) -> Path:
