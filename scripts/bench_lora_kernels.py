@@ -716,7 +716,8 @@ def run(a) -> int:
         left = sum(estimate_s(q) for q in points[k + 1:]) * (done / max(1e-9, sum(estimate_s(q) for q in points[:k + 1])))
         log.say(f"[{k + 1}/{len(points)} {row['seconds']:.1f} s, ~{left / 60:.1f} min left] {line(row)}")
         cli.write_results(log.json, {"mode": "linear", "rows": rows, "complete": False})
-        _release(env, pb)
+        del pb
+        _release(env)
     log.say(table(rows))
     cli.write_results(log.json, {"mode": "linear", "rows": rows, "complete": len(rows) == len(points)})
     return 0
@@ -740,14 +741,15 @@ def run_layer(a) -> int:
                 rows.append(row)
                 log.say(f"[{len(rows)}/{len(dtypes) * len(LAYER_ADAPTERS) * len(tokens)} {row['seconds']:.1f} s] {line(row)}")
                 cli.write_results(log.json, {"mode": "layer", "rows": rows, "complete": False})
-                _release(env, lp)
+                del lp
+                _release(env)
     log.say(table(rows))
     cli.write_results(log.json, {"mode": "layer", "rows": rows, "complete": True})
     return 0
 
 
-def _release(env: Env, problem) -> None:
-    del problem
+def _release(env: Env) -> None:
+    """After a point's data is dropped: the peers' caches keyed by tensor addresses, the allocator."""
     if env.peers is not None:
         env.peers.clear_vllm_ptr_caches()  # keyed by data_ptr: the next point's tensors may reuse them
         env.peers.sglang_lora.clear_kernel_caches()  # keyed without the rank
