@@ -133,7 +133,7 @@ def test_pipeline_dispatches_on_cuda_and_llvm():
     linear = tvm.IRModule({"linear": Before["linear"]})
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     with cuda:
-        # (with the gemv kernels off: test_gemv_kernels.py covers them)
+        # (with the gemv kernels off: test_gemv_before_after below covers them)
         assert CUBLAS_GEMM in get_pipeline(cuda, gemm="cublas", gemv_max_rows=0)(linear)["linear"].script()
         assert CUBLAS_GEMM not in get_pipeline(cuda, gemm="tvm")(linear)["linear"].script()
     llvm = tvm.target.Target("llvm")
