@@ -145,13 +145,15 @@ class ExpectedSingle:
                              R.shape([b, 1]))
             xm = R.multiply(x2, mask)
             abq = R.call_tir(cls.lora_single_m0_8x8, (lora_arena, lora_rank, lora_scale, lora_a_off, lora_b_off,
-                             R.prim_value(T.int64(0))), out_ty=[R.Tensor((2, 8), "float32"), R.Tensor((2, 8), "float32")])
+                             R.prim_value(T.int64(0))),
+                             out_ty=[R.Tensor((2, 8), "float32"), R.Tensor((2, 8), "float32")])
             aq = abq[0]
             bq = abq[1]
             dq = R.matmul(R.matmul(xm, R.permute_dims(aq)), bq)
             dk = R.zeros(R.shape([b, 4]), "float32")
             abv = R.call_tir(cls.lora_single_m1_8x4, (lora_arena, lora_rank, lora_scale, lora_a_off, lora_b_off,
-                             R.prim_value(T.int64(0))), out_ty=[R.Tensor((2, 8), "float32"), R.Tensor((2, 4), "float32")])
+                             R.prim_value(T.int64(0))),
+                             out_ty=[R.Tensor((2, 8), "float32"), R.Tensor((2, 4), "float32")])
             av = abv[0]
             bv = abv[1]
             dv = R.matmul(R.matmul(xm, R.permute_dims(av)), bv)
@@ -164,7 +166,8 @@ class ExpectedSingle:
                               R.shape([b, 1]))
             qm = R.multiply(q2, mask2)
             abo = R.call_tir(cls.lora_single_m2_8x8, (lora_arena, lora_rank, lora_scale, lora_a_off, lora_b_off,
-                             R.prim_value(T.int64(0))), out_ty=[R.Tensor((2, 8), "float32"), R.Tensor((2, 8), "float32")])
+                             R.prim_value(T.int64(0))),
+                             out_ty=[R.Tensor((2, 8), "float32"), R.Tensor((2, 8), "float32")])
             ao = abo[0]
             bo = abo[1]
             do = R.matmul(R.matmul(qm, R.permute_dims(ao)), bo)
@@ -339,9 +342,9 @@ class ExpectedCuda:
 
 
 def _rewrite(target, backend):
-    return LoraRewrite(param_names=NAMES_CUDA, modules=[("o_proj", 1024, 600)], linears={"o_proj": [("o_proj", 0, 600)]},
-                       num_layers=1, max_rank=16, kernel="sgmv", arena_elems=4096, functions=["decode"],
-                       target=target, backend=backend)(BeforeCuda)
+    return LoraRewrite(param_names=NAMES_CUDA, modules=[("o_proj", 1024, 600)],
+                       linears={"o_proj": [("o_proj", 0, 600)]}, num_layers=1, max_rank=16, kernel="sgmv",
+                       arena_elems=4096, functions=["decode"], target=target, backend=backend)(BeforeCuda)
 
 
 @needs_nvcc
