@@ -1,6 +1,7 @@
-"""Paged attention kernels side by side on one GPU: mlc-lora's (compiler_passes/attention.cu),
-TVM's TIR kernels (the baseline our cache ran before) and torch's scaled_dot_product_attention,
-on the same pages; correctness against a float32 torch reference first.
+"""Paged attention kernels side by side on one GPU: mlc-lora's
+(compiler_passes/ops/attention/attention.cu), TVM's TIR kernels (the baseline our cache ran
+before) and torch's scaled_dot_product_attention, on the same pages; correctness against a
+float32 torch reference first.
 
   # here (no GPU needed): one library with both kernel sets for each shape
   python scripts/bench_attention.py compile --out attn
@@ -36,7 +37,7 @@ def compile_libs(out: Path) -> None:
     from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compile import prepare_cuda_build  # pylint: disable=import-outside-toplevel
-    from mlc_lora.compiler_passes import attention_kernels  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes.ops.attention import attention_cuda as attention_kernels  # pylint: disable=import-outside-toplevel
 
     prepare_cuda_build()
     out.mkdir(parents=True, exist_ok=True)

@@ -41,9 +41,9 @@ def compile_lib(out_dir: Path, sweep: bool) -> None:
     prepare_cuda_build()
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     out_dir.mkdir(parents=True, exist_ok=True)
-    from mlc_lora.compiler_passes import gemv_kernels  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes.ops.gemv import gemv_cuda as gemv_kernels  # pylint: disable=import-outside-toplevel
 
-    from mlc_lora.compiler_passes.dispatch_cublas import GEMV_MAX_ROWS  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes.passes.dispatch_cublas import GEMV_MAX_ROWS  # pylint: disable=import-outside-toplevel
 
     # ours: the default dispatch; the sweep builds take the gemv kernel up to 8 rows
     libs = [("ours", GEMV_MAX_ROWS, DTYPES, gemv_kernels.ROWS, gemv_kernels.UNROLL), ("cublas", 0, DTYPES, 0, 0)]

@@ -1,6 +1,6 @@
 """LoRA kernels on the GPU: stage 2 (`gather`), stage 3 (`sgmv`) as TIR kernels and as the CUDA C++
-kernels (cuda/lora_sgmv.cu, `sgmv_cuda`), a torch gathered-bmm reference, against the base GEMM
-(torch.matmul = cuBLAS) of the same linear.
+kernels (compiler_passes/ops/lora/sgmv.cu, `sgmv_cuda`), a torch gathered-bmm reference, against
+the base GEMM (torch.matmul = cuBLAS) of the same linear.
 
   compile (any machine, no GPU):  python scripts/bench_lora_kernels.py compile --out lora_k.so
   run (the GPU machine):          python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR [--quick]
@@ -55,8 +55,8 @@ def fname(kind, r, i, o):
 def compile_lib(out: Path) -> None:
     import tvm  # pylint: disable=import-outside-toplevel
     from mlc_lora.compile import prepare_cuda_build  # pylint: disable=import-outside-toplevel
-    from mlc_lora.compiler_passes import lora_kernels as K, lora_sgmv as G  # pylint: disable=import-outside-toplevel
-    from mlc_lora.compiler_passes import lora_sgmv_cuda as GC  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes.ops.lora import gather_tir as K, sgmv_tir as G  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes.ops.lora import sgmv_cuda as GC  # pylint: disable=import-outside-toplevel
 
     prepare_cuda_build()
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")

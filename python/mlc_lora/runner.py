@@ -287,7 +287,7 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
 
     def _graph_tables(self, extra: list) -> list:
         """The LoRA inputs of a decode captured in CUDA graphs (the compiler counts them with the
-        weights, see compiler_passes/lora_rewrite.py): a graph replays the addresses and the slot
+        weights, see compiler_passes/passes/lora_rewrite.py): a graph replays the addresses and the slot
         count it was captured with, so this batch's tables are copied (on the device) into
         buffers allocated once, passed at `max_batch_size` slots. Rows past the batch's slots are
         never read: every token reads only its own slot. The arena must stay the same one."""

@@ -15,7 +15,7 @@
  * over each sequence's pages (new tokens included): decode when every sequence appends one token,
  * else prefill with a bottom-right-aligned causal mask. Prefixes shared by fork are plain shared
  * pages (reference counted); a shared page is copied before anyone appends to it. The kernels are
- * TVM's TIR ones or, on CUDA, ours (compiler_passes/attention_kernels.py: tensor-core prefill,
+ * TVM's TIR ones or, on CUDA, ours (compiler_passes/ops/attention/: tensor-core prefill,
  * split-KV decode whose split count this object picks per batch).
  */
 #include <tvm/ffi/container/array.h>
@@ -124,7 +124,7 @@ int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 /*!
  * \brief The function inside a kernel tuple: ["tirx", f] (TVM's TIR kernels, TVM's signature) or
- * ["mlc_lora", f] (compiler_passes/attention_kernels.py: tensor-core CUDA kernels, their own
+ * ["mlc_lora", f] (compiler_passes/ops/attention/: tensor-core CUDA kernels, their own
  * signature). FlashInfer's tuples are refused.
  */
 ffi::Function AttentionKernel(const ffi::Any& arg, const char* what, bool* ours) {
@@ -166,7 +166,7 @@ class UnifiedKVCacheObj : public AttentionKVCacheObj {
   struct Kernels {
     ffi::Function append, prefill, decode, split_rotary, copy_page;
     ffi::Optional<ffi::Function> debug_get_kv;
-    bool own_attention = false;  // prefill/decode are ["mlc_lora", f] (attention_kernels.py)
+    bool own_attention = false;  // prefill/decode are ["mlc_lora", f] (attention_cuda.py)
   };
 
   UnifiedKVCacheObj(Config cfg, Kernels k)

@@ -5,24 +5,24 @@ Read from the lowered IR (RewriteCUDAGraph's output), like test_dispatch_cublas'
 runner's side (fixed-address tables at a fixed slot count) is tests/python/lora/test_graph_tables.py.
 """
 
-import shutil
-
 import pytest
 import tvm
 from tvm import relax
 
 from mlc_lora.compile import _decode_graph_attrs, export_model, lora_pass_options, prepare_cuda_build
 from mlc_lora.compiler_passes import get_pipeline
-from mlc_lora.compiler_passes.lora_rewrite import LoraRewrite
+from mlc_lora.compiler_passes.passes import LoraRewrite
 from mlc_lora.lora.layout import make_spec
 from mlc_lora.models import llama
+
+from ..conftest import needs_nvcc
+
+pytestmark = needs_nvcc  # the CUDA sgmv and gemv kernels are built at compile time
 
 TABLES = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
 
 
 def _lowered(layers=2):
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc (the CUDA sgmv and gemv kernels are built at compile time)")
     prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -92,6 +92,7 @@ def test_captured_graphs_read_the_tables_as_fixed_inputs_keyed_by_sizes_only():
 
 def test_prefill_keeps_the_tables_as_inputs():
     """Prefill is not captured: its tables stay per-call inputs (num_input counts them)."""
+    prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                             num_key_value_heads=2, num_hidden_layers=1, vocab_size=80,
