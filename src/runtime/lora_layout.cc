@@ -5,7 +5,6 @@
 #include "lora_layout.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 

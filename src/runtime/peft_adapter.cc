@@ -122,9 +122,9 @@ JSON ReadConfig(const std::string& folder, const Contract& contract, std::vector
   const std::string f = folder + "/" + kConfig;
   if (!IsRegular(f)) throw ModelError(folder + " is not a PEFT adapter folder: no " + kConfig);
   std::ifstream in(f, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  JSON cfg = JSON::Parse(text.str(), f);
+  std::stringstream contents;
+  contents << in.rdbuf();
+  JSON cfg = JSON::Parse(contents.str(), f);
   if (!cfg.is_object()) throw ModelError(f + " must hold a JSON object");
   if (cfg.contains("peft_type") && !(cfg["peft_type"].is_string() && cfg["peft_type"].str() == "LORA")) {
     throw InvalidArgument(f + ": peft_type " + PyRepr(cfg["peft_type"]) + " is not supported (only LORA)");
@@ -132,8 +132,7 @@ JSON ReadConfig(const std::string& folder, const Contract& contract, std::vector
   for (const auto& [opt, ok] : kNeutral) {
     if (!cfg.contains(opt)) continue;
     JSON v = cfg[opt];
-    std::string text = v.dump();
-    if (std::find(ok.begin(), ok.end(), text) == ok.end()) {
+    if (std::find(ok.begin(), ok.end(), v.dump()) == ok.end()) {
       throw InvalidArgument(f + ": " + opt + "=" + PyRepr(v) + " is not supported by mlc-lora (supported: " +
                             PyRepr(JSON::Parse(ok[0], "")) + ")");
     }

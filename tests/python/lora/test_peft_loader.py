@@ -177,3 +177,26 @@ def test_plan_agrees_with_packing_and_warnings_reach_python(tmp_path):
         peft_adapter_plan(f, {"model_name": "base", "lora": None, "dtype": "float32"})
     with pytest.raises(LoraError, match="compiled by an older mlc-lora.*compile it again"):
         peft_adapter_plan(f, {k: v for k, v in compiled_config(spec).items() if k != "contract"})
+
+
+def test_tensor_parallel_shards_pack_their_slices_with_the_planned_pages(tmp_path):
+    """Under tensor parallelism every shard packs its slices (column-parallel q/v: B^T's output
+    columns; row-parallel down: A's input columns) in the pages the plan announced."""
+    f = _write(tmp_path / "tp", modules=("q_proj", "v_proj", "down_proj"))
+    full = _load_packed(f, CFG)
+    cfg2 = LlamaConfig(**TINY_CONFIGS["gqa"], tensor_parallel_shards=2)
+    spec = make_spec(cfg2, 8, 16)
+    plan = peft_adapter_plan(f, compiled_config(spec))
+    for shard in range(2):
+        packed = pack_peft_adapter(f, compiled_config(spec), shard=shard)
+        assert packed.pages.shape[1] == plan.num_pages
+        got = unpack(spec, packed)
+        for layer in (0, 1):
+            a, bt = full.weights[(layer, "q_proj")]  # q: 64 outputs, 32 per shard
+            np.testing.assert_array_equal(got.weights[(layer, "q_proj")][0], a)
+            np.testing.assert_array_equal(got.weights[(layer, "q_proj")][1], bt[:, 32 * shard:32 * (shard + 1)])
+            a, bt = full.weights[(layer, "down_proj")]  # down: 128 inputs, 64 per shard
+            np.testing.assert_array_equal(got.weights[(layer, "down_proj")][0], a[:, 64 * shard:64 * (shard + 1)])
+            np.testing.assert_array_equal(got.weights[(layer, "down_proj")][1], bt)
+    with pytest.raises(LoraError, match="shard 2 out of range for 2 shards"):
+        pack_peft_adapter(f, compiled_config(spec), shard=2)
