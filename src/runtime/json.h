@@ -1,9 +1,12 @@
 /*!
  * \file json.h
  * \brief A read-only view over tvm-ffi's parsed JSON that throws ModelError naming the JSON path.
+ *
+ * Shared by the runtime's adapter packing (adapter_config.json, safetensors headers, the compiled
+ * config) and the C++ API (cpp/), which includes it from here.
  */
-#ifndef MLC_LORA_CPP_JSON_H_
-#define MLC_LORA_CPP_JSON_H_
+#ifndef MLC_LORA_RUNTIME_JSON_H_
+#define MLC_LORA_RUNTIME_JSON_H_
 
 #include <tvm/ffi/extra/json.h>
 
@@ -15,7 +18,6 @@
 #include "mlc_lora/error.h"
 
 namespace mlc_lora {
-namespace detail {
 
 class JSON {
  public:
@@ -26,7 +28,7 @@ class JSON {
   static JSON Parse(const std::string& text, const std::string& origin) {
     tvm::ffi::String err;
     tvm::ffi::Any v = tvm::ffi::json::Parse(text, &err);
-    if (!err.empty()) throw ModelError(origin + ": invalid JSON: " + std::string(err));
+    if (!err.empty()) throw ModelError(origin + " is not valid JSON: " + std::string(err));
     return JSON(std::move(v), "", origin);
   }
 
@@ -41,6 +43,11 @@ class JSON {
   bool has(const std::string& key) const {
     auto o = v_.as<tvm::ffi::json::Object>();
     return o.has_value() && o->count(tvm::ffi::String(key)) && !((*o)[tvm::ffi::String(key)] == nullptr);
+  }
+  /*! \brief Whether this is an object with member `key` (even a null one). */
+  bool contains(const std::string& key) const {
+    auto o = v_.as<tvm::ffi::json::Object>();
+    return o.has_value() && o->count(tvm::ffi::String(key));
   }
   /*! \brief Member `key`; throws if this is not an object or the key is missing. */
   JSON operator[](const std::string& key) const {
@@ -97,6 +104,10 @@ class JSON {
   bool bool_or(bool dflt) const { return is_null() ? dflt : boolean(); }
   int64_t i64_or(int64_t dflt) const { return is_null() ? dflt : i64(); }
   const std::string& path() const { return path_; }
+  /*! \brief The parsed value itself. */
+  const tvm::ffi::Any& value() const { return v_; }
+  /*! \brief Compact JSON text of the value. */
+  std::string dump() const { return std::string(tvm::ffi::json::Stringify(v_)); }
 
   [[noreturn]] void Fail(const std::string& what) const { Fail(what, path_); }
 
@@ -115,7 +126,6 @@ class JSON {
   std::string origin_;
 };
 
-}  // namespace detail
 }  // namespace mlc_lora
 
-#endif  // MLC_LORA_CPP_JSON_H_
+#endif  // MLC_LORA_RUNTIME_JSON_H_

@@ -1,3 +1,7 @@
+/*!
+ * \file safetensors.cc
+ * \brief The .safetensors reader (safetensors.h).
+ */
 #include "safetensors.h"
 
 #include <fcntl.h>
@@ -10,7 +14,6 @@
 #include "json.h"
 
 namespace mlc_lora {
-namespace detail {
 
 int DTypeBytes(const std::string& c) {
   if (c == "F64" || c == "I64" || c == "U64") return 8;
@@ -26,7 +29,7 @@ SafeTensorsFile::SafeTensorsFile(const std::string& path) : path_(path) {
   struct stat st;
   if (::fstat(fd, &st) != 0 || st.st_size < 8) {
     ::close(fd);
-    throw ModelError("'" + path + "' is not a safetensors file (too short)");
+    throw ModelError("'" + path + "' is not a safetensors file: it is too short");
   }
   size_ = static_cast<size_t>(st.st_size);
   map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -41,13 +44,18 @@ SafeTensorsFile::SafeTensorsFile(const std::string& path) : path_(path) {
   if (header_len > size_ - 8) {
     ::munmap(map_, size_);
     map_ = nullptr;
-    throw ModelError("'" + path + "' is not a safetensors file (header size " + std::to_string(header_len) +
-                     " exceeds the file)");
+    throw ModelError("'" + path + "' is not a safetensors file: its header size " +
+                     std::to_string(header_len) + " exceeds the file");
   }
   const uint8_t* data = base + 8 + header_len;
   size_t data_size = size_ - 8 - header_len;
   try {
-    JSON header = JSON::Parse(std::string(reinterpret_cast<const char*>(base + 8), header_len), path);
+    JSON header(tvm::ffi::Any(), "", path);
+    try {
+      header = JSON::Parse(std::string(reinterpret_cast<const char*>(base + 8), header_len), path);
+    } catch (const ModelError&) {
+      throw ModelError("'" + path + "' is not a safetensors file: its header is not valid JSON");
+    }
     for (const auto& kv : header.members()) {
       if (kv.first == "__metadata__") continue;
       Entry e;
@@ -87,5 +95,4 @@ const SafeTensorsFile::Entry& SafeTensorsFile::at(const std::string& name) const
   return it->second;
 }
 
-}  // namespace detail
 }  // namespace mlc_lora

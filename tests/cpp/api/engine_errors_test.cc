@@ -43,10 +43,12 @@ void Expect(bool cond, const std::string& what) {
 
 void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
 
-std::string MakePeft(const std::string& root, const std::string& name, const std::string& rank) {
+std::string MakePeft(const std::string& root, const std::string& name, const std::string& rank,
+                     const std::string& extra = "", const std::string& targets = "[\"q_proj\"]") {
   std::string dir = root + "/" + name;
   ::mkdir(dir.c_str(), 0755);
-  WriteFile(dir + "/adapter_config.json", "{\"r\": " + rank + ", \"lora_alpha\": 16, \"target_modules\": [\"q_proj\"]}");
+  WriteFile(dir + "/adapter_config.json",
+            "{\"r\": " + rank + ", \"lora_alpha\": 16, \"target_modules\": " + targets + extra + "}");
   WriteFile(dir + "/adapter_model.safetensors", "");
   return dir;
 }
@@ -103,6 +105,12 @@ int main(int argc, char** argv) {
     }, "above the compiled --max-lora-rank");
     ExpectThrow<ModelError>("adapter weights not a safetensors file", [&] { engine.LoadAdapter("a", MakePeft(tmp, "r8", "8")); },
                             "adapter_model.safetensors");
+    ExpectThrow<InvalidArgument>("adapter with a PEFT option that changes the forward", [&] {
+      engine.LoadAdapter("a", MakePeft(tmp, "dora", "8", ", \"use_dora\": true"));
+    }, "use_dora=True is not supported");
+    ExpectThrow<InvalidArgument>("adapter targeting a module LoRA cannot serve", [&] {
+      engine.LoadAdapter("a", MakePeft(tmp, "head", "8", "", "[\"q_proj\", \"lm_head\"]"));
+    }, "['lm_head'] are not supported");
   }
   ExpectThrow<InvalidArgument>("unload unknown adapter", [&] { engine.UnloadAdapter("a"); }, "unknown adapter 'a'");
   ExpectThrow<InvalidArgument>("pin unknown adapter", [&] { engine.PinAdapter("a"); }, "unknown adapter 'a'");

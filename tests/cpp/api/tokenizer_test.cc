@@ -8,7 +8,7 @@
 #include "mlc_lora/tokenizer.h"
 
 using mlc_lora::Tokenizer;
-using mlc_lora::detail::JSON;
+using mlc_lora::JSON;
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <numeric>
 #include <vector>
 
-#include "sampler.h"
+#include "sampling/sampler.h"
 
 using mlc_lora::GenerationConfig;
 using mlc_lora::detail::Sampler;

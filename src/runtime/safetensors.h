@@ -1,17 +1,19 @@
 /*!
  * \file safetensors.h
  * \brief A memory-mapped .safetensors file: 8-byte little-endian header size, JSON header, raw data.
+ *
+ * Opening one reads the header only; tensor data is touched when a caller reads it. Used for
+ * adapter weights here and for the model's params by the C++ API (cpp/).
  */
-#ifndef MLC_LORA_CPP_SAFETENSORS_H_
-#define MLC_LORA_CPP_SAFETENSORS_H_
+#ifndef MLC_LORA_RUNTIME_SAFETENSORS_H_
+#define MLC_LORA_RUNTIME_SAFETENSORS_H_
 
 #include <cstdint>
 #include <string>
-#include <unordered_map>
+#include <map>
 #include <vector>
 
 namespace mlc_lora {
-namespace detail {
 
 class SafeTensorsFile {
  public:
@@ -21,7 +23,10 @@ class SafeTensorsFile {
     const uint8_t* data;
     size_t nbytes;
   };
-  /*! \brief Map and index `path`; throws ModelError on a missing or malformed file. */
+  /*!
+   * \brief Map and index `path`; throws ModelError on a missing file or one that is not a
+   *        safetensors file ("'path' is not a safetensors file: why").
+   */
   explicit SafeTensorsFile(const std::string& path);
   ~SafeTensorsFile();
   SafeTensorsFile(const SafeTensorsFile&) = delete;
@@ -30,19 +35,20 @@ class SafeTensorsFile {
   bool has(const std::string& name) const { return entries_.count(name) != 0; }
   /*! \brief Throws ModelError naming the file when `name` is absent. */
   const Entry& at(const std::string& name) const;
-  const std::unordered_map<std::string, Entry>& entries() const { return entries_; }
+  /*! \brief Every tensor, by name (sorted). */
+  const std::map<std::string, Entry>& entries() const { return entries_; }
+  const std::string& path() const { return path_; }
 
  private:
   std::string path_;
   void* map_ = nullptr;
   size_t size_ = 0;
-  std::unordered_map<std::string, Entry> entries_;
+  std::map<std::string, Entry> entries_;
 };
 
 /*! \brief Bytes per element of a safetensors dtype code; 0 if unknown. */
 int DTypeBytes(const std::string& code);
 
-}  // namespace detail
 }  // namespace mlc_lora
 
-#endif  // MLC_LORA_CPP_SAFETENSORS_H_
+#endif  // MLC_LORA_RUNTIME_SAFETENSORS_H_

@@ -21,7 +21,7 @@ namespace mlc_lora {
 using detail::IsLetter;
 using detail::IsNumber;
 using detail::IsWhitespace;
-using detail::JSON;
+using mlc_lora::JSON;
 
 namespace {
 

@@ -6,17 +6,22 @@
                                  reference outputs go to DIR/expected.json
                                  two seeded random PEFT adapters go to DIR/adapters/{alpha,beta} and
                                  the LoRA reference (ModelRunner on the pool, adapters packed by
-                                 mlc_lora.lora.pack_peft_adapter) to DIR/expected_lora.json
+                                 mlc_lora.lora.pack_peft_adapter; and MLCEngine with the adapters
+                                 loaded) to DIR/expected_lora.json
   chat_parity.py compare DIR --app PATH
                                  runs the app (batched, and with tiny batches and prefill chunks)
-                                 and compares text and ids; on the LoRA build also one batch that
-                                 mixes both adapters and the base model
+                                 and compares text and ids, on both builds
+  chat_parity.py compare-adapters DIR --app PATH
+                                 the app loads both adapters (Engine::LoadAdapter: the runtime's
+                                 PEFT reader and packer) and runs one batch that mixes them and
+                                 the base model; text and ids must be the Python ones
   chat_parity.py check MODEL_DIR --app PATH
                                  the same for any compiled model (e.g. SmolLM2): reference first
 
 The Python reference is independent of the C++ code: jinja2 renders the chat template, the
 `tokenizers` library encodes and decodes, ModelRunner runs one request at a time with numpy argmax.
-The Python serving engine (MLCEngine, greedy) must give the same text too.
+The Python serving engine (MLCEngine, greedy, with the adapters loaded through its own API) must
+give the same text too.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def prepare(root: Path) -> None:
                     p.copy_(0.5 * torch.randn_like(p))
         pm.save_pretrained(root / "adapters" / name)
     lora = reference(root / "compiled_lora", adapters={n: root / "adapters" / n for n in ADAPTERS},
-                     adapter_of=ADAPTER_OF, engine=False)
+                     adapter_of=ADAPTER_OF)
     base = json.loads((root / "expected.json").read_text())
     for name in ADAPTERS:  # the adapters must matter, or the check below proves nothing
         changed = [i for i, a in enumerate(ADAPTER_OF) if a == name and lora[i]["output_ids"] != base[i]["output_ids"]]
@@ -155,28 +160,32 @@ def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = M
                     "text": tok.decode(gen, skip_special_tokens=True)})
     del runner
     if engine:
-        engine_outputs(model_dir, out)
+        engine_outputs(model_dir, out, adapters)
     return out
 
 
-def engine_outputs(model_dir: Path, expected: list[dict]) -> None:
-    """The Python serving engine's greedy answers (continuous batching, on-device argmax) must
-    agree with the plain reference; they are kept as `engine_text` and checked again in compare."""
+def engine_outputs(model_dir: Path, expected: list[dict], adapters: dict[str, Path] | None = None) -> None:
+    """The Python serving engine's greedy answers (continuous batching, on-device argmax; each
+    request with its `adapter`, loaded by MLCEngine.load_adapter) must agree with the plain
+    reference; they are kept as `engine_text` and checked again in compare."""
     import jinja2.ext  # noqa: F401  mlc_lora.tokenizer uses jinja2.ext without importing it
 
     from mlc_lora.engine import MLCEngine
 
     with MLCEngine(model_dir) as eng:
+        for name, path in (adapters or {}).items():
+            eng.load_adapter(name, path)
         for want in expected:
             r = eng.chat.completions.create(messages=[{"role": "user", "content": want["prompt"]}],
-                                            max_tokens=want["max_tokens"], temperature=0)
+                                            max_tokens=want["max_tokens"], temperature=0,
+                                            adapter_id=want.get("adapter"))
             want["engine_text"] = r.choices[0].message.content
             want["engine_finish_reason"] = r.choices[0].finish_reason
 
 
 def compare(model_dir: Path, expected: list[dict], app: str, adapters: dict[str, Path] | None = None) -> int:
-    """With `adapters`: one batch mixing them (each prompt's `adapter`) and the base model; the
-    reference is ModelRunner + pool (the Python engine has no adapter API on main yet)."""
+    """With `adapters`: the app loads them and runs one batch mixing them (each prompt's
+    `adapter`) and the base model; the references are ModelRunner + pool and MLCEngine."""
     failures = 0
     for extra in ([], ["--max-batch", "2", "--prefill-chunk", "16"]):
         cmd = [app, str(model_dir), "--json", "--max-tokens", str(expected[0]["max_tokens"]), *extra]
@@ -192,8 +201,7 @@ def compare(model_dir: Path, expected: list[dict], app: str, adapters: dict[str,
             return 1
         got = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
         for want, have in zip(expected, got, strict=True):
-            engine_text = want.get("engine_text", want["text"])  # no engine reference for adapters
-            engine_finish = want.get("engine_finish_reason", want["finish_reason"])
+            engine_text, engine_finish = want["engine_text"], want["engine_finish_reason"]
             same = have["text"] == want["text"] == engine_text and have["output_ids"] == want["output_ids"] \
                 and have["finish_reason"] == want["finish_reason"] == engine_finish
             failures += not same
@@ -223,7 +231,7 @@ def compare(model_dir: Path, expected: list[dict], app: str, adapters: dict[str,
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["prepare", "compare", "check"])
+    ap.add_argument("mode", choices=["prepare", "compare", "compare-adapters", "check"])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--app")
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="check mode: the first N prompts")
@@ -234,11 +242,12 @@ def main() -> int:
         return 0
     if args.mode == "check":
         return compare(args.dir, reference(args.dir, PROMPTS[: args.num_prompts], args.max_tokens), args.app)
+    if args.mode == "compare-adapters":
+        expected_lora = json.loads((args.dir / "expected_lora.json").read_text())
+        adapters = {n: args.dir / "adapters" / n for n in ADAPTERS}
+        return compare(args.dir / "compiled_lora", expected_lora, args.app, adapters)
     expected = json.loads((args.dir / "expected.json").read_text())
-    expected_lora = json.loads((args.dir / "expected_lora.json").read_text())
-    adapters = {n: args.dir / "adapters" / n for n in ADAPTERS}
-    return (compare(args.dir / "compiled", expected, args.app) or compare(args.dir / "compiled_lora", expected, args.app)
-            or compare(args.dir / "compiled_lora", expected_lora, args.app, adapters))
+    return compare(args.dir / "compiled", expected, args.app) or compare(args.dir / "compiled_lora", expected, args.app)
 
 
 if __name__ == "__main__":
