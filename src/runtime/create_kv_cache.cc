@@ -26,7 +26,7 @@ namespace {
 
 /*!
  * \brief The function inside a kernel tuple: ["tirx", f] (TVM's TIR kernels, TVM's signature) or
- * ["mlc_lora", f] (compiler_passes/attention_kernels.py: tensor-core CUDA kernels, their own
+ * ["mlc_lora", f] (compiler_passes/ops/attention/: tensor-core CUDA kernels, their own
  * signature). FlashInfer's tuples are refused.
  */
 ffi::Function AttentionKernel(const ffi::Any& arg, const char* what, bool* ours) {

@@ -16,7 +16,7 @@
  * over each sequence's pages (new tokens included): decode when every sequence appends one token,
  * else prefill with a bottom-right-aligned causal mask. Prefixes shared by fork are plain shared
  * pages (reference counted); a shared page is copied before anyone appends to it. The kernels are
- * TVM's TIR ones or, on CUDA, ours (compiler_passes/attention_kernels.py: tensor-core prefill,
+ * TVM's TIR ones or, on CUDA, ours (compiler_passes/ops/attention/: tensor-core prefill,
  * split-KV decode whose split count this object picks per batch).
  */
 #ifndef MLC_LORA_RUNTIME_UNIFIED_KV_CACHE_H_
