@@ -12,7 +12,7 @@ from typing import Sequence
 import tvm
 from tvm import relax
 
-from mlc_lora.contract import LORA_TABLE_INPUTS
+from mlc_lora.contract import BASE_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 
 from ..ops import cuda_build
 from ..ops import lora as lora_stages
@@ -39,6 +39,8 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         functions: Sequence[str] = ("prefill", "decode"),
         target: tvm.target.Target | None = None,
         backend: str = "auto",
+        max_slots: int = 256,
+        base_functions: bool = True,
     ):
         """`param_names`: the packed params in export order. `modules`: the compiled target modules
         (name, in, out); their order is module index m. `linears`: weight kind (e.g. "qkv_proj") ->
@@ -46,7 +48,10 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         symbolic arena size. `kernel`: the LoRA stage, "single" (stage 1), "gather" (stage 2) or
         "sgmv" (stage 3). `backend`: whose implementation of the stage runs (ops/lora.STAGES:
         "tir", "cuda"), or "auto": per linear, the first registered one that supports it (for
-        sgmv: sgmv.cu on CUDA fp16/bf16, else the TIR kernels)."""
+        sgmv: the Triton kernels on CUDA fp16/bf16, else the TIR kernels). `max_slots`: the most
+        adapter slots a batch's tables hold (the model's max batch size). `base_functions`: keep
+        each rewritten function, unchanged, as `<name>_base` too (contract.BASE_FUNCTION_SUFFIX), for
+        batches without adapters."""
         lora_stages.check(kernel, backend)
         self.param_names = list(param_names)
         self.module_index = {name: i for i, (name, _, _) in enumerate(modules)}
@@ -59,14 +64,23 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         self.functions = tuple(functions)
         self.target = target
         self.backend = backend
+        self.max_slots = max_slots
+        self.base_functions = base_functions
+        # the rows' element offsets are multiples of this when every row length is (16-byte loads)
+        self.row_align = 8 if all(i % 8 == 0 and o % 8 == 0 for _, i, o in modules) else 1
         kinds = "|".join(map(re.escape, self.linears))
         self._name_re = re.compile(rf"layers[._](\d+)[._](?:.*[._])?({kinds})[._]weight$")
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = self.target or tvm.target.Target.current(allow_none=True) or tvm.target.Target("llvm")
         rewriter = _Rewriter(mod, self, target)
+        names = [gv.name_hint for gv in mod.get_global_vars()]
         for name in self.functions:
-            if name in [gv.name_hint for gv in mod.get_global_vars()]:
+            if name in names:
+                if self.base_functions:
+                    base = name + BASE_FUNCTION_SUFFIX
+                    copy = relax.utils.copy_with_new_vars(mod[name])
+                    rewriter.builder_.add_func(copy.with_attr("global_symbol", base), base)
                 rewriter.rewrite(mod.get_global_var(name))
         out = rewriter.builder_.get()
         for ext in rewriter.ctx.external_mods.values():
@@ -81,7 +95,7 @@ class _Rewriter(relax.PyExprMutator):
         self.mod_ = mod
         self.opts = opts
         self.ctx = LoraContext(self.builder_, target, num_layers=opts.num_layers, max_rank=opts.max_rank,
-                               num_modules=opts.num_modules)
+                               num_modules=opts.num_modules, max_slots=opts.max_slots, row_align=opts.row_align)
         self.inputs: dict[str, relax.Var] = {}
         self.packed: relax.Var | None = None
         self.n_tok = None
@@ -94,6 +108,7 @@ class _Rewriter(relax.PyExprMutator):
         x_shape = params[0].ty.shape.values
         n_tok = tvm.sym.Analyzer().simplify(_prod(x_shape[:-1]))
         slots = tvm.tirx.Var("lora_slots", "int64")
+        cap1 = tvm.tirx.Var("lora_slot_capacity_plus_one", "int64")
         size = self.opts.arena_elems if self.opts.arena_elems is not None else tvm.tirx.Var(
             "lora_arena_elems", "int64")
         M, R = self.opts.num_modules, self.opts.max_rank
@@ -102,6 +117,7 @@ class _Rewriter(relax.PyExprMutator):
             "lora_arena": ([size], dtype), "lora_token_slot": ([n_tok], "int32"),
             "lora_rank": ([slots], "int32"), "lora_scale": ([slots, M], "float32"),
             "lora_a_off": ([slots, M, R], "int32"), "lora_b_off": ([slots, M, R], "int32"),
+            "lora_token_order": ([n_tok], "int32"), "lora_slot_start": ([cap1], "int32"),
         }
         self.inputs = {k: relax.Var(k, relax.TensorType(*shapes[k])) for k in LORA_TABLE_INPUTS}
         self.packed = params[-1] if num_input < len(params) else None

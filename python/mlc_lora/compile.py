@@ -178,6 +178,7 @@ def lora_pass_options(spec, cfg, arch_module, param_names: list[str], backend: s
         "num_layers": spec.num_layers,
         "max_rank": spec.max_rank,
         "kernel": spec.kernel,
+        "max_slots": cfg.max_batch_size,
         # Symbolic: the pool's size (KV + adapter pages) is chosen when the cache is created.
         "arena_elems": None,
     }

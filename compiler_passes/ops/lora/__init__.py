@@ -6,6 +6,8 @@ over the adapter rows of the unified page arena. Each stage has one or more impl
 per backend ("tir", "cuda", ...), each in its own file here beside its kernels:
     single_tir.py   stage 1: dense rows of slot 0 + two matmuls per module (TIR, any target)
     gather_tir.py   stage 2: a per-token gather kernel per module (TIR, any target)
+    sgmv_triton.py  stage 3 on tensor cores: Triton kernels over tokens sorted by slot, one
+                    shrink + one in-place expand per fused linear (CUDA fp16/bf16, rank <= 128)
     sgmv_cuda.py    stage 3: one shrink + one in-place expand per fused linear (sgmv.cu; CUDA
                     fp16/bf16, rank <= 128, <= 3 parts)
     sgmv_tir.py     stage 3: a shrink + expand pair per module (TIR, any target)
@@ -44,13 +46,13 @@ import tvm
 
 from mlc_lora.contract import LORA_KERNELS
 
-from . import gather_tir, sgmv_cuda, sgmv_tir, single_tir
+from . import gather_tir, sgmv_cuda, sgmv_tir, sgmv_triton, single_tir
 from .stage import LoraContext, LoraStage, Part
 
 # (stage, backend) -> implementation; per stage in the order "auto" tries them.
 STAGES: dict[tuple[str, str], LoraStage] = {
     (impl.stage, impl.backend): impl
-    for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_cuda.STAGE, sgmv_tir.STAGE)
+    for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_triton.STAGE, sgmv_cuda.STAGE, sgmv_tir.STAGE)
 }
 BACKENDS = ("auto", *sorted({backend for _, backend in STAGES}))
 

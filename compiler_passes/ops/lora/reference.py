@@ -118,3 +118,12 @@ def sgmv_parts_expand_ref(y, v, arena, layer, num_layers, slot, rank, scale, b_o
             out[:, o:o + w] += d
         o += w
     return out
+
+
+def sort_tokens_ref(slot: np.ndarray, num_slots: int):
+    """(order, slot_start) as the pool builds them: tokens sorted by slot (stable), base-model
+    tokens (-1) last; slot_start (num_slots + 1,) prefix sums of the slots' token counts."""
+    key = np.where(slot >= 0, slot, np.iinfo(np.int32).max)
+    order = np.argsort(key, kind="stable").astype(np.int32)
+    counts = np.bincount(slot[slot >= 0], minlength=num_slots)[:num_slots]
+    return order, np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)

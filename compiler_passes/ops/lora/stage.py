@@ -31,12 +31,14 @@ class LoraContext:
     """The rewrite's shared state: where to emit, the model's LoRA shape, the kernels added."""
 
     def __init__(self, builder: relax.BlockBuilder, target: tvm.target.Target, *, num_layers: int,
-                 max_rank: int, num_modules: int):
+                 max_rank: int, num_modules: int, max_slots: int = 256, row_align: int = 1):
         self.builder = builder  # emits into the function being rewritten
         self.target = target
         self.num_layers = num_layers  # L: the arena holds L equal layer slices
         self.max_rank = max_rank  # R: the last axis of the offset tables
         self.num_modules = num_modules  # M: the module axis of the tables
+        self.max_slots = max_slots  # the most slots lora_slot_start describes (minus one)
+        self.row_align = row_align  # every row offset in the arena is a multiple of this
         self.external_mods: dict[tuple, tvm.runtime.Module] = {}  # linked into the library
         self._kernels: dict[tuple, relax.GlobalVar] = {}
 
@@ -76,7 +78,8 @@ class LoraStage:
         parts: the fused linear's slices in column order; at least one has module >= 0.
         tables: contract.LORA_TABLE_INPUTS -> the function's parameters: lora_arena (size,),
           lora_token_slot (n,) int32, lora_rank (S,) int32, lora_scale (S, M) float32,
-          lora_a_off (S, M, R) int32, lora_b_off (S, M, R) int32.
+          lora_a_off (S, M, R) int32, lora_b_off (S, M, R) int32, lora_token_order (n,) int32,
+          lora_slot_start (capacity + 1,) int32 (contract.LORA_TABLE_INPUTS).
         Returns an expression of y's shape and dtype (not yet emitted): y plus every token's delta.
         """
         raise NotImplementedError

@@ -12,9 +12,11 @@ from tvm.script import tirx as T
 from mlc_lora.compiler_passes.ops.lora import reference as lora_ref
 from mlc_lora.compiler_passes.ops.lora import sgmv_cuda as GC
 from mlc_lora.compiler_passes.ops.lora import sgmv_tir as G
+from mlc_lora.compiler_passes.ops.lora import sgmv_triton as GT
 from mlc_lora.compiler_passes.ops.lora.gather_tir import lora_gather_kernel
 from mlc_lora.compiler_passes.ops.lora.single_tir import lora_dense_rows_kernel
 from mlc_lora.compiler_passes.passes import LoraRewrite
+from mlc_lora.contract import BASE_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 
 from ...conftest import needs_nvcc
 
@@ -29,7 +31,8 @@ ARENA = 256
 
 def _opts(kernel, **kw):
     return dict(param_names=NAMES, modules=MODULES, linears=LINEARS, num_layers=1, max_rank=2,
-                kernel=kernel, arena_elems=ARENA, functions=["decode"], target=LLVM, **kw)
+                kernel=kernel, arena_elems=ARENA, functions=["decode"], target=LLVM,
+                **{"base_functions": False, **kw})
 
 
 @I.ir_module
@@ -69,10 +72,11 @@ class ExpectedGather:
     def decode(x: R.Tensor(("b", 1, 8), "float32"), lora_arena: R.Tensor((256,), "float32"),
                lora_token_slot: R.Tensor(("b",), "int32"), lora_rank: R.Tensor(("s",), "int32"),
                lora_scale: R.Tensor(("s", 3), "float32"), lora_a_off: R.Tensor(("s", 3, 2), "int32"),
-               lora_b_off: R.Tensor(("s", 3, 2), "int32"),
+               lora_b_off: R.Tensor(("s", 3, 2), "int32"), lora_token_order: R.Tensor(("b",), "int32"),
+               lora_slot_start: R.Tensor(("c",), "int32"),
                params: R.Tuple(R.Tensor((16, 8), "float32"), R.Tensor((8, 8), "float32"),
                                R.Tensor((10, 8), "float32"))):
-        R.func_attr({"num_input": 7})
+        R.func_attr({"num_input": 9})
         b = T.int64()
         cls = ExpectedGather
         with R.dataflow():
@@ -128,10 +132,11 @@ class ExpectedSingle:
     def decode(x: R.Tensor(("b", 1, 8), "float32"), lora_arena: R.Tensor((256,), "float32"),
                lora_token_slot: R.Tensor(("b",), "int32"), lora_rank: R.Tensor(("s",), "int32"),
                lora_scale: R.Tensor(("s", 3), "float32"), lora_a_off: R.Tensor(("s", 3, 2), "int32"),
-               lora_b_off: R.Tensor(("s", 3, 2), "int32"),
+               lora_b_off: R.Tensor(("s", 3, 2), "int32"), lora_token_order: R.Tensor(("b",), "int32"),
+               lora_slot_start: R.Tensor(("c",), "int32"),
                params: R.Tuple(R.Tensor((16, 8), "float32"), R.Tensor((8, 8), "float32"),
                                R.Tensor((10, 8), "float32"))):
-        R.func_attr({"num_input": 7})
+        R.func_attr({"num_input": 9})
         b = T.int64()
         cls = ExpectedSingle
         with R.dataflow():
@@ -189,10 +194,18 @@ def test_single_rewrite_before_after():
     tvm.ir.assert_structural_equal(after, relax.transform.Normalize()(expected))
 
 
+def test_rewrite_keeps_the_functions_as_they_were_for_batches_without_adapters():
+    """decode_base: the decode of Before, unchanged, beside the rewritten decode."""
+    after = LoraRewrite(**_opts("gather", base_functions=True))(Before)
+    relax.analysis.well_formed(after)
+    base = "decode" + BASE_FUNCTION_SUFFIX
+    tvm.ir.assert_structural_equal(after[base], Before["decode"].with_attr("global_symbol", base))
+    assert len(after["decode"].params) == len(Before["decode"].params) + len(LORA_TABLE_INPUTS)
+
+
 def test_rewrite_keeps_untargeted_and_refuses_fused_matmuls():
     after = LoraRewrite(**_opts("gather", ))(Before)
-    assert [p.name for p in after["decode"].params][1:7] == ["lora_arena", "lora_token_slot", "lora_rank",
-                                                              "lora_scale", "lora_a_off", "lora_b_off"]
+    assert [p.name for p in after["decode"].params][1:9] == list(LORA_TABLE_INPUTS)
     # Only o_proj targeted: qkv_proj untouched (no zeros, no concat).
     opts = _opts("gather")
     opts["modules"] = [("o_proj", 8, 8)]
@@ -234,7 +247,9 @@ def test_rewritten_module_matches_numpy(kernel):
     slot = np.array([0, -1, 1, 0, -1] if S > 1 else [0, -1, 0, 0, -1], np.int32)
     rank = np.array(ranks, np.int32)
     x = rng.standard_normal((b, 1, 8)).astype(np.float32)
-    got = _run(LoraRewrite(**_opts(kernel))(Before), x, [arena, slot, rank, scale, a_off, b_off], [wq, wo, wh])
+    order, start = lora_ref.sort_tokens_ref(slot, S)
+    got = _run(LoraRewrite(**_opts(kernel))(Before), x, [arena, slot, rank, scale, a_off, b_off, order, start],
+               [wq, wo, wh])
 
     def delta(h, m, out_f):
         return lora_ref.lora_gather_ref(h, arena, 0, 1, slot, rank, scale, a_off, b_off, m, out_f)
@@ -291,8 +306,9 @@ class ExpectedTir:
     def decode(x: R.Tensor(("b", 1, 1024), "float16"), lora_arena: R.Tensor((4096,), "float16"),
                lora_token_slot: R.Tensor(("b",), "int32"), lora_rank: R.Tensor(("s",), "int32"),
                lora_scale: R.Tensor(("s", 1), "float32"), lora_a_off: R.Tensor(("s", 1, 16), "int32"),
-               lora_b_off: R.Tensor(("s", 1, 16), "int32"), params: R.Tuple(R.Tensor((600, 1024), "float16"))):
-        R.func_attr({"num_input": 7})
+               lora_b_off: R.Tensor(("s", 1, 16), "int32"), lora_token_order: R.Tensor(("b",), "int32"),
+               lora_slot_start: R.Tensor(("c",), "int32"), params: R.Tuple(R.Tensor((600, 1024), "float16"))):
+        R.func_attr({"num_input": 9})
         b = T.int64()
         cls = ExpectedTir
         with R.dataflow():
@@ -322,8 +338,9 @@ class ExpectedCuda:
     def decode(x: R.Tensor(("b", 1, 1024), "float16"), lora_arena: R.Tensor((4096,), "float16"),
                lora_token_slot: R.Tensor(("b",), "int32"), lora_rank: R.Tensor(("s",), "int32"),
                lora_scale: R.Tensor(("s", 1), "float32"), lora_a_off: R.Tensor(("s", 1, 16), "int32"),
-               lora_b_off: R.Tensor(("s", 1, 16), "int32"), params: R.Tuple(R.Tensor((600, 1024), "float16"))):
-        R.func_attr({"num_input": 7})
+               lora_b_off: R.Tensor(("s", 1, 16), "int32"), lora_token_order: R.Tensor(("b",), "int32"),
+               lora_slot_start: R.Tensor(("c",), "int32"), params: R.Tuple(R.Tensor((600, 1024), "float16"))):
+        R.func_attr({"num_input": 9})
         b = T.int64()
         cls = ExpectedCuda
         with R.dataflow():
@@ -341,17 +358,70 @@ class ExpectedCuda:
         return gv
 
 
+@I.ir_module(check_well_formed=False)
+class ExpectedTriton:
+    @T.prim_func
+    def lora_sgmv_triton_shrink_m0_1024():
+        T.evaluate(0)
+
+    @T.prim_func
+    def lora_sgmv_triton_expand_m0_1024x600():
+        T.evaluate(0)
+
+    @R.function
+    def decode(x: R.Tensor(("b", 1, 1024), "float16"), lora_arena: R.Tensor((4096,), "float16"),
+               lora_token_slot: R.Tensor(("b",), "int32"), lora_rank: R.Tensor(("s",), "int32"),
+               lora_scale: R.Tensor(("s", 1), "float32"), lora_a_off: R.Tensor(("s", 1, 16), "int32"),
+               lora_b_off: R.Tensor(("s", 1, 16), "int32"), lora_token_order: R.Tensor(("b",), "int32"),
+               lora_slot_start: R.Tensor(("c",), "int32"), params: R.Tuple(R.Tensor((600, 1024), "float16"))):
+        R.func_attr({"num_input": 9})
+        b = T.int64()
+        cls = ExpectedTriton
+        with R.dataflow():
+            w = params[0]
+            y = R.matmul(x, R.permute_dims(w))
+            x2 = R.reshape(x, R.shape([b, 1024]))
+            v = R.call_tir(cls.lora_sgmv_triton_shrink_m0_1024, (x2, lora_arena, lora_token_order, lora_slot_start,
+                           lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
+                           out_ty=R.Tensor((b, 1, 4, 16), "float32"))
+            y2 = R.reshape(y, R.shape([b, 600]))
+            y3 = R.call_tir_inplace(cls.lora_sgmv_triton_expand_m0_1024x600, (v, lora_arena, lora_token_order,
+                                    lora_slot_start, lora_rank, lora_scale, lora_b_off, R.prim_value(T.int64(0)),
+                                    y2), [8], R.Tensor((b, 600), "float16"))
+            gv = R.reshape(y3, R.shape([b, 1, 600]))
+            R.output(gv)
+        return gv
+
+
 def _rewrite(target, backend):
     return LoraRewrite(param_names=NAMES_CUDA, modules=[("o_proj", 1024, 600)],
                        linears={"o_proj": [("o_proj", 0, 600)]}, num_layers=1, max_rank=16, kernel="sgmv",
-                       arena_elems=4096, functions=["decode"], target=target, backend=backend)(BeforeCuda)
+                       arena_elems=4096, functions=["decode"], target=target, backend=backend,
+                       base_functions=False)(BeforeCuda)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("backend", ["auto", "cuda", "tir"])
+@pytest.mark.parametrize("backend", ["auto", "triton", "cuda", "tir"])
 def test_rewrite_inserts_the_cuda_kernels(cuda, backend):
+    if backend in ("auto", "triton"):
+        pytest.importorskip("triton")
     after = _rewrite(cuda, backend)
-    on_cuda = backend != "tir"
+    on_cuda = backend == "cuda"
+    if backend in ("auto", "triton"):
+        expected = ExpectedTriton
+        names = ("lora_sgmv_triton_shrink_m0_1024", "lora_sgmv_triton_expand_m0_1024x600")
+        shrink, smods = GT.shrink_wrapper(1024, (0,), 1, 16, 1, "float16", 256, 8, "sm_90a")
+        expand, emods = GT.expand_wrapper(1024, (600,), (0,), 1, 16, 1, "float16", 256, 8, "sm_90a")
+        for name, func in zip(names, (shrink, expand)):
+            expected[name] = func.with_attr("global_symbol", name)
+        relax.analysis.well_formed(after)
+        tvm.ir.assert_structural_equal(after.without_attr("external_mods"), relax.transform.Normalize()(expected))
+        mods = list(after.attrs["external_mods"])
+        assert len(mods) == len(smods) + len(emods)  # one cubin per kernel and tile variant
+        for var in GT.VARIANTS.values():
+            assert any(m.implements_function(f"mlc_lora_triton_expand_fp16_600_r16_bm{var['BM']}_s256_a8")
+                       for m in mods)
+        return
     if on_cuda:
         expected = ExpectedCuda
         shrink = GC.shrink_wrapper(1024, (0,), 1, 16, 1, "float16")
@@ -381,7 +451,7 @@ def test_rewrite_fuses_the_parts_of_qkv(cuda):
     after = LoraRewrite(param_names=names, modules=[("q_proj", 1024, 1024), ("v_proj", 1024, 288)],
                         linears={"qkv_proj": [("q_proj", 0, 1024), ("k_proj", 1024, 1312), ("v_proj", 1312, 1600)]},
                         num_layers=1, max_rank=16, kernel="sgmv", arena_elems=4096, functions=["decode"],
-                        target=cuda)(tvm.script.from_source(before))
+                        target=cuda, backend="cuda")(tvm.script.from_source(before))
     text = after["decode"].script()
     assert text.count("R.call_tir(") == 1 and text.count("R.call_tir_inplace(") == 1
     assert "R.add" not in text and "R.concat" not in text
@@ -398,8 +468,8 @@ def test_rewrite_backend_choice_and_errors(cuda):
         LoraRewrite(param_names=NAMES_CUDA, modules=[("o_proj", 1024, 600)], linears={"o_proj": [("o_proj", 0, 600)]},
                     num_layers=1, max_rank=256, kernel="sgmv", functions=["decode"], target=cuda,
                     backend="cuda")(BeforeCuda)
-    with pytest.raises(ValueError, match="unknown LoRA kernel backend 'triton'"):
-        LoraRewrite(param_names=NAMES_CUDA, modules=[], linears={}, num_layers=1, max_rank=16, backend="triton")
+    with pytest.raises(ValueError, match="unknown LoRA kernel backend 'cutlass'"):
+        LoraRewrite(param_names=NAMES_CUDA, modules=[], linears={}, num_layers=1, max_rank=16, backend="cutlass")
     # an explicit backend the stage has no implementation for, or that cannot run the target
     with pytest.raises(ValueError, match="'gather' has no 'cuda' implementation"):
         LoraRewrite(param_names=NAMES_CUDA, modules=[], linears={}, num_layers=1, max_rank=16, kernel="gather",
@@ -421,7 +491,7 @@ def test_cuda_module_survives_the_model_passes(cuda):
                             num_hidden_layers=1, vocab_size=64)
     mod, names = export_model(llama, cfg, "float16", cuda)
     spec = make_spec(cfg, 16, 64, kernel="sgmv")
-    mod = LoraRewrite(target=cuda, **lora_pass_options(spec, cfg, llama, names))(mod)
+    mod = LoraRewrite(target=cuda, **lora_pass_options(spec, cfg, llama, names, backend="cuda"))(mod)
     for p in (DispatchCublas(), DispatchKVCache(), DispatchAttention("sm_90a")):
         mod = p(mod)
     mods = list(mod.attrs["external_mods"])
