@@ -35,6 +35,8 @@ void AdapterStore::Configure(int64_t num_modules, int64_t max_rank) {
   scale_ = Tensor::Empty({S * M_}, kFloat32, g_.device);
   a_ = Tensor::Empty({S * M_ * R_}, kInt32, g_.device);
   b_ = Tensor::Empty({S * M_ * R_}, kInt32, g_.device);
+  order_ = Tensor::Empty({g_.max_tokens}, kInt32, g_.device);
+  start_ = Tensor::Empty({S + 1}, kInt32, g_.device);
   configured_ = true;
 }
 
@@ -224,6 +226,21 @@ void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vect
       b_off[s * M_ * R_ + i] = global(h.b_off[i]);
     }
   }
+  // Tokens sorted by slot (a counting sort; stable), base-model tokens last; slot s owns the
+  // sorted positions [start[s], start[s + 1]). Every entry of start is written.
+  const int64_t cap = g_.max_batch;
+  std::vector<int32_t> start(cap + 1, 0), order(tokens);
+  for (int32_t s : token_slot) {
+    if (s >= 0) ++start[s + 1];
+  }
+  for (int64_t s = 0; s < cap; ++s) start[s + 1] += start[s];
+  std::vector<int32_t> next(start.begin(), start.end() - 1);
+  int32_t base_pos = start[cap];
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t s = token_slot[t];
+    order[s >= 0 ? next[s]++ : base_pos++] = static_cast<int32_t>(t);
+  }
+  num_slots_ = static_cast<int64_t>(slots.size());
   auto upload = [](const Tensor& dev, const void* src, std::vector<int64_t> shape,
                    DLDataType dtype) {
     int64_t n = 1;
@@ -237,7 +254,9 @@ void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vect
              upload(rank_, rank.data(), {S}, kInt32),
              upload(scale_, scale.data(), {S, M_}, kFloat32),
              upload(a_, a_off.data(), {S, M_, R_}, kInt32),
-             upload(b_, b_off.data(), {S, M_, R_}, kInt32)};
+             upload(b_, b_off.data(), {S, M_, R_}, kInt32),
+             upload(order_, order.data(), {tokens}, kInt32),
+             upload(start_, start.data(), {cap + 1}, kInt32)};
 }
 
 }  // namespace mlc_lora

@@ -61,8 +61,11 @@ class AdapterStore {
   /*! \brief The tables of a batch of `seqs` appending `lens` tokens each (`tokens` in all). */
   void BuildTables(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens,
                    int64_t tokens);
-  /*! \brief [arena, token_slot, rank, scale, a_off, b_off] of the last BuildTables. */
+  /*! \brief The tables of the last BuildTables, in contract.LORA_TABLE_INPUTS order: [arena,
+   *  token_slot, rank, scale, a_off, b_off, token_order, slot_start]. */
   const tvm::ffi::Array<tvm::runtime::Tensor>& tables() const { return tables_; }
+  /*! \brief Distinct adapters of the last BuildTables (0: every token is on the base model). */
+  int64_t num_slots() const { return num_slots_; }
 
   tvm::ffi::Map<tvm::ffi::String, tvm::ffi::Any> Info(int64_t id) const;
   /*! \brief Every host copy belongs to an adapter the pool has; throws InternalError if not. */
@@ -85,7 +88,10 @@ class AdapterStore {
   bool configured_ = false;
   int64_t M_ = 0, R_ = 0;
   // Fixed-address tables at maximum size; tables_ holds this batch's prefix views.
-  tvm::runtime::Tensor slot_, rank_, scale_, a_, b_;
+  // token_order (max_tokens,) and slot_start (max_batch + 1,) sort the batch's tokens by slot;
+  // slot_start always has every entry (slots past the batch's own no tokens).
+  tvm::runtime::Tensor slot_, rank_, scale_, a_, b_, order_, start_;
+  int64_t num_slots_ = 0;
   tvm::ffi::Array<tvm::runtime::Tensor> tables_;
   std::unordered_map<int64_t, HostAdapter> host_;
 };

@@ -212,6 +212,12 @@ ffi::Array<Tensor> UnifiedKVCacheObj::LoraTables() const {
   return adapters_.tables();
 }
 
+int64_t UnifiedKVCacheObj::LoraNumSlots() const {
+  adapters_.CheckConfigured();
+  CheckInForward();
+  return adapters_.num_slots();
+}
+
 ffi::Map<ffi::String, int64_t> UnifiedKVCacheObj::Stats() const {
   PoolStats s = pool_.Stats();
   return {{"total_pages", s.total},

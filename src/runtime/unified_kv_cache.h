@@ -121,6 +121,8 @@ class UnifiedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   const AdapterStore& adapters() const { return adapters_; }
   /*! \brief This batch's LoRA tables (after begin_forward). */
   tvm::ffi::Array<Tensor> LoraTables() const;
+  /*! \brief Distinct adapters of the batch begun last (0: no token has one). */
+  int64_t LoraNumSlots() const;
   tvm::ffi::Map<tvm::ffi::String, int64_t> Stats() const;
   tvm::ffi::Array<int64_t> SequencePages(int64_t seq) const;
   /*! \brief The pool's bookkeeping and the adapters' host copies agree; throws InternalError. */

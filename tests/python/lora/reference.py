@@ -17,6 +17,7 @@ from mlc_lora.contract import compiled_contract
 from mlc_lora.errors import LoraError
 from mlc_lora.lora.layout import LoraSpec, PackedAdapter
 from mlc_lora.lora.peft import LoraAdapter
+from mlc_lora.compiler_passes.ops.lora.reference import sort_tokens_ref
 
 
 def compiled_config(spec: LoraSpec, dtype: str = "float32", model_name: str = "tiny") -> dict:
@@ -88,7 +89,8 @@ def batch_tables(spec: LoraSpec, loaded: dict[int, tuple[PackedAdapter, Sequence
                  token_adapter: Sequence[int | None]) -> dict[str, np.ndarray]:
     """The per-batch tables of docs/DESIGN.md, in the order the compiled functions take them
     (without the arena). `token_adapter[t]` is an adapter id or None (base model); slots are
-    numbered in order of first appearance."""
+    numbered in order of first appearance; the tokens sorted by slot as the kernels over sorted
+    tokens read them (compiler_passes/ops/lora/reference.py: sort_tokens_ref)."""
     M, R, E = len(spec.modules), spec.max_rank, spec.page_elems
     slots: dict[int, int] = {}
     token_slot = np.empty((len(token_adapter),), np.int32)
@@ -110,5 +112,6 @@ def batch_tables(spec: LoraSpec, loaded: dict[int, tuple[PackedAdapter, Sequence
         scale[s] = packed.scale
         a_off[s] = global_offsets(packed.a_off, page_ids, E)
         b_off[s] = global_offsets(packed.b_off, page_ids, E)
+    order, start = sort_tokens_ref(token_slot, S)
     return {"lora_token_slot": token_slot, "lora_rank": rank, "lora_scale": scale,
-            "lora_a_off": a_off, "lora_b_off": b_off}
+            "lora_a_off": a_off, "lora_b_off": b_off, "lora_token_order": order, "lora_slot_start": start}
