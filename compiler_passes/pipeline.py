@@ -5,11 +5,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .attach_sampler import AttachSampler
-from .dispatch_attention import DispatchAttention
-from .dispatch_cublas import GEMV_MAX_ROWS, DispatchCublas
-from .dispatch_kv_cache import DispatchKVCache
-from .lora_rewrite import LoraRewrite
+from .passes import AttachSampler, DispatchAttention, DispatchCublas, DispatchKVCache, LoraRewrite
+from .passes.dispatch_cublas import GEMV_MAX_ROWS
 
 GEMM_BACKENDS = ("cublas", "tvm")
 

@@ -1,6 +1,7 @@
-"""Paged attention kernels side by side on one GPU: mlc-lora's (compiler_passes/attention.cu),
-TVM's TIR kernels (the baseline our cache ran before) and torch's scaled_dot_product_attention,
-on the same pages; correctness against a float32 torch reference first.
+"""Paged attention kernels side by side on one GPU: mlc-lora's
+(compiler_passes/ops/attention/attention.cu), TVM's TIR kernels (the baseline our cache ran
+before) and torch's scaled_dot_product_attention, on the same pages; correctness against a
+float32 torch reference first.
 
   # here (no GPU needed): one library with both kernel sets for each shape
   python scripts/bench_attention.py compile --out attn
@@ -9,7 +10,7 @@ on the same pages; correctness against a float32 torch reference first.
 
 Shapes: Llama-2-7B (32 heads, MHA, d 128), Llama-3-8B (32/8 GQA, d 128, fp16 and bf16),
 SmolLM2-135M (9/3, d 64). Timing: scripts/harness/timing.py's CUDA-graph method, the three
-implementations of one case interleaved, 20 calls on the same pages per graph.
+implementations of one case interleaved, 5 calls on the same pages per graph, 10 replays each.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def compile_libs(out: Path) -> None:
 
     target = C.target("cuda")
     for name, (hq, hkv, d, dtype) in cli.tqdm(SHAPES.items(), desc="compile"):
-        prefill, decode, ext = C.attention_kernels.build(dtype, d, hq, hkv, C.ARCH)
+        prefill, decode, ext = C.attention_cuda.build(dtype, d, hq, hkv, C.ARCH)
         funcs = {
             "ours_prefill": prefill, "ours_decode": decode,
             "tir_prefill": _attention_prefill(hkv, hq, d, dtype, False, {}, target),
@@ -163,7 +164,7 @@ def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-local
                 cands = {"ours": lambda _c: ours_decode(q, pages, pind, pidx, last, o, lse, kv),
                          "tir": lambda _c: tir_decode(q, pages, pind, pidx, last, o, lse)}
             cands["sdpa"] = lambda _c: F.scaled_dot_product_attention(qs, ks, vs, is_causal=kind == "prefill")
-            t = compare({k: (fn, 20) for k, fn in cands.items()})
+            t = compare({k: (fn, 5) for k, fn in cands.items()}, reps=10)  # TIR prefill: up to ~50 ms a call
             t_ours, t_tir, t_sdpa = t["ours"], t["tir"], t["sdpa"]
             flops = 4 * b * hq * ql * kv * d / (2 if kind == "prefill" else 1)
             kv_bytes = 2 * b * kv * hkv * d * q.element_size()

@@ -43,7 +43,7 @@ def compile_lib(out_dir: Path, sweep: bool) -> None:
 
     target = C.target("cuda")
     out_dir.mkdir(parents=True, exist_ok=True)
-    gemv = C.gemv_kernels
+    gemv = C.gemv_cuda
     # ours: the default dispatch; the sweep builds take the gemv kernel up to 8 rows
     libs = [("ours", C.GEMV_MAX_ROWS, DTYPES, gemv.ROWS, gemv.UNROLL), ("cublas", 0, DTYPES, 0, 0)]
     libs += [(f"sweep_r{r}_u{u}", 8, ["float16"], r, u) for r, u in (SWEEP if sweep else [])]

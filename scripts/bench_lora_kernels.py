@@ -3,7 +3,7 @@
 For each sweep point (a linear of a Llama-2-7B layer; T tokens on uniformly random slots of N
 adapters of rank r; fp16 or bf16) the base GEMM (torch.matmul = cuBLAS), every LoRA backend of
 ours and the peers' (BACKENDS below: stage 2 `gather`, stage 3 `sgmv` as TIR kernels and as the CUDA
-kernels of compiler_passes/cuda/lora_sgmv.cu; vLLM 0.34's V1 Triton shrink/expand and SGLang
+kernels of compiler_passes/ops/lora/sgmv.cu; vLLM 0.34's V1 Triton shrink/expand and SGLang
 0.5.23's chunked SGMV) are first checked against a float64 reference (relative error printed),
 then timed together by scripts/harness/timing.py: one CUDA graph per candidate over copies of
 x, y and the adapters rotated past the L2 (>= 256 MB), the replays interleaved. Printed: us per
@@ -179,22 +179,22 @@ def compile_lib(out: Path, target: str, dry: bool) -> None:
     for dtype in dtypes:
         for R in COMPILED_RANKS:
             for i, o in pairs:
-                funcs[fname("gather", dtype, R, i, o)] = C.lora_kernels.lora_gather_kernel(i, o, 0, 1, R, 1, dtype, tgt)
-                funcs[fname("shrink", dtype, R, i, o)] = C.lora_sgmv.lora_sgmv_shrink_kernel(i, 0, 1, R, 1, dtype, tgt)
-                funcs[fname("expand", dtype, R, i, o)] = C.lora_sgmv.lora_sgmv_expand_kernel(i, o, 0, 1, R, 1, dtype, tgt)
+                funcs[fname("gather", dtype, R, i, o)] = C.gather_tir.lora_gather_kernel(i, o, 0, 1, R, 1, dtype, tgt)
+                funcs[fname("shrink", dtype, R, i, o)] = C.sgmv_tir.lora_sgmv_shrink_kernel(i, 0, 1, R, 1, dtype, tgt)
+                funcs[fname("expand", dtype, R, i, o)] = C.sgmv_tir.lora_sgmv_expand_kernel(i, o, 0, 1, R, 1, dtype, tgt)
                 if target == "cuda":
-                    funcs[fname("cshrink", dtype, R, i, o)] = C.lora_sgmv_cuda.shrink_wrapper(i, (0,), 1, R, 1, dtype)
-                    funcs[fname("cexpand", dtype, R, i, o)] = C.lora_sgmv_cuda.expand_wrapper(i, (o,), (0,), 1, R, 1, dtype)
+                    funcs[fname("cshrink", dtype, R, i, o)] = C.sgmv_cuda.shrink_wrapper(i, (0,), 1, R, 1, dtype)
+                    funcs[fname("cexpand", dtype, R, i, o)] = C.sgmv_cuda.expand_wrapper(i, (o,), (0,), 1, R, 1, dtype)
             if target != "cuda":
                 continue
             first = 0
             for name, (i, widths) in layer.items():
                 mods = tuple(range(first, first + len(widths)))
                 first += len(widths)
-                funcs[lname("shrink", name, dtype, R)] = C.lora_sgmv_cuda.shrink_wrapper(i, mods, 1, R, 7, dtype)
-                funcs[lname("expand", name, dtype, R)] = C.lora_sgmv_cuda.expand_wrapper(i, widths, mods, 1, R, 7, dtype)
+                funcs[lname("shrink", name, dtype, R)] = C.sgmv_cuda.shrink_wrapper(i, mods, 1, R, 7, dtype)
+                funcs[lname("expand", name, dtype, R)] = C.sgmv_cuda.expand_wrapper(i, widths, mods, 1, R, 7, dtype)
             # a TIR-only build ignores the IRModule's external_mods (relax.build links them): import
-            imports.append(C.lora_sgmv_cuda.build_module(dtype, R, C.ARCH))
+            imports.append(C.sgmv_cuda.build_module(dtype, R, C.ARCH))
     C.build_library(funcs, out, tgt, imports)
     print(f"built {out}: {len(funcs)} functions")
 

@@ -35,7 +35,8 @@ struct EngineOptions {
   /*! \brief Sequences decoded together; 0 = the compiled max_batch_size. */
   int max_batch_size = 0;
   /*! \brief KV-cache capacity in tokens over all sequences; 0 = one context window. A model
-   *  compiled with LoRA has a fixed pool: 0 or (pool_pages - 1) * 16 (KV and adapter pages). */
+   *  compiled with LoRA has a fixed pool: 0 or (pool_pages - 1) * page_size (KV and adapter pages;
+   *  page_size is the config's contract.page_size). */
   int64_t max_total_tokens = 0;
   /*! \brief Tokens per prefill call; 0 = the compiled prefill_chunk_size. */
   int prefill_chunk_size = 0;

@@ -1,6 +1,7 @@
 /*!
  * \file mlc_lora/error.h
- * \brief Exceptions thrown by the mlc-lora C++ API. Every error leaves the engine usable.
+ * \brief Exceptions thrown by the mlc-lora C++ API (and by the runtime's adapter packing it calls,
+ *        src/runtime/peft_adapter.h). Every error leaves the engine usable.
  */
 #ifndef MLC_LORA_ERROR_H_
 #define MLC_LORA_ERROR_H_

@@ -1,14 +1,34 @@
 """The C++ runtime's functions, `mlc_lora.runtime.*`, bound as module attributes.
 
+src/runtime/registry.cc registers the pool's and the packing functions; cublas_gemm.cc and
+nccl_ccl.cc their own.
+
+The unified pool (KV cache + adapter pages):
 create_paged_kv_cache(...)                 same arguments as vm.builtin.paged_attention_kv_cache_create
 pool_configure_lora(kv, M, R)              once, before loading adapters
 pool_load_adapter(kv, id, pages[L,n,E], a_off[M,R], b_off[M,R], rank, scale[M], pin)
 pool_unload_adapter(kv, id)                deferred while sequences use it
 pool_pin_adapter(kv, id, pin)
 pool_set_sequence_adapter(kv, seq, id)     -1: base model
-pool_lora_tables(kv)                       [arena, token_slot, rank, scale, a_off, b_off] of the batch
+pool_lora_tables(kv)                       the batch's tables, contract.LORA_TABLE_INPUTS order
+pool_lora_num_slots(kv)                    distinct adapters of the batch (0: base model only)
 pool_stats(kv)                             {total,free,kv,adapter,evictable}_pages, adapter counts
 pool_adapter_info(kv, id), pool_sequence_pages(kv, seq), pool_check_invariants(kv)   (tests)
+upload_async(dst, host_array)              host -> device without a stream synchronization
+
+Adapter packing (what pool_load_adapter takes; wrapped by mlc_lora.lora):
+pack_peft_adapter(folder, compiled_config_json, name, shard)
+    -> {pages [L,n,E], a_off, b_off, rank, scale, name, modules, scales, lora_alpha, use_rslora,
+        warnings}                          name "": the folder's name
+peft_adapter_plan(folder, compiled_config_json)
+    -> {name, rank, modules, scales, num_pages, lora_alpha, use_rslora, warnings}   no packing
+pack_adapter(spec_json, name, rank, modules, scales{module: s}, [(layer, module, A, B^T)], shard)
+    -> {pages, a_off, b_off, rank, scale, name, modules, scales, warnings}   an adapter in memory
+adapter_layout(page_elems, names, in_features, out_features, rank)
+    -> {num_pages, used_elems, a_off, b_off}   the rows' local offsets, [module][k] flattened
+
+GEMM and tensor parallelism: cublas_gemm(x, w, out), cublas_init(device), cublas_available(),
+nccl_version(), disco_set_ccl(name).
 """
 
 import tvm_ffi
@@ -17,6 +37,8 @@ from . import errors
 from ._lib import load_library
 
 load_library()
-# The C++ side throws kind "PoolExhaustedError"; Python sees mlc_lora.errors.PoolExhaustedError.
+# The C++ side throws kinds "PoolExhaustedError" (the pool) and "LoraError" (an adapter folder or
+# in-memory adapter the compiled model cannot serve); Python sees mlc_lora.errors' classes.
 tvm_ffi.register_error("PoolExhaustedError", errors.PoolExhaustedError)
+tvm_ffi.register_error("LoraError", errors.LoraError)
 tvm_ffi.init_ffi_api("mlc_lora.runtime", __name__)

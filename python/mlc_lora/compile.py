@@ -167,16 +167,18 @@ def lora_spec(cfg, options: CompileOptions):
                      options.lora_target_modules, options.lora_kernel)
 
 
-def lora_pass_options(spec, cfg, arch_module, param_names: list[str], sgmv_backend: str = "auto") -> dict:
-    """Keyword arguments of compiler_passes.LoraRewrite for a model compiled with `spec`."""
+def lora_pass_options(spec, cfg, arch_module, param_names: list[str], backend: str = "auto") -> dict:
+    """Keyword arguments of compiler_passes.passes.LoraRewrite for a model compiled with `spec`;
+    `backend` picks the implementation of the stage (compiler_passes/ops/lora: "auto", "tir", "cuda")."""
     return {
-        "sgmv_backend": sgmv_backend,
+        "backend": backend,
         "param_names": param_names,
         "modules": [(m.name, m.in_features, m.out_features) for m in spec.modules],
         "linears": arch_module.fused_linear_parts(cfg),
         "num_layers": spec.num_layers,
         "max_rank": spec.max_rank,
         "kernel": spec.kernel,
+        "max_slots": cfg.max_batch_size,
         # Symbolic: the pool's size (KV + adapter pages) is chosen when the cache is created.
         "arena_elems": None,
     }

@@ -33,8 +33,15 @@ PAGE_SIZE = 16
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Under tensor parallelism these are split by output rows; the others by input columns.
 COLUMN_PARALLEL_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-# The per-batch inputs the LoRA pass adds to prefill/decode, in order (docs/DESIGN.md).
-LORA_TABLE_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
+# The per-batch inputs the LoRA pass adds to prefill/decode, in order (docs/DESIGN.md). The last
+# two sort the batch's tokens by slot: lora_token_order (n,) lists the tokens slot by slot (base-model
+# tokens last) and slot s owns positions lora_slot_start[s] .. lora_slot_start[s + 1] of it; the
+# table has one entry per slot the pool can hold plus one, unused slots own no position.
+LORA_TABLE_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off",
+                     "lora_token_order", "lora_slot_start")
+# A model compiled with LoRA also exports its prefill and decode without the LoRA inputs under these
+# suffixed names: batches in which no token has an adapter run them (no LoRA kernels at all).
+BASE_FUNCTION_SUFFIX = "_base"
 # Kernel stages: "single" (one adapter per batch), "gather" (per token), "sgmv" (token tiles).
 LORA_KERNELS = ("single", "gather", "sgmv")
 
@@ -69,6 +76,7 @@ def compiled_contract() -> dict:
         "lora_modules": list(LORA_MODULES),
         "column_parallel_modules": list(COLUMN_PARALLEL_MODULES),
         "lora_table_inputs": list(LORA_TABLE_INPUTS),
+        "base_function_suffix": BASE_FUNCTION_SUFFIX,
         "lora_kernels": list(LORA_KERNELS),
         "sampler_functions": list(SAMPLER_FUNCTIONS),
         "top_logprobs_max": TOP_LOGPROBS_MAX,

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .contract import CONFIG_FILE, LORA_TABLE_INPUTS, PAGE_SIZE
+from .contract import BASE_FUNCTION_SUFFIX, CONFIG_FILE, LORA_TABLE_INPUTS, PAGE_SIZE
 from .errors import MLCLoraError
 
 
@@ -149,6 +149,13 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         self._embed = self.vm["embed"]
         self._prefill = self.vm["prefill"]
         self._decode = self.vm["decode"]
+        # LoRA models: the same functions without the LoRA inputs, for batches without adapters
+        self._base_fns = None
+        if self.lora:
+            try:
+                self._base_fns = (self.vm["prefill" + BASE_FUNCTION_SUFFIX], self.vm["decode" + BASE_FUNCTION_SUFFIX])
+            except (AttributeError, KeyError, RuntimeError):
+                self._base_fns = None  # compiled by an older mlc-lora: the LoRA functions with empty tables
         g = tvm.get_global_func
         self.kv_add = g("vm.builtin.kv_state_add_sequence")
         self.kv_remove = g("vm.builtin.kv_state_remove_sequence")
@@ -237,7 +244,9 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
                 self._base_arena = _tvm().runtime.tensor(np.zeros((L * E,), dt), self.device)
             lora = {"lora_arena": self._base_arena, "lora_token_slot": np.full((n_tok,), -1, np.int32),
                     "lora_rank": np.zeros((0,), np.int32), "lora_scale": np.zeros((0, M), np.float32),
-                    "lora_a_off": np.zeros((0, M, R), np.int32), "lora_b_off": np.zeros((0, M, R), np.int32)}
+                    "lora_a_off": np.zeros((0, M, R), np.int32), "lora_b_off": np.zeros((0, M, R), np.int32),
+                    "lora_token_order": np.arange(n_tok, dtype=np.int32),
+                    "lora_slot_start": np.zeros((1,), np.int32)}
         self._check_slots(lora["lora_rank"].shape[0])
         tvm = _tvm()
         return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self.device)
@@ -249,17 +258,23 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
             raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
                                f"use one adapter, got {num_slots}")
 
-    def _begin(self, kv, seq_ids, lengths, lora, n_tok: int) -> list:
-        """begin_forward, and the LoRA inputs of the batch (after it, for the pool's tables)."""
+    def _begin(self, kv, seq_ids, lengths, lora, n_tok: int) -> list | None:
+        """begin_forward, and the LoRA inputs of the batch (after it, for the pool's tables);
+        None where the batch runs the base functions (a LoRA model, no token on an adapter)."""
         tvm = _tvm()
-        extra = self._lora_args(lora, n_tok) if not isinstance(lora, str) else None
+        base = lora is None and self._base_fns is not None
+        extra = self._lora_args(lora, n_tok) if not (isinstance(lora, str) or base) else None
         self._kv_begin(kv, tvm.runtime.ShapeTuple(list(seq_ids)), tvm.runtime.ShapeTuple(lengths))
+        if base:
+            return None
         if extra is None:
             if lora != "pool" or not self.lora:
                 self._kv_end(kv)
                 raise MLCLoraError(f"lora={lora!r}: pass a dict of tables, 'pool' (LoRA models), or None")
             from . import _ffi_api  # pylint: disable=import-outside-toplevel
 
+            if self._base_fns is not None and int(_ffi_api.pool_lora_num_slots(kv)) == 0:
+                return None  # no LoRA kernel runs for a batch without adapters
             extra = list(_ffi_api.pool_lora_tables(kv))
             try:
                 self._check_slots(extra[2].shape[0])
@@ -281,13 +296,16 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access
         last = tvm.runtime.tensor(np.cumsum(lengths).astype(np.int32) - 1, self.device)
         extra = self._begin(kv, seq_ids, lengths, lora, len(flat))
-        logits, _ = self._prefill(emb, last, kv, *extra, self.params)
+        if extra is None:
+            logits, _ = self._base_fns[0](emb, last, kv, self.params)
+        else:
+            logits, _ = self._prefill(emb, last, kv, *extra, self.params)
         self._kv_end(kv)
         return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
 
     def _graph_tables(self, extra: list) -> list:
         """The LoRA inputs of a decode captured in CUDA graphs (the compiler counts them with the
-        weights, see compiler_passes/lora_rewrite.py): a graph replays the addresses and the slot
+        weights, see compiler_passes/passes/lora_rewrite.py): a graph replays the addresses and the slot
         count it was captured with, so this batch's tables are copied (on the device) into
         buffers allocated once, passed at `max_batch_size` slots. Rows past the batch's slots are
         never read: every token reads only its own slot. The arena must stay the same one."""
@@ -302,12 +320,18 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         if self._fixed_tables is None:
             M, R, S = len(self.lora["modules"]), self.lora["max_rank"], self.model_config["max_batch_size"]
             self._fixed_tables = [tvm.runtime.empty(shape, dt, self.device) for shape, dt in (
-                ((S,), "int32"), ((S,), "int32"), ((S, M), "float32"), ((S, M, R), "int32"), ((S, M, R), "int32"))]
+                ((S,), "int32"), ((S,), "int32"), ((S, M), "float32"), ((S, M, R), "int32"), ((S, M, R), "int32"),
+                ((S,), "int32"), (tuple(extra[7].shape), "int32"))]
+        if tuple(extra[7].shape) != tuple(self._fixed_tables[6].shape):
+            raise MLCLoraError("this model's decode runs in CUDA graphs bound to the slot capacity of the first "
+                               "KV cache it ran with; use one KV cache per ModelRunner")
         out = [arena]
         for i, (src, buf) in enumerate(zip(extra[1:], self._fixed_tables)):
             view = buf._create_view(tuple(src.shape))  # pylint: disable=protected-access
             view.copyfrom(src)
-            out.append(view if i == 0 else buf)  # token_slot is (batch,); the slot tables full size
+            # token_slot and token_order are (batch,); the slot tables full size; slot_start has
+            # every entry of the pool's slot capacity already
+            out.append(view if i in (0, 5) else buf)
         return out
 
     def decode(self, kv, seq_ids: Sequence[int], tokens: Sequence[int], lora: dict | None = None):
@@ -317,6 +341,10 @@ class ModelRunner:  # pylint: disable=too-many-instance-attributes
         emb = self.embed(np.asarray(tokens, dtype=np.int32))
         emb = emb._create_view((b, 1, emb.shape[-1]))  # pylint: disable=protected-access
         extra = self._begin(kv, seq_ids, [1] * b, lora, b)
+        if extra is None:
+            logits, _ = self._base_fns[1](emb, kv, self.params)
+            self._kv_end(kv)
+            return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access
         if self.graph_tables:
             try:
                 extra = self._graph_tables(extra)

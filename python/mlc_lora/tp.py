@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import MLCLoraError
-from .contract import CONFIG_FILE, PAGE_SIZE, set_nccl_env
+from .contract import CONFIG_FILE, LORA_TABLE_INPUTS, PAGE_SIZE, set_nccl_env
 from .runner import read_compiled_config
 
 NUMPY_CCL = "mlc_lora_numpy"
@@ -404,7 +404,7 @@ class ShardedModelRunner:  # pylint: disable=too-many-instance-attributes
             return []
         if lora == "pool":
             tables = self._f("mlc_lora.runtime.pool_lora_tables")(kv)
-            return [self._item(tables, i) for i in range(6)]
+            return [self._item(tables, i) for i in range(len(LORA_TABLE_INPUTS))]
         if lora is not None:
             raise MLCLoraError("a tensor-parallel model takes its LoRA tables from the pools: "
                                "pass lora='pool' (or None for the base model)")
@@ -413,10 +413,12 @@ class ShardedModelRunner:  # pylint: disable=too-many-instance-attributes
             L, E = self.lora["num_layers"], self.lora["page_elems"]  # one page: never read
             self._base_lora = [self.sess.empty((L * E,), self.dtype)] + [
                 self._broadcast(a) for a in (np.zeros((0,), np.int32), np.zeros((0, M), np.float32),
-                                             np.zeros((0, M, R), np.int32), np.zeros((0, M, R), np.int32))]
+                                             np.zeros((0, M, R), np.int32), np.zeros((0, M, R), np.int32),
+                                             np.zeros((1,), np.int32))]
         slots = self._broadcast(np.full((n_tok,), -1, np.int32))
-        arena, rank, scale, a_off, b_off = self._base_lora
-        return [arena, slots, rank, scale, a_off, b_off]
+        order = self._broadcast(np.arange(n_tok, dtype=np.int32))
+        arena, rank, scale, a_off, b_off, start = self._base_lora
+        return [arena, slots, rank, scale, a_off, b_off, order, start]
 
     def _logits(self, out, rows: int):
         """Worker 0's logits (rows, V): disco keeps worker 0 in this process (a thread), so its

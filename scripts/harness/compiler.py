@@ -10,9 +10,12 @@ from pathlib import Path
 import tvm
 
 from mlc_lora.compile import prepare_cuda_build
-from mlc_lora.compiler_passes import (  # noqa: F401  pylint: disable=unused-import
-    attention_kernels, gemv_kernels, get_pipeline, lora_kernels, lora_sgmv, lora_sgmv_cuda)
-from mlc_lora.compiler_passes.dispatch_cublas import GEMV_MAX_ROWS  # noqa: F401  pylint: disable=unused-import
+from mlc_lora.compiler_passes import get_pipeline  # noqa: F401  pylint: disable=unused-import
+from mlc_lora.compiler_passes.ops.attention import attention_cuda  # noqa: F401  pylint: disable=unused-import
+from mlc_lora.compiler_passes.ops.gemv import gemv_cuda  # noqa: F401  pylint: disable=unused-import
+from mlc_lora.compiler_passes.ops.lora import (  # noqa: F401  pylint: disable=unused-import
+    gather_tir, sgmv_cuda, sgmv_tir)
+from mlc_lora.compiler_passes.passes.dispatch_cublas import GEMV_MAX_ROWS  # noqa: F401  pylint: disable=unused-import
 
 ARCH = "sm_90a"  # the H200's
 

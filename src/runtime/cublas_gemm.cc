@@ -15,7 +15,6 @@
  * On CPU tensors (float32 only) the same function runs cpu_gemm.cc's blocked, multi-threaded GEMM:
  * DispatchCublas sends the linears of llvm-target models here too.
  */
-#include <dlfcn.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
@@ -28,6 +27,7 @@
 #include <unordered_map>
 
 #include "cpu_gemm.h"
+#include "dl.h"
 
 namespace mlc_lora {
 namespace {
@@ -61,29 +61,15 @@ struct CublasApi {
   const char* (*GetStatusString)(int);
 };
 
-void* OpenLib(const char* name) {
-  // Already in the process (TVM's CUDA runtime, torch, or mlc_lora's Python loader)? Reuse it.
-  void* h = dlopen(name, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
-  return h ? h : dlopen(name, RTLD_NOW | RTLD_GLOBAL);
-}
-
-template <typename F>
-void Sym(void* lib, const char* lib_name, const char* name, F* out) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
-  if (*out == nullptr) TVM_FFI_THROW(RuntimeError) << lib_name << " lacks symbol " << name;
-}
-
 const CudaApi& Cuda() {
   static CudaApi api = [] {
-    void* lib = OpenLib("libcudart.so.13");
-    if (lib == nullptr) {
-      TVM_FFI_THROW(RuntimeError) << "cannot open libcudart.so.13 (the CUDA runtime): " << dlerror();
-    }
+    const char* n = "libcudart.so.13";
+    void* lib = dl::Open(n, "the CUDA runtime");
     CudaApi a;
-    Sym(lib, "libcudart.so.13", "cudaGetDevice", &a.GetDevice);
-    Sym(lib, "libcudart.so.13", "cudaSetDevice", &a.SetDevice);
-    Sym(lib, "libcudart.so.13", "cudaMalloc", &a.Malloc);
-    Sym(lib, "libcudart.so.13", "cudaGetErrorString", &a.GetErrorString);
+    dl::Symbol(lib, n, "cudaGetDevice", &a.GetDevice);
+    dl::Symbol(lib, n, "cudaSetDevice", &a.SetDevice);
+    dl::Symbol(lib, n, "cudaMalloc", &a.Malloc);
+    dl::Symbol(lib, n, "cudaGetErrorString", &a.GetErrorString);
     return a;
   }();
   return api;
@@ -93,18 +79,14 @@ const CublasApi& Cublas() {
   static CublasApi api = [] {
     // libcublas.so.13 needs libcublasLt.so.13 beside it; the Python loader (mlc_lora.runner)
     // preloads both from the nvidia-cublas wheel when they are not on the library path.
-    void* lib = OpenLib("libcublas.so.13");
-    if (lib == nullptr) {
-      TVM_FFI_THROW(RuntimeError)
-          << "cannot open libcublas.so.13: " << dlerror()
-          << " (install the CUDA extra: pip install 'mlc-lora[cuda]', or compile with --gemm tvm)";
-    }
+    const char* n = "libcublas.so.13";
+    void* lib = dl::Open(n, "", "install the CUDA extra: pip install 'mlc-lora[cuda]', or compile with --gemm tvm");
     CublasApi a;
-    Sym(lib, "libcublas.so.13", "cublasCreate_v2", &a.Create);
-    Sym(lib, "libcublas.so.13", "cublasSetStream_v2", &a.SetStream);
-    Sym(lib, "libcublas.so.13", "cublasSetWorkspace_v2", &a.SetWorkspace);
-    Sym(lib, "libcublas.so.13", "cublasGemmEx", &a.GemmEx);
-    Sym(lib, "libcublas.so.13", "cublasGetStatusString", &a.GetStatusString);
+    dl::Symbol(lib, n, "cublasCreate_v2", &a.Create);
+    dl::Symbol(lib, n, "cublasSetStream_v2", &a.SetStream);
+    dl::Symbol(lib, n, "cublasSetWorkspace_v2", &a.SetWorkspace);
+    dl::Symbol(lib, n, "cublasGemmEx", &a.GemmEx);
+    dl::Symbol(lib, n, "cublasGetStatusString", &a.GetStatusString);
     return a;
   }();
   return api;

@@ -28,7 +28,6 @@
  * `mlc_lora.runtime.disco_set_ccl(name)` names the ccl of the calling disco worker; the CPU tests
  * use it to run disco's collectives through a numpy reference registered from Python.
  */
-#include <dlfcn.h>
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
@@ -42,6 +41,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+
+#include "dl.h"
 
 namespace mlc_lora {
 namespace {
@@ -84,46 +85,28 @@ struct NcclApi {
   int (*StreamSynchronize)(CudaStream);
 };
 
-void* OpenLib(const char* name) {
-  // Already loaded (mlc_lora.tp preloads it from the wheel, or torch did)? Reuse it.
-  void* h = dlopen(name, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD);
-  return h ? h : dlopen(name, RTLD_NOW | RTLD_GLOBAL);
-}
-
-template <typename F>
-void Sym(void* lib, const char* lib_name, const char* name, F* out) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
-  if (*out == nullptr) TVM_FFI_THROW(RuntimeError) << lib_name << " lacks symbol " << name;
-}
-
 const NcclApi& Nccl() {
   static NcclApi api = [] {
-    void* nccl = OpenLib("libnccl.so.2");
-    if (nccl == nullptr) {
-      TVM_FFI_THROW(RuntimeError)
-          << "cannot open libnccl.so.2 (NCCL, needed for --tensor-parallel-shards > 1 on GPUs): "
-          << dlerror() << " (install the CUDA extra: pip install 'mlc-lora[cuda]')";
-    }
-    void* cudart = OpenLib("libcudart.so.13");
-    if (cudart == nullptr) {
-      TVM_FFI_THROW(RuntimeError) << "cannot open libcudart.so.13 (the CUDA runtime): " << dlerror();
-    }
-    NcclApi a;
     const char* n = "libnccl.so.2";
-    Sym(nccl, n, "ncclGetUniqueId", &a.GetUniqueId);
-    Sym(nccl, n, "ncclCommInitRank", &a.CommInitRank);
-    Sym(nccl, n, "ncclCommSplit", &a.CommSplit);
-    Sym(nccl, n, "ncclAllReduce", &a.AllReduce);
-    Sym(nccl, n, "ncclAllGather", &a.AllGather);
-    Sym(nccl, n, "ncclBroadcast", &a.Broadcast);
-    Sym(nccl, n, "ncclSend", &a.Send);
-    Sym(nccl, n, "ncclRecv", &a.Recv);
-    Sym(nccl, n, "ncclGroupStart", &a.GroupStart);
-    Sym(nccl, n, "ncclGroupEnd", &a.GroupEnd);
-    Sym(nccl, n, "ncclGetErrorString", &a.GetErrorString);
-    Sym(nccl, n, "ncclGetVersion", &a.GetVersion);
-    Sym(cudart, "libcudart.so.13", "cudaSetDevice", &a.SetDevice);
-    Sym(cudart, "libcudart.so.13", "cudaStreamSynchronize", &a.StreamSynchronize);
+    const char* rt = "libcudart.so.13";
+    void* nccl = dl::Open(n, "NCCL, needed for --tensor-parallel-shards > 1 on GPUs",
+                          "install the CUDA extra: pip install 'mlc-lora[cuda]'");
+    void* cudart = dl::Open(rt, "the CUDA runtime");
+    NcclApi a;
+    dl::Symbol(nccl, n, "ncclGetUniqueId", &a.GetUniqueId);
+    dl::Symbol(nccl, n, "ncclCommInitRank", &a.CommInitRank);
+    dl::Symbol(nccl, n, "ncclCommSplit", &a.CommSplit);
+    dl::Symbol(nccl, n, "ncclAllReduce", &a.AllReduce);
+    dl::Symbol(nccl, n, "ncclAllGather", &a.AllGather);
+    dl::Symbol(nccl, n, "ncclBroadcast", &a.Broadcast);
+    dl::Symbol(nccl, n, "ncclSend", &a.Send);
+    dl::Symbol(nccl, n, "ncclRecv", &a.Recv);
+    dl::Symbol(nccl, n, "ncclGroupStart", &a.GroupStart);
+    dl::Symbol(nccl, n, "ncclGroupEnd", &a.GroupEnd);
+    dl::Symbol(nccl, n, "ncclGetErrorString", &a.GetErrorString);
+    dl::Symbol(nccl, n, "ncclGetVersion", &a.GetVersion);
+    dl::Symbol(cudart, rt, "cudaSetDevice", &a.SetDevice);
+    dl::Symbol(cudart, rt, "cudaStreamSynchronize", &a.StreamSynchronize);
     return a;
   }();
   return api;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..compile import DTYPES, CompileOptions, compile_model
+from ..compiler_passes.ops.lora import BACKENDS
 from ..contract import LORA_KERNELS
 
 
@@ -36,8 +37,8 @@ def main(argv: list[str]) -> int:
                    help="linears adapters may target (default: q k v o gate up down _proj)")
     p.add_argument("--lora-kernel", choices=LORA_KERNELS, default="gather",
                    help="single: one adapter per batch, dense GEMMs; gather: per-token gather; sgmv: fused shrink+expand")
-    p.add_argument("--lora-sgmv-backend", choices=["auto", "cuda", "tir"], default="auto",
-                   help="sgmv on cuda: our CUDA kernels (one launch pair per fused linear, auto) or the TIR kernels")
+    p.add_argument("--lora-sgmv-backend", choices=BACKENDS, default="auto",
+                   help="who runs the LoRA stage: auto (on cuda fp16/bf16 sgmv: the Triton tensor-core kernels, else CUDA C++, else TIR), triton, cuda or tir")
     p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
                    help="split the model over K GPUs (Megatron-style; docs/TP.md)")
     a = p.parse_args(argv)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import LoraError, PoolExhaustedError, UnknownAdapterError
 from ..lora.layout import LoraSpec, pack_adapter
-from ..lora.peft import LoraAdapter, load_peft_adapter
+from ..lora.peft import LoraAdapter, pack_peft_adapter
 
 
 @dataclasses.dataclass
@@ -71,13 +71,12 @@ class AdapterTable:
                             "unload it first")
         spec = self.spec
         if isinstance(path, LoraAdapter):  # read already (e.g. made on the device by a benchmark)
-            adapter, path = path, f"<in memory: {path.name}>"
+            packed, path = pack_adapter(spec, path, _numpy_dtype(self.runner.dtype)), f"<in memory: {path.name}>"
         else:
-            adapter = load_peft_adapter(path, types.SimpleNamespace(**self.runner.model_config), spec, name)
-        packed = pack_adapter(spec, adapter, _numpy_dtype(self.runner.dtype))
+            packed = pack_peft_adapter(path, self.runner.config, name)
         n, total = int(packed.pages.shape[1]), self.pool_stats()["total_pages"]
         if n > total:
-            raise LoraError(f"adapter {name} (rank {adapter.rank}, {', '.join(adapter.modules)}) needs {n} "
+            raise LoraError(f"adapter {name} (rank {packed.rank}, {', '.join(packed.modules)}) needs {n} "
                             f"pages, but the whole pool has {total}")
         aid = next(self._next_id)
         try:
@@ -87,10 +86,8 @@ class AdapterTable:
                 self.runner.pool("pool_load_adapter")(self.kv, aid, *packed.ffi_args(), bool(pin))
         except PoolExhaustedError as e:
             raise PoolExhaustedError(f"cannot load adapter {name!r} ({n} pages): {e}") from None
-        cfg = adapter.config
-        a = Adapter(name, aid, str(path), adapter.rank, cfg.get("lora_alpha", 8),
-                    bool(cfg.get("use_rslora", False)), dict(adapter.scales), list(adapter.modules),
-                    bool(pin), n)
+        a = Adapter(name, aid, str(path), packed.rank, packed.lora_alpha, packed.use_rslora,
+                    dict(packed.scales), list(packed.modules), bool(pin), n)
         self.by_name[name] = self.by_id[aid] = a
         return self.info(a)
 

@@ -1,4 +1,4 @@
-"""Calls the compiled sampling functions (compiler_passes/attach_sampler.py) on a batch's logits.
+"""Calls the compiled sampling functions (compiler_passes/ops/sampler/) on a batch's logits.
 
 The logits stay on the device; only the token ids (and the logprobs asked for) come back. The
 uniforms for random draws come from each sequence's own seeded numpy Generator, so a seed gives

@@ -1,23 +1,25 @@
-"""Adapter rows in the unified page pool: the one place for the page arithmetic.
+"""Adapter rows in the unified page pool: what a model is compiled for (`LoraSpec`, `make_spec`)
+and the Python face of the runtime's layout and packing (src/runtime/lora_layout.{h,cc}, the one
+implementation, shared with the C++ API).
 
-A page is `E = 2 * h_kv * 16 * head_dim` elements per layer (one KV page of one layer). An adapter
-of rank r stores, for every module m it targets, `r` rows of A (length in_m) and `r` rows of B^T
-(length out_m); a row never crosses a page and every layer uses the same layout. Rows are placed
-best-fit-decreasing (longest rows first, each into the fullest page that still has room), which
-lets short rows fill the tail of pages holding long ones. See docs/DESIGN.md.
+A page is `E = 2 * h_kv * PAGE_SIZE * head_dim` elements per layer (one KV page of one layer). An
+adapter of rank r stores, for every module m it targets, `r` rows of A (length in_m) and `r` rows
+of B^T (length out_m); a row never crosses a page and every layer uses the same layout. Rows are
+placed best-fit-decreasing (longest rows first, each into the fullest page that still has room),
+which lets short rows fill the tail of pages holding long ones. See docs/DESIGN.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..contract import COLUMN_PARALLEL_MODULES, LORA_KERNELS, LORA_MODULES, PAGE_SIZE
+from ..contract import COLUMN_PARALLEL_MODULES, LORA_KERNELS, LORA_MODULES, PAGE_SIZE, compiled_contract
 from ..errors import LoraError
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +71,6 @@ class LoraSpec:
                    tensor_parallel_shards=d.get("tensor_parallel_shards", 1))
 
 
-
-
 def _shards(cfg) -> int:
     return getattr(cfg, "tensor_parallel_shards", 1)
 
@@ -93,22 +93,6 @@ def shard_module_shapes(cfg) -> dict[str, tuple[int, int]]:
     k = _shards(cfg)
     return {n: (i, o // k) if n in COLUMN_PARALLEL_MODULES else (i // k, o)
             for n, (i, o) in module_shapes(cfg).items()}
-
-
-def shard_adapter(adapter, shards: int, shard: int):
-    """`adapter` (a `peft.LoraAdapter`) as shard `shard` of `shards` holds it: column-parallel
-    modules keep A and take their output columns of B^T; row-parallel ones take their input
-    columns of A and keep B^T (their partial products are summed by the base all-reduce)."""
-    if shards == 1:
-        return adapter
-    weights = {}
-    for (l, m), (a, bt) in adapter.weights.items():
-        if m in COLUMN_PARALLEL_MODULES:
-            bt = np.ascontiguousarray(np.split(bt, shards, axis=1)[shard])
-        else:
-            a = np.ascontiguousarray(np.split(a, shards, axis=1)[shard])
-        weights[(l, m)] = (a, bt)
-    return dataclasses.replace(adapter, weights=weights)
 
 
 def make_spec(cfg, max_rank: int, pool_pages: int, target_modules: Sequence[str] | None = None,
@@ -138,7 +122,7 @@ def make_spec(cfg, max_rank: int, pool_pages: int, target_modules: Sequence[str]
 
 
 # ---------------------------------------------------------------------------------------------
-# Row placement.
+# Row placement (the runtime's LayoutAdapter).
 
 
 @dataclasses.dataclass
@@ -158,34 +142,20 @@ class AdapterLayout:
         return self.num_pages * self.page_elems - self.used_elems
 
 
-def rows_per_page(E: int, row_len: int) -> int:
-    return E // row_len
-
-
 def layout_adapter(E: int, modules: Sequence[LoraModule], rank: int) -> AdapterLayout:
     """Best-fit-decreasing placement of the A and B^T rows of `modules` at `rank`."""
-    rows = []
-    for m in modules:
-        if max(m.in_features, m.out_features) > E:
-            raise LoraError(f"rows of {m.name} ({m.in_features}/{m.out_features}) exceed a page of {E}")
-        rows += [(m.in_features, m.name, "A", k) for k in range(rank)]
-        rows += [(m.out_features, m.name, "B", k) for k in range(rank)]
-    # Stable: longest rows first, then module order, A before B, k ascending.
-    rows.sort(key=lambda r: -r[0])
-    free: list[int] = []  # free elements left in each local page
+    from .. import _ffi_api  # pylint: disable=import-outside-toplevel  (loads the runtime)
+
+    modules = list(modules)
+    out = _ffi_api.adapter_layout(E, [m.name for m in modules], [m.in_features for m in modules],
+                                  [m.out_features for m in modules], rank)
+    a_off, b_off = list(out["a_off"]), list(out["b_off"])
     offsets = {}
-    for length, name, ab, k in rows:
-        best = -1
-        for j, f in enumerate(free):
-            if f >= length and (best < 0 or f < free[best]):
-                best = j
-        if best < 0:
-            free.append(E)
-            best = len(free) - 1
-        offsets[(name, ab, k)] = best * E + (E - free[best])
-        free[best] -= length
-    used = sum(r[0] for r in rows)
-    return AdapterLayout(rank, E, len(free), offsets, used)
+    for i, m in enumerate(modules):
+        for k in range(rank):
+            offsets[(m.name, "A", k)] = int(a_off[i * rank + k])
+            offsets[(m.name, "B", k)] = int(b_off[i * rank + k])
+    return AdapterLayout(rank, E, int(out["num_pages"]), offsets, int(out["used_elems"]))
 
 
 def lower_bound_pages(E: int, modules: Sequence[LoraModule], rank: int) -> int:
@@ -193,138 +163,70 @@ def lower_bound_pages(E: int, modules: Sequence[LoraModule], rank: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Packing an adapter for the pool.
+# Packing an adapter for the pool (the runtime's PackAdapter).
 
 
 @dataclasses.dataclass
-class PackedAdapter:
-    """Input of `mlc_lora.runtime.pool_load_adapter(kv, id, pages, a_off, b_off, rank, scale, pin)`."""
+class PackedAdapter:  # pylint: disable=too-many-instance-attributes
+    """Input of `mlc_lora.runtime.pool_load_adapter(kv, id, pages, a_off, b_off, rank, scale, pin)`,
+    and what the engines show about the adapter."""
 
     pages: np.ndarray  # [L, n, E] model dtype
     a_off: np.ndarray  # [M, R] int32, local offsets (local_page * E + offset_in_page), -1 unused
     b_off: np.ndarray  # [M, R] int32
     rank: int
     scale: np.ndarray  # [M] float32, 0 for modules the adapter does not target
+    name: str = ""
+    modules: list[str] = dataclasses.field(default_factory=list)  # targeted, canonical order
+    scales: dict[str, float] = dataclasses.field(default_factory=dict)  # module -> table scale
+    lora_alpha: float = 8
+    use_rslora: bool = False
+    # The runtime's host tensor of `pages`: passed on by ffi_args without a copy.
+    pages_tensor: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_runtime(cls, out, **extra) -> "PackedAdapter":
+        """From the map `mlc_lora.runtime.pack_adapter` / `pack_peft_adapter` return."""
+        pages = out["pages"]
+        try:
+            pages_np = np.from_dlpack(pages)
+        except (BufferError, TypeError, RuntimeError):  # bfloat16: numpy's DLPack has no code for it
+            pages_np = pages.numpy()
+        return cls(pages_np, np.from_dlpack(out["a_off"]), np.from_dlpack(out["b_off"]), int(out["rank"]),
+                   np.from_dlpack(out["scale"]), str(out["name"]), [str(m) for m in out["modules"]],
+                   {str(k): float(v) for k, v in out["scales"].items()}, pages_tensor=pages, **extra)
 
     def ffi_args(self) -> tuple:
         """(pages, a_off, b_off, rank, scale) as pool_load_adapter takes them. numpy's DLPack has no
         code for ml_dtypes' bfloat16, so bfloat16 pages go as a TVM host tensor."""
-        pages = self.pages
-        if pages.dtype.name == "bfloat16":
-            import tvm  # pylint: disable=import-outside-toplevel  (the runtime-only bundle has it too)
+        pages = self.pages_tensor
+        if pages is None:
+            pages = self.pages
+            if pages.dtype.name == "bfloat16":
+                import tvm  # pylint: disable=import-outside-toplevel  (the runtime-only bundle has it too)
 
-            pages = tvm.runtime.tensor(pages)
+                pages = tvm.runtime.tensor(pages)
         return pages, self.a_off, self.b_off, self.rank, self.scale
 
 
+def spec_json(spec: LoraSpec, dtype) -> str:
+    """What the runtime's packing reads of a compiled config, for `spec` and the model `dtype`."""
+    return json.dumps({"lora": spec.to_json(), "contract": compiled_contract(), "dtype": np.dtype(dtype).name})
+
+
 def pack_adapter(spec: LoraSpec, adapter, dtype, shard: int = 0) -> PackedAdapter:
-    """Put `adapter` (a `peft.LoraAdapter`) into page format for a model compiled with `spec`
-    (under tensor parallelism: shard `shard`'s slices; every shard gets the same layout)."""
-    if not 0 <= shard < spec.tensor_parallel_shards:
-        raise LoraError(f"shard {shard} out of range for {spec.tensor_parallel_shards} shards")
-    if adapter.rank > spec.max_rank:
-        raise LoraError(f"adapter {adapter.name} has rank {adapter.rank}, above the compiled "
-                        f"--max-lora-rank {spec.max_rank}")
-    missing = [n for n in adapter.modules if n not in spec.module_names]
-    if missing:
-        raise LoraError(f"adapter {adapter.name} targets {missing}, which the model was not compiled "
-                        f"for (compiled LoRA modules: {', '.join(spec.module_names)})")
-    adapter = shard_adapter(adapter, spec.tensor_parallel_shards, shard)
-    mods = [m for m in spec.modules if m.name in adapter.modules]
-    lay = layout_adapter(spec.page_elems, mods, adapter.rank)
-    L, E, M, R = spec.num_layers, spec.page_elems, len(spec.modules), spec.max_rank
-    pages = np.zeros((L, lay.num_pages * E), dtype)
-    a_off = np.full((M, R), -1, np.int32)
-    b_off = np.full((M, R), -1, np.int32)
-    scale = np.zeros((M,), np.float32)
-    for mi, m in enumerate(spec.modules):
-        if m.name not in adapter.modules:
-            continue
-        scale[mi] = adapter.scales[m.name]
-        for k in range(adapter.rank):
-            a_off[mi, k] = lay.offsets[(m.name, "A", k)]
-            b_off[mi, k] = lay.offsets[(m.name, "B", k)]
-        for l in range(L):
-            w = adapter.weights.get((l, m.name))
-            if w is None:  # layer not transformed: zero rows
-                continue
-            a, bt = w  # (r, in) and (r, out), already padded to adapter.rank and folded
-            for k in range(adapter.rank):
-                pages[l, a_off[mi, k]: a_off[mi, k] + m.in_features] = a[k]
-                pages[l, b_off[mi, k]: b_off[mi, k] + m.out_features] = bt[k]
-    return PackedAdapter(pages.reshape(L, lay.num_pages, E), a_off, b_off, adapter.rank, scale)
+    """Put `adapter` (a `peft.LoraAdapter`: per (layer, module) A (rank, in) and B^T (rank, out))
+    into page format for a model compiled with `spec` and pages of `dtype` (under tensor
+    parallelism: shard `shard`'s slices; every shard gets the same layout)."""
+    from .. import _ffi_api  # pylint: disable=import-outside-toplevel  (loads the runtime)
 
-
-# ---------------------------------------------------------------------------------------------
-# Reference of what the pool does: an arena in numpy and the per-batch tables.
-
-
-class NumpyArena:
-    """A flat `(L*P*E,)` arena with a free list of page ids; loads packed adapters like the pool."""
-
-    def __init__(self, spec: LoraSpec, dtype):
-        self.spec = spec
-        L, P, E = spec.num_layers, spec.pool_pages, spec.page_elems
-        self.data = np.zeros((L * P * E,), dtype)
-        self.free = list(range(P))
-        self.adapters: dict[int, tuple[PackedAdapter, list[int]]] = {}
-
-    def load(self, adapter_id: int, packed: PackedAdapter, page_ids: Sequence[int] | None = None) -> list[int]:
-        L, P, E = self.spec.num_layers, self.spec.pool_pages, self.spec.page_elems
-        n = packed.pages.shape[1]
-        if page_ids is None:
-            if n > len(self.free):
-                raise LoraError(f"arena has {len(self.free)} free pages, adapter needs {n}")
-            page_ids = [self.free.pop(0) for _ in range(n)]
-        else:
-            page_ids = list(page_ids)
-            for p in page_ids:
-                self.free.remove(p)
-        view = self.data.reshape(L, P, E)
-        for j, p in enumerate(page_ids):
-            view[:, p] = packed.pages[:, j]
-        self.adapters[adapter_id] = (packed, page_ids)
-        return page_ids
-
-    def tables(self, token_adapter: Sequence[int | None]) -> dict[str, np.ndarray]:
-        return batch_tables(self.spec, {a: v for a, v in self.adapters.items()}, token_adapter)
-
-
-def global_offsets(local: np.ndarray, page_ids: Sequence[int], E: int) -> np.ndarray:
-    """Local row offsets (local_page*E + in_page) -> offsets inside a layer (page_id*E + in_page)."""
-    ids = np.asarray(page_ids, np.int64)
-    out = np.where(local >= 0, ids[np.maximum(local, 0) // E] * E + np.maximum(local, 0) % E, -1)
-    return out.astype(np.int32)
-
-
-def batch_tables(spec: LoraSpec, loaded: dict[int, tuple[PackedAdapter, Sequence[int]]],
-                 token_adapter: Sequence[int | None]) -> dict[str, np.ndarray]:
-    """The per-batch tables of docs/DESIGN.md, in the order the compiled functions take them
-    (without the arena). `token_adapter[t]` is an adapter id or None (base model); slots are
-    numbered in order of first appearance."""
-    M, R, E = len(spec.modules), spec.max_rank, spec.page_elems
-    slots: dict[int, int] = {}
-    token_slot = np.empty((len(token_adapter),), np.int32)
-    for t, a in enumerate(token_adapter):
-        if a is None:
-            token_slot[t] = -1
-            continue
-        if a not in loaded:
-            raise LoraError(f"adapter {a} is not loaded in the arena")
-        token_slot[t] = slots.setdefault(a, len(slots))
-    S = len(slots)
-    rank = np.zeros((S,), np.int32)
-    scale = np.zeros((S, M), np.float32)
-    a_off = np.full((S, M, R), -1, np.int32)
-    b_off = np.full((S, M, R), -1, np.int32)
-    for a, s in slots.items():
-        packed, page_ids = loaded[a]
-        rank[s] = packed.rank
-        scale[s] = packed.scale
-        a_off[s] = global_offsets(packed.a_off, page_ids, E)
-        b_off[s] = global_offsets(packed.b_off, page_ids, E)
-    return {"lora_token_slot": token_slot, "lora_rank": rank, "lora_scale": scale,
-            "lora_a_off": a_off, "lora_b_off": b_off}
+    entries = [(layer, module, np.ascontiguousarray(a, np.float32), np.ascontiguousarray(bt, np.float32))
+               for (layer, module), (a, bt) in adapter.weights.items()]
+    out = _ffi_api.pack_adapter(spec_json(spec, dtype), adapter.name, adapter.rank, list(adapter.modules),
+                                {m: float(s) for m, s in adapter.scales.items()}, entries, shard)
+    cfg = adapter.config or {}
+    return PackedAdapter.from_runtime(out, lora_alpha=cfg.get("lora_alpha", 8),
+                                      use_rslora=bool(cfg.get("use_rslora", False)))
 
 
 # ---------------------------------------------------------------------------------------------

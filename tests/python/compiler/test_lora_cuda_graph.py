@@ -5,24 +5,25 @@ Read from the lowered IR (RewriteCUDAGraph's output), like test_dispatch_cublas'
 runner's side (fixed-address tables at a fixed slot count) is tests/python/lora/test_graph_tables.py.
 """
 
-import shutil
-
 import pytest
 import tvm
 from tvm import relax
 
 from mlc_lora.compile import _decode_graph_attrs, export_model, lora_pass_options, prepare_cuda_build
 from mlc_lora.compiler_passes import get_pipeline
-from mlc_lora.compiler_passes.lora_rewrite import LoraRewrite
+from mlc_lora.compiler_passes.passes import LoraRewrite
+from mlc_lora.contract import BASE_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 from mlc_lora.lora.layout import make_spec
 from mlc_lora.models import llama
 
-TABLES = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale", "lora_a_off", "lora_b_off")
+from ..conftest import needs_nvcc
+
+pytestmark = needs_nvcc  # the CUDA sgmv and gemv kernels are built at compile time
+
+TABLES = LORA_TABLE_INPUTS
 
 
 def _lowered(layers=2):
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc (the CUDA sgmv and gemv kernels are built at compile time)")
     prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -58,6 +59,11 @@ def test_decode_graphs_capture_the_sgmv_kernels():
     assert len(inside) == 2 * 4 * cfg.num_hidden_layers
     assert sum("expand" in c for c in inside) == 4 * cfg.num_hidden_layers
     assert not _calls(lowered["decode"], "lora_sgmv_")
+    # the decode without adapters is captured too, and runs no LoRA kernel at all
+    base = "decode" + BASE_FUNCTION_SUFFIX
+    base_captures = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith(base + "_cuda_graph_capture")]
+    assert base_captures and not [c for f in base_captures for c in _calls(f, "lora_")]
+    assert "lora_arena" not in [p.name for p in lowered[base].params]
     # the base linears (gemv / cuBLAS wrappers) stay captured too: the LoRA deltas do not split the
     # layers' graphs
     assert sum(len(_calls(f, "mlc_lora_linear_")) for f in captures.values()) == 4 * cfg.num_hidden_layers + 1
@@ -75,7 +81,7 @@ def test_captured_graphs_read_the_tables_as_fixed_inputs_keyed_by_sizes_only():
     decode = lowered["decode"]
     # the tables come right after the KV cache; decode's num_input stops before them
     names = [p.name for p in decode.params]
-    assert names[2:8] == list(TABLES)
+    assert names[2:2 + len(TABLES)] == list(TABLES)
     assert int(decode.attrs["num_input"]) == 2
     used = set()
     for gv, f in lowered.functions_items():
@@ -86,12 +92,15 @@ def test_captured_graphs_read_the_tables_as_fixed_inputs_keyed_by_sizes_only():
             used |= {t for t in TABLES if t in params}
         key = f.params[-1]
         assert key.name == "shape_expr"
-        assert {v.name for v in key.ty.values} <= {"batch_size", "lora_slots", "lora_arena_elems"}
-    assert used == set(TABLES)
+        assert {v.name for v in key.ty.values} <= {"batch_size", "lora_slots", "lora_arena_elems",
+                                                   "lora_slot_capacity_plus_one"}
+    # (the tensor-core sgmv reads the tokens in slot order: lora_token_order, not lora_token_slot)
+    assert used == set(TABLES) - {"lora_token_slot"}
 
 
 def test_prefill_keeps_the_tables_as_inputs():
     """Prefill is not captured: its tables stay per-call inputs (num_input counts them)."""
+    prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                             num_key_value_heads=2, num_hidden_layers=1, vocab_size=80,

@@ -1,41 +1,38 @@
-"""The on-device sampling kernels (compiler_passes/attach_sampler.py) against their numpy references."""
-
-import shutil
+"""The on-device sampling kernels (compiler_passes/ops/sampler/sampler_tir.py, attached by
+compiler_passes/passes/attach_sampler.py) against their numpy references (ops/sampler/reference.py)."""
 
 import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
-from mlc_lora.compiler_passes import attach_sampler as S
+from mlc_lora.compiler_passes.ops.sampler import reference as S
+from mlc_lora.compiler_passes.passes import AttachSampler
+
+from ..conftest import needs_nvcc
 
 
 def _cuda_target():
     return tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 
 
-def _has_gpu():
-    try:
-        return tvm.cuda(0).exist
-    except Exception:  # pylint: disable=broad-except
-        return False
-
-
-DEVICES = ["cpu"] + (["cuda"] if _has_gpu() else [])
 _DEV = {}
 
 
-@pytest.fixture(scope="module", params=DEVICES)
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
 def vm(request):
-    """The sampling functions built alone: plain loops on llvm, thread-bound kernels on a GPU."""
+    """The sampling functions built alone: plain loops on llvm, thread-bound kernels on a GPU
+    (skipped where none is visible)."""
+    if request.param == "cuda":
+        request.getfixturevalue("cuda_device")
     if request.param == "cpu":
         target = tvm.target.Target("llvm")
-        ex = tvm.compile(S.AttachSampler(target)(tvm.IRModule()), target,
+        ex = tvm.compile(AttachSampler(target)(tvm.IRModule()), target,
                          relax_pipeline=relax.get_pipeline("default"))
     else:
         target = _cuda_target()
         with target:
-            ex = tvm.compile(S.AttachSampler(target)(tvm.IRModule()), target,
+            ex = tvm.compile(AttachSampler(target)(tvm.IRModule()), target,
                              relax_pipeline=relax.get_default_pipeline(target))
     _DEV["dev"] = tvm.cpu() if request.param == "cpu" else tvm.cuda(0)
     return relax.VirtualMachine(ex, _DEV["dev"])
@@ -45,14 +42,14 @@ def _t(a):
     return tvm.runtime.tensor(np.ascontiguousarray(a), _DEV["dev"])
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@needs_nvcc
 def test_gpu_kernels_build_to_cubin(tmp_path):
     """The thread-bound variants compile for sm_90a (they run in the cuda-parametrized tests on a GPU)."""
     from mlc_lora.compile import _check_cubin, prepare_cuda_build
 
     prepare_cuda_build()
     target = _cuda_target()
-    mod = S.AttachSampler(target)(tvm.IRModule())
+    mod = AttachSampler(target)(tvm.IRModule())
     for name in ("sample_argmax_kernel", "sample_top_p_kernel", "top_logprobs_kernel", "chosen_logprobs_kernel"):
         assert mod[name].attrs["tirx.is_scheduled"]
     with target:

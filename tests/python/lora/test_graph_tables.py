@@ -80,6 +80,8 @@ def test_fixed_tables_give_the_same_logits_at_fixed_addresses_and_size(compiled)
     assert len({tuple(ptr for ptr, _ in call[2:]) for call in seen}) == 1
     # the arena and the token slots (a (batch,) view of one buffer) keep their addresses too
     assert len({call[0][0] for call in seen}) == 1 and len({call[1][0] for call in seen}) == 1
+    # the base-only batch ([1]) ran the functions without LoRA inputs: four LoRA calls for five steps
+    assert len(seen) == 4
     # and the adapters mattered: the mixed batch differs from the base model's rows
     assert ref.decode(kv_ref, [0, 1], [3, 3], lora="pool").numpy().std(0).max() > 1e-3
 
@@ -88,9 +90,31 @@ def test_a_second_kv_cache_is_refused_under_graphs(compiled):
     r, kv = _engine_like(compiled, graph=True)
     r.decode(kv, [0], [1], lora="pool")
     kv2 = r.create_kv_cache(MAX_BATCH, 63 * 16, 64)
+    spec = LoraSpec.from_json(r.lora)
+    ad = random_adapter("b", r.model_config, spec.module_names, 4, torch, "cpu", seed=9)
+    rt.pool_load_adapter(kv2, 0, *pack_adapter(spec, ad, np.float32).ffi_args(), False)
     r.kv_add(kv2, 0)
+    rt.pool_set_sequence_adapter(kv2, 0, 0)
     r.prefill(kv2, [0], [[1, 2, 3]], lora="pool")
     with pytest.raises(MLCLoraError, match="first KV cache"):
         r.decode(kv2, [0], [1], lora="pool")
     # the refused step left the cache usable
     assert int(r.kv_seq_length(kv2, 0)) == 3
+
+
+def test_batches_without_adapters_run_the_base_functions(compiled):
+    """No token on an adapter: decode_base / prefill_base (no LoRA inputs, no LoRA kernels), with the
+    logits of the LoRA functions on empty tables."""
+    r, kv = _engine_like(compiled, graph=False)
+    calls = []
+    base_prefill, base_decode = r._base_fns  # pylint: disable=protected-access
+    r._base_fns = (lambda *a: calls.append("prefill") or base_prefill(*a),  # pylint: disable=protected-access
+                   lambda *a: calls.append("decode") or base_decode(*a))
+    got = r.decode(kv, [1], [5], lora="pool").numpy()
+    r.kv_add(kv, 7)
+    r.prefill(kv, [7], [[4, 5, 6]], lora="pool")
+    assert calls == ["decode", "prefill"]
+    r._base_fns = None  # pylint: disable=protected-access  (the LoRA functions, inert tables)
+    r.kv_popn(kv, 1, 1)
+    want = r.decode(kv, [1], [5], lora=None).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

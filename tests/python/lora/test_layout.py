@@ -5,11 +5,12 @@ import pytest
 
 from mlc_lora.errors import LoraError
 from mlc_lora.lora import layout
-from mlc_lora.lora.layout import LoraModule, LoraSpec, NumpyArena, layout_adapter, make_spec, pack_adapter
+from mlc_lora.lora.layout import LoraModule, LoraSpec, layout_adapter, make_spec, pack_adapter
 from mlc_lora.lora.peft import LoraAdapter
 from mlc_lora.models.llama import LlamaConfig
 
 from ..conftest import TINY_CONFIGS
+from .reference import NumpyArena
 
 
 def _tiny_cfg():

@@ -1,4 +1,8 @@
-"""PEFT adapter folders: what loads, and every bad input refused with a message naming it."""
+"""PEFT adapter folders: what loads, and every bad input refused with a message naming it.
+
+The runtime reads and packs the folder (`pack_peft_adapter`); what it loaded is read back from the
+packed pages by the numpy reference (`reference.unpack`).
+"""
 
 import json
 import math
@@ -8,14 +12,21 @@ import pytest
 from safetensors.numpy import save_file
 
 from mlc_lora.errors import LoraError
-from mlc_lora.lora.layout import make_spec
-from mlc_lora.lora.peft import load_peft_adapter
+from mlc_lora.lora import make_spec, pack_peft_adapter, peft_adapter_plan
 from mlc_lora.models.llama import LlamaConfig
 
 from ..conftest import TINY_CONFIGS
+from .reference import compiled_config, unpack
 
 CFG = LlamaConfig(**TINY_CONFIGS["gqa"])  # hidden 64, q 64, kv 32, ffn 128, 2 layers
 PREFIX = "base_model.model.model.layers"
+
+
+def _load_packed(folder, cfg, spec=None):
+    """The adapter as the runtime packed it, for a model compiled with `spec` (default: every
+    module, ranks up to 64)."""
+    spec = spec or make_spec(cfg, 64, 16)
+    return unpack(spec, pack_peft_adapter(folder, compiled_config(spec)))
 
 
 def _write(folder, config=None, tensors=None, r=4, modules=("q_proj", "v_proj"), layers=(0, 1)):
@@ -41,14 +52,14 @@ def _write(folder, config=None, tensors=None, r=4, modules=("q_proj", "v_proj"),
 
 def test_loads_a_valid_folder(tmp_path):
     f = _write(tmp_path / "ok", config={"lora_alpha": 6})
-    a = load_peft_adapter(f, CFG, make_spec(CFG, 8, 16))
+    a = _load_packed(f, CFG, make_spec(CFG, 8, 16))
     assert a.rank == 4 and a.modules == ["q_proj", "v_proj"] and a.scales == {"q_proj": 1.5, "v_proj": 1.5}
     assert a.weights[(1, "v_proj")][0].shape == (4, 64) and a.weights[(1, "v_proj")][1].shape == (4, 32)
 
 
 def test_rslora_and_patterns(tmp_path):
     f = _write(tmp_path / "rs", config={"use_rslora": True, "lora_alpha": 8})
-    assert load_peft_adapter(f, CFG).scales["q_proj"] == pytest.approx(8 / math.sqrt(4))
+    assert _load_packed(f, CFG).scales["q_proj"] == pytest.approx(8 / math.sqrt(4))
     # Per-module rank (padded with zero rows) and a per-layer alpha folded into B^T.
     rng = np.random.default_rng(1)
     t = {}
@@ -59,7 +70,7 @@ def test_rslora_and_patterns(tmp_path):
         t[f"{PREFIX}.{l}.self_attn.v_proj.lora_B.weight"] = rng.standard_normal((32, 2)).astype(np.float32)
     f = _write(tmp_path / "pat", tensors=t, config={"rank_pattern": {"v_proj": 2},
                                                     "alpha_pattern": {"layers.1.self_attn.q_proj": 16}})
-    a = load_peft_adapter(f, CFG)
+    a = _load_packed(f, CFG)
     assert a.rank == 4 and a.scales == {"q_proj": 2.0, "v_proj": 4.0}
     va, vb = a.weights[(0, "v_proj")]
     assert (va[2:] == 0).all() and (vb[2:] == 0).all()
@@ -68,20 +79,20 @@ def test_rslora_and_patterns(tmp_path):
 
 def test_missing_and_malformed_config(tmp_path):
     with pytest.raises(LoraError, match="not a folder"):
-        load_peft_adapter(tmp_path / "nope", CFG)
+        _load_packed(tmp_path / "nope", CFG)
     (tmp_path / "empty").mkdir()
     with pytest.raises(LoraError, match="no adapter_config.json"):
-        load_peft_adapter(tmp_path / "empty", CFG)
+        _load_packed(tmp_path / "empty", CFG)
     f = _write(tmp_path / "bad")
     (f / "adapter_config.json").write_text("{not json")
     with pytest.raises(LoraError, match="adapter_config.json is not valid JSON"):
-        load_peft_adapter(f, CFG)
+        _load_packed(f, CFG)
     (f / "adapter_config.json").write_text("[1, 2]")
     with pytest.raises(LoraError, match="must hold a JSON object"):
-        load_peft_adapter(f, CFG)
+        _load_packed(f, CFG)
     f = _write(tmp_path / "r0", config={"r": 0})
-    with pytest.raises(LoraError, match="r must be a positive number"):
-        load_peft_adapter(f, CFG)
+    with pytest.raises(LoraError, match="r must be a positive integer"):
+        _load_packed(f, CFG)
 
 
 def test_weights_file_problems(tmp_path):
@@ -89,13 +100,13 @@ def test_weights_file_problems(tmp_path):
     (f / "adapter_model.safetensors").unlink()
     (f / "adapter_model.bin").write_bytes(b"\x80\x04not really")
     with pytest.raises(LoraError, match="adapter_model.bin \\(a pickle\\).*safetensors"):
-        load_peft_adapter(f, CFG)
+        _load_packed(f, CFG)
     (f / "adapter_model.bin").unlink()
     with pytest.raises(LoraError, match="has no adapter_model.safetensors"):
-        load_peft_adapter(f, CFG)
+        _load_packed(f, CFG)
     (f / "adapter_model.safetensors").write_bytes(b"\x01\x02")
     with pytest.raises(LoraError, match="is not a safetensors file"):
-        load_peft_adapter(f, CFG)
+        _load_packed(f, CFG)
 
 
 @pytest.mark.parametrize("option, value", [
@@ -107,7 +118,7 @@ def test_weights_file_problems(tmp_path):
 def test_unsupported_options_are_named(tmp_path, option, value):
     f = _write(tmp_path / "opt", config={option: value})
     with pytest.raises(LoraError, match=option):
-        load_peft_adapter(f, CFG)
+        _load_packed(f, CFG)
 
 
 def test_shapes_that_do_not_fit_name_the_tensor(tmp_path):
@@ -117,30 +128,75 @@ def test_shapes_that_do_not_fit_name_the_tensor(tmp_path):
          f"{key}.lora_B.weight": rng.standard_normal((64, 4)).astype(np.float32)}  # v is 32 rows
     f = _write(tmp_path / "shape", tensors=t)
     with pytest.raises(LoraError, match=r"lora_B.weight' has shape \(64, 4\), expected \(32, 4\)"):
-        load_peft_adapter(f, CFG)
+        _load_packed(f, CFG)
     t = {f"{key}.lora_A.weight": rng.standard_normal((4, 48)).astype(np.float32),
          f"{key}.lora_B.weight": rng.standard_normal((32, 4)).astype(np.float32)}
     with pytest.raises(LoraError, match=r"v_proj.lora_A.weight' has shape \(4, 48\), expected \(r, 64\)"):
-        load_peft_adapter(_write(tmp_path / "shape2", tensors=t), CFG)
+        _load_packed(_write(tmp_path / "shape2", tensors=t), CFG)
     t = {f"{PREFIX}.5.self_attn.v_proj.lora_A.weight": np.zeros((4, 64), np.float32),
          f"{PREFIX}.5.self_attn.v_proj.lora_B.weight": np.zeros((32, 4), np.float32)}
     with pytest.raises(LoraError, match="layer 5, but the base model has 2 layers"):
-        load_peft_adapter(_write(tmp_path / "layer", tensors=t), CFG)
+        _load_packed(_write(tmp_path / "layer", tensors=t), CFG)
     t = {f"{key}.lora_A.weight": np.zeros((4, 64), np.float32)}
     with pytest.raises(LoraError, match="has lora_A but not lora_B"):
-        load_peft_adapter(_write(tmp_path / "half", tensors=t), CFG)
+        _load_packed(_write(tmp_path / "half", tensors=t), CFG)
     t = {"base_model.model.lm_head.lora_A.weight": np.zeros((4, 64), np.float32)}
     with pytest.raises(LoraError, match="lm_head.*not a LoRA A/B weight of a Llama linear"):
-        load_peft_adapter(_write(tmp_path / "head", tensors=t), CFG)
+        _load_packed(_write(tmp_path / "head", tensors=t), CFG)
     f = _write(tmp_path / "rankcfg", config={"r": 8})  # tensors have rank 4
     with pytest.raises(LoraError, match="has rank 4, but adapter_config.json gives r=8"):
-        load_peft_adapter(f, CFG)
+        _load_packed(f, CFG)
 
 
 def test_rank_and_modules_checked_against_the_compiled_model(tmp_path):
     f = _write(tmp_path / "big", r=16)
     with pytest.raises(LoraError, match="rank 16, above the compiled --max-lora-rank 8"):
-        load_peft_adapter(f, CFG, make_spec(CFG, 8, 16))
+        _load_packed(f, CFG, make_spec(CFG, 8, 16))
     f = _write(tmp_path / "mods", modules=("q_proj", "down_proj"))
     with pytest.raises(LoraError, match=r"targets \['down_proj'\], which the model was not compiled for"):
-        load_peft_adapter(f, CFG, make_spec(CFG, 8, 16, target_modules=["q_proj", "v_proj"]))
+        _load_packed(f, CFG, make_spec(CFG, 8, 16, target_modules=["q_proj", "v_proj"]))
+
+
+def test_plan_agrees_with_packing_and_warnings_reach_python(tmp_path):
+    """peft_adapter_plan checks a folder without packing it: the rank, modules, scales and pages
+    of the packed adapter; options the runtime ignores come back as Python warnings."""
+    f = _write(tmp_path / "ok", config={"lora_alpha": 6, "fan_in_fan_out": True})
+    spec = make_spec(CFG, 8, 16)
+    with pytest.warns(UserWarning, match="fan_in_fan_out=true is ignored"):
+        plan = peft_adapter_plan(f, compiled_config(spec))
+    with pytest.warns(UserWarning, match="fan_in_fan_out=true is ignored"):
+        packed = pack_peft_adapter(f, compiled_config(spec))
+    # q (64 + 64) and v (64 + 32) at rank 4: 896 elements, one page of 2 * 2 * 16 * 16 = 1024
+    assert (plan.rank, plan.modules, plan.num_pages) == (4, ["q_proj", "v_proj"], 1) == (
+        packed.rank, packed.modules, packed.pages.shape[1])
+    assert plan.scales == packed.scales == {"q_proj": 1.5, "v_proj": 1.5}
+    assert plan.lora_alpha == packed.lora_alpha == 6 and not plan.use_rslora and plan.name == "ok"
+    with pytest.raises(LoraError, match="rank 16, above the compiled --max-lora-rank 8"):
+        peft_adapter_plan(_write(tmp_path / "big", r=16), compiled_config(spec))
+    with pytest.raises(LoraError, match="compiled without LoRA"):
+        peft_adapter_plan(f, {"model_name": "base", "lora": None, "dtype": "float32"})
+    with pytest.raises(LoraError, match="compiled by an older mlc-lora.*compile it again"):
+        peft_adapter_plan(f, {k: v for k, v in compiled_config(spec).items() if k != "contract"})
+
+
+def test_tensor_parallel_shards_pack_their_slices_with_the_planned_pages(tmp_path):
+    """Under tensor parallelism every shard packs its slices (column-parallel q/v: B^T's output
+    columns; row-parallel down: A's input columns) in the pages the plan announced."""
+    f = _write(tmp_path / "tp", modules=("q_proj", "v_proj", "down_proj"))
+    full = _load_packed(f, CFG)
+    cfg2 = LlamaConfig(**TINY_CONFIGS["gqa"], tensor_parallel_shards=2)
+    spec = make_spec(cfg2, 8, 16)
+    plan = peft_adapter_plan(f, compiled_config(spec))
+    for shard in range(2):
+        packed = pack_peft_adapter(f, compiled_config(spec), shard=shard)
+        assert packed.pages.shape[1] == plan.num_pages
+        got = unpack(spec, packed)
+        for layer in (0, 1):
+            a, bt = full.weights[(layer, "q_proj")]  # q: 64 outputs, 32 per shard
+            np.testing.assert_array_equal(got.weights[(layer, "q_proj")][0], a)
+            np.testing.assert_array_equal(got.weights[(layer, "q_proj")][1], bt[:, 32 * shard:32 * (shard + 1)])
+            a, bt = full.weights[(layer, "down_proj")]  # down: 128 inputs, 64 per shard
+            np.testing.assert_array_equal(got.weights[(layer, "down_proj")][0], a[:, 64 * shard:64 * (shard + 1)])
+            np.testing.assert_array_equal(got.weights[(layer, "down_proj")][1], bt)
+    with pytest.raises(LoraError, match="shard 2 out of range for 2 shards"):
+        pack_peft_adapter(f, compiled_config(spec), shard=2)

@@ -1,8 +1,9 @@
 """Mixed-adapter batches of the compiled tiny Llama against HF transformers + PEFT.
 
 Five seeded PEFT adapters (ranks 4..64, different alphas and targets, one rsLoRA, one with
-rank/alpha patterns and a regex target, one on a single layer) are packed into a numpy arena; the
-tables come from the numpy table builder (what the C++ pool must produce).
+rank/alpha patterns and a regex target, one on a single layer) are packed by the runtime into a
+numpy arena, the tables coming from the numpy table builder (tests/python/lora/reference.py: what
+the C++ pool must produce), and into the C++ pool itself.
 """
 
 import json
@@ -15,12 +16,12 @@ from mlc_lora import _ffi_api as rt
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import MLCLoraError
 from mlc_lora.lora import pack_peft_adapter
-from mlc_lora.lora.layout import LoraSpec, NumpyArena, pack_adapter
-from mlc_lora.lora.peft import load_peft_adapter
+from mlc_lora.lora.layout import LoraSpec
 from mlc_lora.models.llama import LlamaConfig
 from mlc_lora.runner import ModelRunner
 
 from ..conftest import make_tiny_hf_model, save_adapter
+from .reference import NumpyArena
 
 ADAPTERS = {
     # id: LoraConfig kwargs
@@ -103,13 +104,13 @@ def _one_adapter_batches():
     return [by_adapter[a] + (base if n == 0 else []) for n, a in enumerate(sorted(by_adapter))]
 
 
-def _arena(runner, cfg, root):
+def _arena(runner, root):
     spec = LoraSpec.from_json(runner.lora)
     arena = NumpyArena(spec, np.float32)
     # Load in an order that leaves adapters on non-contiguous, non-initial page ids.
     arena.free = list(np.random.default_rng(3).permutation(spec.pool_pages))
     for aid in (3, 1, 5, 2, 4):
-        arena.load(aid, pack_adapter(spec, load_peft_adapter(root / f"adapter{aid}", cfg, spec), np.float32))
+        arena.load(aid, pack_peft_adapter(root / f"adapter{aid}", runner.config))
     return arena
 
 
@@ -134,7 +135,7 @@ def _check_against_peft(refs, out, seqs):
 def test_mixed_adapter_batch_matches_peft_gather(lora_setup, kernel):
     cfg, root, refs, compiled = lora_setup
     runner = ModelRunner(compiled[kernel])
-    arena = _arena(runner, cfg, root)
+    arena = _arena(runner, root)
     out, seqs = _run_batches(runner, arena, [list(range(len(REQUESTS)))])
     print(f"{kernel}, one mixed batch: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
     # The adapters matter: every adapter request differs visibly from the base model.
@@ -163,13 +164,13 @@ def test_single_adapter_batches_match_peft_and_gather(lora_setup):
     cfg, root, refs, compiled = lora_setup
     single = ModelRunner(compiled["single"])
     batches = _one_adapter_batches()
-    out1, seqs = _run_batches(single, _arena(single, cfg, root), batches)
+    out1, seqs = _run_batches(single, _arena(single, root), batches)
     print(f"single, one adapter per batch: max abs error vs PEFT {_check_against_peft(refs, out1, seqs):.2e}")
     with pytest.raises(MLCLoraError, match="compiled with --lora-kernel single: a batch may use one adapter"):
-        _run_batches(single, _arena(single, cfg, root), [[0, 2]])
+        _run_batches(single, _arena(single, root), [[0, 2]])
     for kernel in ("gather", "sgmv"):  # stages 2 and 3 agree with stage 1 on its batches
         other = ModelRunner(compiled[kernel])
-        out2, _ = _run_batches(other, _arena(other, cfg, root), batches)
+        out2, _ = _run_batches(other, _arena(other, root), batches)
         for i in out1:
             for a, b in zip(out1[i], out2[i]):
                 np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
@@ -206,7 +207,7 @@ def test_mixed_adapter_batch_matches_peft_cuda(lora_setup, kernel):
                                             lora_kernel=kernel), progress=False)
     runner = ModelRunner(compiled, device="cuda")
     batches = [list(range(len(REQUESTS)))] if kernel == "gather" else _one_adapter_batches()
-    out, seqs = _run_batches(runner, _arena(runner, cfg, root), batches)
+    out, seqs = _run_batches(runner, _arena(runner, root), batches)
     print(f"cuda {kernel}: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
 
 

@@ -7,7 +7,7 @@ import tvm_ffi
 from tvm import relax
 
 from mlc_lora.compile import CompileOptions, export_model, make_target
-from mlc_lora.compiler_passes.dispatch_kv_cache import POOL_CREATE, STOCK_CREATE, DispatchKVCache
+from mlc_lora.compiler_passes.passes.dispatch_kv_cache import POOL_CREATE, STOCK_CREATE, DispatchKVCache
 from mlc_lora.models import llama
 
 from ..conftest import TINY_CONFIGS

@@ -68,7 +68,15 @@ def stats(kv):
 
 def check_tables(kv, slot_adapters, token_slot, L, E):
     """Tables of the current batch against the host buffers (independent arithmetic)."""
-    arena, slot, rank, scale, a_off, b_off = [t.numpy() for t in rt.pool_lora_tables(kv)]
+    arena, slot, rank, scale, a_off, b_off, order, start = [t.numpy() for t in rt.pool_lora_tables(kv)]
+    assert int(rt.pool_lora_num_slots(kv)) == len(slot_adapters)
+    # the tokens sorted by slot (stable, base-model tokens last), every slot of the capacity described
+    token_slot = np.asarray(token_slot)
+    key = np.where(token_slot >= 0, token_slot, len(token_slot) + 1)
+    np.testing.assert_array_equal(order, np.argsort(key, kind="stable"))
+    counts = [int((token_slot == s).sum()) for s in range(start.size - 1)]
+    np.testing.assert_array_equal(start, np.concatenate([[0], np.cumsum(counts)]))
+    assert start.size == 8 + 1  # new_cache's batch capacity
     P = arena.size // (L * E)
     assert arena.shape == (L * P * E,)
     np.testing.assert_array_equal(slot, token_slot)

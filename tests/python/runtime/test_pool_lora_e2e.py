@@ -14,9 +14,8 @@ import tvm
 
 from mlc_lora import _ffi_api as rt
 from mlc_lora.compile import CompileOptions, compile_model
-from mlc_lora.lora.layout import LoraSpec, pack_adapter
-from mlc_lora.lora.peft import load_peft_adapter
-from mlc_lora.models.llama import LlamaConfig
+from mlc_lora.lora import pack_peft_adapter
+from mlc_lora.lora.layout import LoraSpec
 from mlc_lora.runner import ModelRunner
 
 from ..conftest import make_tiny_hf_model, save_adapter
@@ -37,7 +36,6 @@ ADAPTERS = {
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pool-lora")
     base = make_tiny_hf_model(root / "hf", "gqa")
-    cfg = LlamaConfig.from_dict(json.loads((root / "hf" / "config.json").read_text()))
     refs = {None: base}
     for aid, kw in ADAPTERS.items():
         refs[aid] = save_adapter(base, root / f"adapter{aid}", 200 + aid, **kw)
@@ -46,8 +44,7 @@ def setup(tmp_path_factory):
         progress=False)
     runner = ModelRunner(compiled)
     spec = LoraSpec.from_json(runner.lora)
-    packed = {aid: pack_adapter(spec, load_peft_adapter(root / f"adapter{aid}", cfg, spec), np.float32)
-              for aid in ADAPTERS}
+    packed = {aid: pack_peft_adapter(root / f"adapter{aid}", runner.config) for aid in ADAPTERS}
     return runner, spec, packed, refs
 
 

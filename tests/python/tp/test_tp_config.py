@@ -12,10 +12,12 @@ from mlc_lora.cli.main import main as cli_main
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import ModelConfigError
 from mlc_lora.contract import COLUMN_PARALLEL_MODULES
-from mlc_lora.lora.layout import make_spec, shard_adapter, shard_module_shapes
+from mlc_lora.lora.layout import make_spec, pack_adapter, shard_module_shapes
 from mlc_lora.lora.peft import LoraAdapter
 from mlc_lora.models.llama import LlamaConfig, fused_linear_parts
 from mlc_lora.models.llama_loader import shard_param
+
+from ..lora.reference import unpack
 
 BASE = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=96,
             num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1, vocab_size=32)
@@ -78,17 +80,20 @@ def test_weight_shards_reassemble_the_linears():
 
 def test_adapter_slices_sum_to_the_whole_delta():
     """For every module, the shards' LoRA deltas put together (column: concatenated outputs; row:
-    summed partial outputs, what the base all-reduce does) equal the unsharded delta."""
+    summed partial outputs, what the base all-reduce does) equal the unsharded delta. The shards'
+    slices are read back from their packed pages (pack_adapter(..., shard))."""
     cfg = LlamaConfig.from_dict(BASE, tensor_parallel_shards=2)
     full = {n: (i, o) for n, (i, o) in shard_module_shapes(LlamaConfig.from_dict(BASE)).items()}
     rng = np.random.default_rng(1)
     r = 4
-    weights = {(0, n): (rng.standard_normal((r, i)), rng.standard_normal((r, o))) for n, (i, o) in full.items()}
+    weights = {(0, n): (rng.standard_normal((r, i)).astype(np.float32), rng.standard_normal((r, o)).astype(np.float32))
+               for n, (i, o) in full.items()}
     ad = LoraAdapter("a", r, list(full), {n: 1.0 for n in full}, weights, {})
-    shards = [shard_adapter(ad, 2, s) for s in range(2)]
+    spec = make_spec(cfg, 8, 16)
+    shards = [unpack(spec, pack_adapter(spec, ad, np.float32, shard=s)) for s in range(2)]
     per = shard_module_shapes(cfg)
     for n, (i, o) in full.items():
-        a, bt = weights[(0, n)]
+        a, bt = (w.astype(np.float64) for w in weights[(0, n)])
         x = rng.standard_normal((3, i))
         want = x @ a.T @ bt
         if n in COLUMN_PARALLEL_MODULES:
@@ -99,7 +104,6 @@ def test_adapter_slices_sum_to_the_whole_delta():
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
         assert shards[0].weights[(0, n)][0].shape[1] == per[n][0]
         assert shards[0].weights[(0, n)][1].shape[1] == per[n][1]
-    spec = make_spec(cfg, 8, 16)
     assert spec.tensor_parallel_shards == 2
     assert spec.page_elems == 2 * 1 * 16 * cfg.head_dim
 

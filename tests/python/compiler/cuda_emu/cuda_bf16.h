@@ -1,4 +1,4 @@
-// Host stand-ins for the cuda_bf16.h intrinsics lora_sgmv.cu uses (round-to-nearest-even).
+// Host stand-ins for the cuda_bf16.h intrinsics sgmv.cu and gemv.cu use (round-to-nearest-even).
 #pragma once
 #include "cuda_fp16.h"
 struct __nv_bfloat16 { uint16_t b; };

@@ -1,4 +1,4 @@
-// Host stand-ins for the cuda_fp16.h intrinsics lora_sgmv.cu uses (round-to-nearest-even).
+// Host stand-ins for the cuda_fp16.h intrinsics sgmv.cu and gemv.cu use (round-to-nearest-even).
 #pragma once
 #include <cstdint>
 #include <cstring>

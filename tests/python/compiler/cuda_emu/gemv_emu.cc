@@ -1,4 +1,4 @@
-// gemv.cu on the CPU (prelude.h), launched as gemv_kernels.wrapper launches it.
+// compiler_passes/ops/gemv/gemv.cu on the CPU (prelude.h), launched as gemv_cuda.wrapper launches it.
 // Usage: gemv_emu DIR NT n K N threads; reads DIR/{x, w} (raw), writes DIR/y.
 #include "prelude.h"
 #include "io.h"

@@ -1,7 +1,7 @@
 // Runs CUDA C++ kernels on the CPU for the tests (no GPU in CI): a block is a set of std::threads,
 // __syncthreads and warp shuffles are std::barriers, __shared__ is a function-local static (blocks
-// run one after another). Only what compiler_passes/cuda/{lora_sgmv,gemv}.cu use; warp-uniform control
-// flow is assumed, as on the GPU with full-mask shuffles.
+// run one after another). Only what compiler_passes/ops/{lora/sgmv,gemv/gemv}.cu use; warp-uniform
+// control flow is assumed, as on the GPU with full-mask shuffles.
 #pragma once
 #include <barrier>
 #include <cstdint>

@@ -1,12 +1,12 @@
-// lora_sgmv.cu's shrink then in-place expand on the CPU (prelude.h), launched as lora_sgmv_cuda.py's
-// wrappers launch them. Usage: sgmv_emu DIR n in_f M L S size layer P m0 m1 m2 w0 w1 w2; reads
+// compiler_passes/ops/lora/sgmv.cu's shrink then in-place expand on the CPU (prelude.h), launched
+// as sgmv_cuda.py's wrappers launch them. Usage: sgmv_emu DIR n in_f M L S size layer P m0 m1 m2 w0 w1 w2; reads
 // DIR/{x, arena, slot, rank, scale, a_off, b_off, y} (raw), writes DIR/v and DIR/y.
 #include "prelude.h"
 #include "io.h"
 
 #include <algorithm>
 
-#include "lora_sgmv.cu"
+#include "sgmv.cu"
 
 int main(int argc, char** argv) {
   if (argc != 16) return 2;
@@ -27,7 +27,7 @@ int main(int argc, char** argv) {
   auto y = read<T>(d + "/y", size_t(n) * W);
   std::vector<float> v(size_t(n) * P * C * R, 9.f);  // garbage the shrink must overwrite
   const int64_t base = int64_t(layer) * (size / L);
-  // gridDim.z as lora_sgmv_cuda._split
+  // gridDim.z as sgmv_cuda._split
   auto split = [](int b) { return std::max(1, std::min(8, (528 + b - 1) / b)); };
   dim3 g1{unsigned((n + TILE - 1) / TILE), unsigned(C), 1};
   g1.z = split(g1.x * g1.y);

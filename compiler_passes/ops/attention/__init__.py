@@ -1,0 +1,2 @@
+"""Paged attention over the pool on tensor cores: attention_cuda.py (wrappers, build),
+attention.cu, reference.py."""

@@ -1,0 +1,1 @@
+"""On-device sampling: sampler_tir.py (the kernels), reference.py."""

@@ -1,0 +1,135 @@
+"""Send the model's linears to our runtime's GEMMs: on CUDA our small-batch kernel up to a few
+tokens and cuBLAS above (ops/gemv/gemv_cuda.py), on CPU src/runtime/cpu_gemm.cc."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..ops import cuda_build
+from ..ops.gemv import gemv_cuda
+
+# Registered by src/runtime/cublas_gemm.cc: out (..., N) = x (..., K) @ w (N, K)^T.
+CUBLAS_GEMM = "mlc_lora.runtime.cublas_gemm"
+DTYPES = ("float16", "bfloat16", "float32")
+CPU_DTYPES = ("float32",)  # what the extern's CPU path (src/runtime/cpu_gemm.cc) takes
+# Up to this many tokens a CUDA fp16/bf16 linear runs ops/gemv/gemv.cu, cuBLAS above (measured: docs/GPU.md).
+GEMV_MAX_ROWS = 1
+
+
+@tvm.transform.module_pass(opt_level=0, name="DispatchCublas")
+class DispatchCublas:  # pylint: disable=too-few-public-methods
+    """Rewrite matmul(x, permute_dims(W)) with a 2-D weight W into our GEMM (gemv / cuBLAS)."""
+
+    def __init__(self, cpu: bool = False, arch: str | None = None, gemv_max_rows: int = GEMV_MAX_ROWS):
+        # CPU: float32 only, and single rows too (TVM's CPU matmul is an unscheduled scalar loop).
+        # CUDA with `arch` and gemv_max_rows > 0: fp16/bf16 linears go through gemv_cuda's
+        # wrapper (gemv.cu up to gemv_max_rows tokens, cuBLAS above); else straight to cuBLAS,
+        # except a static single row, left to dlight's GEMV (0.8x cuBLAS's time measured).
+        if gemv_max_rows < 0:
+            raise ValueError(f"gemv_max_rows must be >= 0, not {gemv_max_rows}")
+        self.cpu = cpu
+        self.arch = None if cpu else arch
+        self.gemv_max_rows = gemv_max_rows
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        rewriter = _Rewriter(mod, self.cpu, self.arch if self.gemv_max_rows else None, self.gemv_max_rows)
+        for gv, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+        # The permute_dims left without users go here.
+        out = relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+        for dtype in sorted(rewriter.gemv_dtypes):
+            out = cuda_build.attach(out, gemv_cuda.build_module(dtype, self.arch))
+        return out
+
+
+@mutator
+class _Rewriter(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, cpu: bool, gemv_arch: str | None, gemv_max_rows: int):
+        super().__init__(mod)
+        self._dtypes = CPU_DTYPES if cpu else DTYPES
+        self._cpu = cpu
+        self._gemv_arch = gemv_arch
+        self._gemv_max_rows = gemv_max_rows
+        self._wrappers: dict[tuple, relax.GlobalVar] = {}
+        self.gemv_dtypes: set[str] = set()
+        self._matmul = tvm.ir.Op.get("relax.matmul")
+        self._permute = tvm.ir.Op.get("relax.permute_dims")
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
+        call = self.visit_expr_post_order(call)
+        if call.op != self._matmul:
+            return call
+        x, wt = call.args
+        weight = self._transposed_weight(wt)
+        if weight is None:
+            return call
+        x_ty, w_ty = x.ty, weight.ty
+        if not isinstance(x_ty, relax.TensorType) or x_ty.shape is None or x_ty.ndim < 1:
+            return call
+        out_dtype = call.attrs.out_dtype
+        if x_ty.dtype != w_ty.dtype or x_ty.dtype not in self._dtypes or (
+            out_dtype and str(out_dtype) not in ("", "void", x_ty.dtype)
+        ):
+            return call
+        rows = x_ty.shape.values[:-1]
+        n, k = w_ty.shape.values
+        out_ty = relax.TensorType(list(rows) + [n], x_ty.dtype)
+        if self._gemv_arch and isinstance(n, tvm.tirx.IntImm) and isinstance(k, tvm.tirx.IntImm) and (
+            gemv_cuda.supported(str(x_ty.dtype), int(k), x_ty.ndim) is None
+        ):
+            wrapper = self._gemv_wrapper(int(n), int(k), str(x_ty.dtype), x_ty.ndim)
+            return relax.call_tir(wrapper, [x, weight], out_ty)
+        if not self._cpu and _is_static_one(rows):
+            # One static row: dlight's GEMV beats cuBLAS there (measured 0.8x of its time).
+            return call
+        return relax.call_dps_packed(relax.ExternFunc(CUBLAS_GEMM), [x, weight], out_ty)
+
+    def _gemv_wrapper(self, n: int, k: int, dtype: str, ndim: int) -> relax.GlobalVar:
+        key = (n, k, dtype, ndim)
+        if key not in self._wrappers:
+            name = f"mlc_lora_linear_{gemv_cuda.DTYPES[dtype]}_{n}x{k}_{ndim}d"
+            func = gemv_cuda.wrapper(n, k, dtype, ndim, self._gemv_max_rows)
+            self._wrappers[key] = self.builder_.add_func(func.with_attr("global_symbol", name), name)
+            self.gemv_dtypes.add(dtype)
+        return self._wrappers[key]
+
+    def _transposed_weight(self, expr: relax.Expr) -> relax.Expr | None:
+        """W if `expr` is permute_dims(W) of a 2-D weight (a parameter or an item of the packed ones)."""
+        if isinstance(expr, relax.Var):
+            bound = self.lookup_binding(expr)
+            if bound is not None:
+                expr = bound
+        if not (isinstance(expr, relax.Call) and expr.op == self._permute):
+            return None
+        w = expr.args[0]
+        axes = expr.attrs.axes
+        if axes is not None and [int(a) for a in axes] != [1, 0]:
+            return None
+        w_ty = w.ty
+        if not isinstance(w_ty, relax.TensorType) or w_ty.ndim != 2 or w_ty.shape is None:
+            return None
+        return w if _is_weight(w, self) else None
+
+
+def _is_weight(w: relax.Expr, rewriter: PyExprMutator) -> bool:
+    """A model weight: a function parameter, or TupleGetItem of the packed parameter tuple."""
+    if isinstance(w, relax.Var):
+        bound = rewriter.lookup_binding(w)
+        if bound is None:
+            return True  # a function parameter ("plain" param mode)
+        w = bound
+    return isinstance(w, relax.TupleGetItem) and isinstance(w.tuple_value, relax.Var) and (
+        rewriter.lookup_binding(w.tuple_value) is None
+    )
+
+
+def _is_static_one(dims) -> bool:
+    total = 1
+    for d in dims:
+        if not isinstance(d, tvm.tirx.IntImm):
+            return False
+        total *= int(d)
+    return total == 1

@@ -1,0 +1,191 @@
+"""The LoRA rewrite: paged-adapter table inputs on prefill/decode and a delta on every target linear.
+
+The pass matches the linears and adds the tables; the update itself is the stage implementation
+that ops/lora's registry selects per linear (ops/lora/__init__.py documents the interface).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import tvm
+from tvm import relax
+
+from mlc_lora.contract import BASE_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
+
+from ..ops import cuda_build
+from ..ops import lora as lora_stages
+from ..ops.lora import LoraContext, Part
+
+_MATMUL = tvm.ir.Op.get("relax.matmul")
+_PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+
+
+@tvm.transform.module_pass(opt_level=0, name="LoraRewrite")
+class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-attributes
+    """Add the LoRA table inputs to prefill/decode and add each target linear's adapter delta."""
+
+    def __init__(  # pylint: disable=too-many-arguments
+        self,
+        *,
+        param_names: Sequence[str],
+        modules: Sequence[tuple[str, int, int]],
+        linears: dict[str, Sequence[tuple[str, int, int]]],
+        num_layers: int,
+        max_rank: int,
+        kernel: str = "gather",
+        arena_elems: int | None = None,
+        functions: Sequence[str] = ("prefill", "decode"),
+        target: tvm.target.Target | None = None,
+        backend: str = "auto",
+        max_slots: int = 256,
+        base_functions: bool = True,
+    ):
+        """`param_names`: the packed params in export order. `modules`: the compiled target modules
+        (name, in, out); their order is module index m. `linears`: weight kind (e.g. "qkv_proj") ->
+        the HF linears it holds as (name, first row, end row). `arena_elems`: L*P*E, or None for a
+        symbolic arena size. `kernel`: the LoRA stage, "single" (stage 1), "gather" (stage 2) or
+        "sgmv" (stage 3). `backend`: whose implementation of the stage runs (ops/lora.STAGES:
+        "tir", "cuda"), or "auto": per linear, the first registered one that supports it (for
+        sgmv: the Triton kernels on CUDA fp16/bf16, else the TIR kernels). `max_slots`: the most
+        adapter slots a batch's tables hold (the model's max batch size). `base_functions`: keep
+        each rewritten function, unchanged, as `<name>_base` too (contract.BASE_FUNCTION_SUFFIX), for
+        batches without adapters."""
+        lora_stages.check(kernel, backend)
+        self.param_names = list(param_names)
+        self.module_index = {name: i for i, (name, _, _) in enumerate(modules)}
+        self.num_modules = len(modules)
+        self.linears = {k: sorted(v, key=lambda p: p[1]) for k, v in linears.items()}
+        self.num_layers = num_layers
+        self.max_rank = max_rank
+        self.kernel = kernel
+        self.arena_elems = arena_elems
+        self.functions = tuple(functions)
+        self.target = target
+        self.backend = backend
+        self.max_slots = max_slots
+        self.base_functions = base_functions
+        # the rows' element offsets are multiples of this when every row length is (16-byte loads)
+        self.row_align = 8 if all(i % 8 == 0 and o % 8 == 0 for _, i, o in modules) else 1
+        kinds = "|".join(map(re.escape, self.linears))
+        self._name_re = re.compile(rf"layers[._](\d+)[._](?:.*[._])?({kinds})[._]weight$")
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        target = self.target or tvm.target.Target.current(allow_none=True) or tvm.target.Target("llvm")
+        rewriter = _Rewriter(mod, self, target)
+        names = [gv.name_hint for gv in mod.get_global_vars()]
+        for name in self.functions:
+            if name in names:
+                if self.base_functions:
+                    base = name + BASE_FUNCTION_SUFFIX
+                    copy = relax.utils.copy_with_new_vars(mod[name])
+                    rewriter.builder_.add_func(copy.with_attr("global_symbol", base), base)
+                rewriter.rewrite(mod.get_global_var(name))
+        out = rewriter.builder_.get()
+        for ext in rewriter.ctx.external_mods.values():
+            out = cuda_build.attach(out, ext)
+        return out
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, opts: LoraRewrite, target):
+        super().__init__(mod)
+        self.mod_ = mod
+        self.opts = opts
+        self.ctx = LoraContext(self.builder_, target, num_layers=opts.num_layers, max_rank=opts.max_rank,
+                               num_modules=opts.num_modules, max_slots=opts.max_slots, row_align=opts.row_align)
+        self.inputs: dict[str, relax.Var] = {}
+        self.packed: relax.Var | None = None
+        self.n_tok = None
+        self.rewritten = 0
+
+    def rewrite(self, gv: relax.GlobalVar) -> None:
+        func = self.mod_[gv]
+        num_input = int(func.attrs["num_input"])
+        params = list(func.params)
+        x_shape = params[0].ty.shape.values
+        n_tok = tvm.sym.Analyzer().simplify(_prod(x_shape[:-1]))
+        slots = tvm.tirx.Var("lora_slots", "int64")
+        cap1 = tvm.tirx.Var("lora_slot_capacity_plus_one", "int64")
+        size = self.opts.arena_elems if self.opts.arena_elems is not None else tvm.tirx.Var(
+            "lora_arena_elems", "int64")
+        M, R = self.opts.num_modules, self.opts.max_rank
+        dtype = params[0].ty.dtype
+        shapes = {
+            "lora_arena": ([size], dtype), "lora_token_slot": ([n_tok], "int32"),
+            "lora_rank": ([slots], "int32"), "lora_scale": ([slots, M], "float32"),
+            "lora_a_off": ([slots, M, R], "int32"), "lora_b_off": ([slots, M, R], "int32"),
+            "lora_token_order": ([n_tok], "int32"), "lora_slot_start": ([cap1], "int32"),
+        }
+        self.inputs = {k: relax.Var(k, relax.TensorType(*shapes[k])) for k in LORA_TABLE_INPUTS}
+        self.packed = params[-1] if num_input < len(params) else None
+        self.n_tok, self.rewritten = n_tok, 0
+        new_params = params[:num_input] + [self.inputs[k] for k in LORA_TABLE_INPUTS] + params[num_input:]
+        func = relax.Function(new_params, func.body, func.ret_ty, func.is_pure, func.attrs, func.span)
+        if "relax.rewrite_cuda_graph.capture_symbolic_vars" not in (func.attrs or {}):
+            func = func.with_attr("num_input", num_input + len(LORA_TABLE_INPUTS))
+        # else (decode under CUDA graphs): the tables count with the weights, as RewriteCUDAGraph
+        # treats every input past num_input as fixed-address, so the LoRA kernels are captured too.
+        # The pool keeps its tables at fixed addresses; the runner passes them at a fixed slot
+        # count (ModelRunner._graph_tables), so a graph never depends on the batch's adapters.
+        new = self.visit_expr(func)
+        if self.rewritten == 0:
+            raise ValueError(f"LoraRewrite found no target linear in {gv.name_hint}: it must run "
+                             "before FuseTransposeMatmul on permute_dims(W) + matmul")
+        self.builder_.update_func(gv, new)
+
+    # --- matching ---------------------------------------------------------------------------
+
+    def _weight_name(self, rhs: relax.Expr) -> str | None:
+        if not isinstance(rhs, relax.Var):
+            return None
+        perm = self.lookup_binding(rhs)
+        if not (isinstance(perm, relax.Call) and perm.op == _PERMUTE):
+            return None
+        axes = perm.attrs.axes
+        if axes is not None and [int(a) for a in axes] != [1, 0]:
+            return None
+        w = perm.args[0]
+        if isinstance(w, relax.Var):
+            bound = self.lookup_binding(w)
+            if isinstance(bound, relax.TupleGetItem) and bound.tuple_value.same_as(self.packed):
+                return self.opts.param_names[bound.index]
+            if bound is None:
+                return w.name
+        return None
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
+        call = self.visit_expr_post_order(call)
+        if call.op != _MATMUL:
+            return call
+        name = self._weight_name(call.args[1])
+        m = self.opts._name_re.search(name or "")  # pylint: disable=protected-access
+        if m is None:
+            return call
+        layer, kind = int(m.group(1)), m.group(2)
+        parts = self.opts.linears[kind]
+        if not any(p[0] in self.opts.module_index for p in parts):
+            return call
+        return self._add_delta(call, layer, parts)
+
+    # --- emission: the registered implementation of the stage ---------------------------------
+
+    def _add_delta(self, call: relax.Call, layer: int, parts) -> relax.Expr:
+        bb, o = self.builder_, self.opts
+        y = bb.emit(call)
+        x = call.args[0]
+        in_f = int(x.ty.shape.values[-1])
+        x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
+        parts = [Part(name, o.module_index.get(name, -1), lo, hi) for name, lo, hi in parts]
+        impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(y.ty.dtype), o.max_rank, len(parts))
+        self.rewritten += 1
+        return impl.emit(self.ctx, y, x2, layer, parts, self.inputs)
+
+
+def _prod(values):
+    out = tvm.tirx.IntImm("int64", 1)
+    for v in values:
+        out = out * v
+    return out

@@ -1,0 +1,262 @@
+/*!
+ * \file adapter_store.cc
+ * \brief Host copies of adapters, their validation, page-in copies and the per-batch LoRA tables.
+ */
+#include "adapter_store.h"
+
+#include <tvm/runtime/device_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "tensor_util.h"
+
+namespace mlc_lora {
+
+namespace ffi = tvm::ffi;
+using tvm::runtime::Tensor;
+
+void AdapterStore::Configure(int64_t num_modules, int64_t max_rank) {
+  if (configured_) TVM_FFI_THROW(ValueError) << "pool_configure_lora was already called";
+  if (num_modules < 1 || max_rank < 1) {
+    TVM_FFI_THROW(ValueError) << "LoRA needs at least one module and rank >= 1, got M="
+                              << num_modules << " R=" << max_rank;
+  }
+  if (g_.num_pages * g_.page_elems >= std::numeric_limits<int32_t>::max()) {
+    TVM_FFI_THROW(ValueError) << "a layer region of " << g_.num_pages * g_.page_elems
+                              << " elements does not fit the int32 offsets of the LoRA tables";
+  }
+  M_ = num_modules;
+  R_ = max_rank;
+  const int64_t S = g_.max_batch;  // one adapter per sequence at most
+  slot_ = Tensor::Empty({g_.max_tokens}, kInt32, g_.device);
+  rank_ = Tensor::Empty({S}, kInt32, g_.device);
+  scale_ = Tensor::Empty({S * M_}, kFloat32, g_.device);
+  a_ = Tensor::Empty({S * M_ * R_}, kInt32, g_.device);
+  b_ = Tensor::Empty({S * M_ * R_}, kInt32, g_.device);
+  order_ = Tensor::Empty({g_.max_tokens}, kInt32, g_.device);
+  start_ = Tensor::Empty({S + 1}, kInt32, g_.device);
+  configured_ = true;
+}
+
+void AdapterStore::CheckConfigured() const {
+  if (!configured_) TVM_FFI_THROW(ValueError) << "call pool_configure_lora before using adapters";
+}
+
+void AdapterStore::Load(int64_t id, ffi::TensorView pages, ffi::TensorView a_off,
+                        ffi::TensorView b_off, int64_t rank, ffi::TensorView scale, bool pin) {
+  CheckConfigured();
+  HostAdapter h = Validate(id, pages, a_off, b_off, rank, scale);
+  std::vector<int64_t> evicted;
+  Guard([&] { pool_->AddAdapter(id, h.n_pages, pin, &evicted); });
+  host_[id] = std::move(h);
+  CopyIn(id);
+}
+
+void AdapterStore::Unload(int64_t id) {
+  CheckConfigured();
+  Guard([&] { pool_->RemoveAdapter(id); });
+  DropUnloaded();
+}
+
+void AdapterStore::Pin(int64_t id, bool pin) {
+  CheckConfigured();
+  std::vector<int64_t> evicted;
+  if (Guard([&] { return pool_->PinAdapter(id, pin, &evicted); })) CopyIn(id);
+}
+
+void AdapterStore::SetSequenceAdapter(int64_t seq, int64_t adapter) {
+  CheckConfigured();
+  Guard([&] { pool_->SetSequenceAdapter(seq, adapter); });
+  DropUnloaded();
+}
+
+ffi::Map<ffi::String, ffi::Any> AdapterStore::Info(int64_t id) const {
+  return Guard([&] {
+    ffi::Array<int64_t> pages;
+    for (int32_t p : pool_->AdapterPages(id)) pages.push_back(p);
+    return ffi::Map<ffi::String, ffi::Any>{{"pages", pages},
+                                           {"resident", pool_->AdapterResident(id)},
+                                           {"pinned", pool_->AdapterPinned(id)},
+                                           {"refs", pool_->AdapterRefs(id)},
+                                           {"num_pages", pool_->AdapterNumPages(id)}};
+  });
+}
+
+void AdapterStore::CheckInvariants() const {
+  for (const auto& [id, h] : host_) {
+    if (!pool_->HasAdapter(id)) TVM_FFI_THROW(InternalError) << "stale host copy " << id;
+  }
+}
+
+AdapterStore::HostAdapter AdapterStore::Validate(int64_t id, ffi::TensorView pages,
+                                                 ffi::TensorView a_off, ffi::TensorView b_off,
+                                                 int64_t rank, ffi::TensorView scale) const {
+  auto host_contig = [](const ffi::TensorView& t, const char* name) {
+    if (t.device().device_type != kDLCPU && t.device().device_type != kDLCUDAHost &&
+        t.device().device_type != kDLROCMHost) {
+      TVM_FFI_THROW(ValueError) << name << " must be in host memory";
+    }
+    if (!t.IsContiguous()) TVM_FFI_THROW(ValueError) << name << " must be contiguous";
+  };
+  host_contig(pages, "adapter pages");
+  host_contig(a_off, "a_off");
+  host_contig(b_off, "b_off");
+  host_contig(scale, "scale");
+  const int64_t E = g_.page_elems;
+  if (pages.ndim() != 3 || pages.size(0) != g_.num_layers || pages.size(2) != E) {
+    TVM_FFI_THROW(ValueError) << "adapter " << id << ": pages must be [L=" << g_.num_layers
+                              << ", n, E=" << E << "], got " << pages.shape();
+  }
+  if (pages.dtype() != g_.dtype) {
+    TVM_FFI_THROW(ValueError) << "adapter " << id << ": pages must have the model dtype "
+                              << g_.dtype << ", got " << pages.dtype();
+  }
+  for (const auto* t : {&a_off, &b_off}) {
+    if (t->ndim() != 2 || t->size(0) != M_ || t->size(1) != R_ || t->dtype() != kInt32) {
+      TVM_FFI_THROW(ValueError) << "adapter " << id << ": a_off and b_off must be int32 [M="
+                                << M_ << ", R=" << R_ << "], got " << t->dtype() << t->shape();
+    }
+  }
+  if (scale.ndim() != 1 || scale.size(0) != M_ || scale.dtype() != kFloat32) {
+    TVM_FFI_THROW(ValueError) << "adapter " << id << ": scale must be float32 [M=" << M_
+                              << "], got " << scale.dtype() << scale.shape();
+  }
+  if (rank < 1 || rank > R_) {
+    TVM_FFI_THROW(ValueError) << "adapter " << id << " has rank " << rank << ", outside [1, "
+                              << R_ << "] (the compiled maximum rank is " << R_ << ")";
+  }
+  HostAdapter h;
+  h.n_pages = static_cast<int32_t>(pages.size(1));
+  h.rank = static_cast<int32_t>(rank);
+  const int32_t* a = HostData<int32_t>(a_off);
+  const int32_t* b = HostData<int32_t>(b_off);
+  const float* sc = HostData<float>(scale);
+  h.a_off.assign(a, a + M_ * R_);
+  h.b_off.assign(b, b + M_ * R_);
+  h.scale.assign(sc, sc + M_);
+  const int64_t limit = h.n_pages * E;
+  for (int64_t m = 0; m < M_; ++m) {
+    for (int64_t r = 0; r < R_; ++r) {
+      for (int32_t off : {h.a_off[m * R_ + r], h.b_off[m * R_ + r]}) {
+        if (off < -1 || off >= limit) {
+          TVM_FFI_THROW(ValueError) << "adapter " << id << ": offset " << off << " of module " << m
+                                    << " row " << r << " is outside its " << limit << " elements";
+        }
+        if (off == -1 && r < rank && h.scale[m] != 0.0f) {
+          TVM_FFI_THROW(ValueError) << "adapter " << id << ": module " << m << " row " << r
+                                    << " < rank " << rank << " has no offset but scale "
+                                    << h.scale[m];
+        }
+      }
+    }
+  }
+  if (pool_->HasAdapter(id)) {  // the pool checks too; refuse before copying megabytes
+    TVM_FFI_THROW(ValueError) << "adapter " << id << " is already loaded";
+  }
+  h.pages = Tensor::Empty({g_.num_layers, h.n_pages, E}, g_.dtype,
+                          tvm::runtime::GetPreferredHostDevice(g_.device));
+  std::memcpy(h.pages->data, HostData<char>(pages), g_.num_layers * h.n_pages * E * Bytes(g_.dtype));
+  return h;
+}
+
+void AdapterStore::CopyIn(int64_t id) {
+  const HostAdapter& h = host_.at(id);
+  const std::vector<int32_t>& pages = pool_->AdapterPages(id);
+  const int64_t eb = g_.page_elems * Bytes(g_.dtype);
+  for (int64_t l = 0; l < g_.num_layers; ++l) {
+    for (int32_t j = 0; j < h.n_pages;) {  // one copy per run of consecutive page ids
+      int32_t run = 1;
+      while (j + run < h.n_pages && pages[j + run] == pages[j] + run) ++run;
+      int64_t n = run * g_.page_elems;
+      DLTensor src = *h.pages.operator->();
+      src.ndim = 1;
+      src.shape = &n;
+      src.strides = nullptr;
+      src.byte_offset = (l * h.n_pages + j) * eb;
+      DLTensor dst = *arena_.operator->();
+      dst.shape = &n;
+      dst.strides = nullptr;
+      dst.byte_offset = (l * g_.num_pages + pages[j]) * eb;
+      Tensor::CopyFromTo(&src, &dst);
+      j += run;
+    }
+  }
+}
+
+void AdapterStore::DropUnloaded() {
+  for (auto it = host_.begin(); it != host_.end();) {
+    it = pool_->HasAdapter(it->first) ? std::next(it) : host_.erase(it);
+  }
+}
+
+void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens,
+                               int64_t tokens) {
+  const int64_t b = static_cast<int64_t>(seqs.size()), E = g_.page_elems;
+  std::vector<int64_t> slots;  // adapter id of each slot, in order of first use
+  std::vector<int32_t> token_slot;
+  token_slot.reserve(tokens);
+  for (int64_t i = 0; i < b; ++i) {
+    int64_t a = pool_->SequenceAdapter(seqs[i]);
+    int32_t s = -1;
+    if (a >= 0) {
+      auto it = std::find(slots.begin(), slots.end(), a);
+      s = static_cast<int32_t>(it - slots.begin());
+      if (it == slots.end()) slots.push_back(a);
+    }
+    token_slot.insert(token_slot.end(), lens[i], s);
+  }
+  // S >= 1: a batch without adapters gets one inert slot (rank 0, scale 0).
+  const int64_t S = std::max<int64_t>(1, slots.size());
+  std::vector<int32_t> rank(S, 0), a_off(S * M_ * R_, -1), b_off(S * M_ * R_, -1);
+  std::vector<float> scale(S * M_, 0.0f);
+  for (int64_t s = 0; s < static_cast<int64_t>(slots.size()); ++s) {
+    const HostAdapter& h = host_.at(slots[s]);
+    const std::vector<int32_t>& pages = pool_->AdapterPages(slots[s]);
+    rank[s] = h.rank;
+    std::copy(h.scale.begin(), h.scale.end(), scale.begin() + s * M_);
+    // Local offsets -> offsets inside a layer region; -1 (unused) stays -1. The kernels read
+    // rows k < rank of modules with scale != 0 only.
+    auto global = [&](int32_t off) {
+      return off < 0 ? -1 : static_cast<int32_t>(pages[off / E] * E + off % E);
+    };
+    for (int64_t i = 0; i < M_ * R_; ++i) {
+      a_off[s * M_ * R_ + i] = global(h.a_off[i]);
+      b_off[s * M_ * R_ + i] = global(h.b_off[i]);
+    }
+  }
+  // Tokens sorted by slot (a counting sort; stable), base-model tokens last; slot s owns the
+  // sorted positions [start[s], start[s + 1]). Every entry of start is written.
+  const int64_t cap = g_.max_batch;
+  std::vector<int32_t> start(cap + 1, 0), order(tokens);
+  for (int32_t s : token_slot) {
+    if (s >= 0) ++start[s + 1];
+  }
+  for (int64_t s = 0; s < cap; ++s) start[s + 1] += start[s];
+  std::vector<int32_t> next(start.begin(), start.end() - 1);
+  int32_t base_pos = start[cap];
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t s = token_slot[t];
+    order[s >= 0 ? next[s]++ : base_pos++] = static_cast<int32_t>(t);
+  }
+  num_slots_ = static_cast<int64_t>(slots.size());
+  auto upload = [](const Tensor& dev, const void* src, std::vector<int64_t> shape,
+                   DLDataType dtype) {
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    Tensor v = View(dev, 0, shape, dtype);
+    UploadAsync(v, src, n * 4);
+    return v;
+  };
+  tables_ = {arena_,
+             upload(slot_, token_slot.data(), {tokens}, kInt32),
+             upload(rank_, rank.data(), {S}, kInt32),
+             upload(scale_, scale.data(), {S, M_}, kFloat32),
+             upload(a_, a_off.data(), {S, M_, R_}, kInt32),
+             upload(b_, b_off.data(), {S, M_, R_}, kInt32),
+             upload(order_, order.data(), {tokens}, kInt32),
+             upload(start_, start.data(), {cap + 1}, kInt32)};
+}
+
+}  // namespace mlc_lora

@@ -1,0 +1,101 @@
+/*!
+ * \file adapter_store.h
+ * \brief The adapter side of the unified pool: host copies of loaded adapters, their validation,
+ *        copying their rows into the pages the PagePool gives them, and the per-batch LoRA tables.
+ *
+ * An adapter is loaded once as host pages [L, n, E] (the model dtype) plus local row offsets
+ * a_off / b_off [M, R] (local_page * E + offset in page, -1 unused), its rank and its per-module
+ * scale [M] (what `mlc_lora.runtime.pack_adapter` / `pack_peft_adapter` produce). The host copy
+ * stays while the adapter is loaded, so an adapter evicted for KV is paged back in without the
+ * caller. Each batch's tables (docs/DESIGN.md) map every token to a slot (its sequence's adapter,
+ * -1 for the base model) and every slot to its rank, scales and global row offsets in a layer
+ * region of the arena; they live in fixed-address device buffers of the maximum size, and
+ * `tables()` returns this batch's prefix views [arena, token_slot, rank, scale, a_off, b_off].
+ */
+#ifndef MLC_LORA_RUNTIME_ADAPTER_STORE_H_
+#define MLC_LORA_RUNTIME_ADAPTER_STORE_H_
+
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/map.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/runtime/tensor.h>
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "page_pool.h"
+
+namespace mlc_lora {
+
+/*! \brief The arena the adapters' rows live in: L layer regions of P pages of E elements. */
+struct ArenaGeometry {
+  int64_t num_layers, num_pages, page_elems;
+  int64_t max_batch, max_tokens;  // table sizes: one slot per sequence, one entry per token
+  DLDataType dtype;
+  DLDevice device;
+};
+
+class AdapterStore {
+ public:
+  AdapterStore(PagePool* pool, tvm::runtime::Tensor arena, ArenaGeometry geometry)
+      : pool_(pool), arena_(std::move(arena)), g_(geometry) {}
+
+  /*! \brief Once, before any adapter: M modules, compiled maximum rank R (table shapes). */
+  void Configure(int64_t num_modules, int64_t max_rank);
+  bool configured() const { return configured_; }
+  /*! \brief Throws unless Configure was called. */
+  void CheckConfigured() const;
+
+  /*! \brief Validate, keep a host copy, take pages (evicting idle adapters) and copy the rows in. */
+  void Load(int64_t id, tvm::ffi::TensorView pages, tvm::ffi::TensorView a_off,
+            tvm::ffi::TensorView b_off, int64_t rank, tvm::ffi::TensorView scale, bool pin);
+  void Unload(int64_t id);
+  void Pin(int64_t id, bool pin);
+  void SetSequenceAdapter(int64_t seq, int64_t adapter);
+
+  /*! \brief Copy adapter `id`'s host rows into the pages the pool gave it (every layer). */
+  void CopyIn(int64_t id);
+  /*! \brief Forget the host copies of adapters the pool no longer has. */
+  void DropUnloaded();
+  /*! \brief The tables of a batch of `seqs` appending `lens` tokens each (`tokens` in all). */
+  void BuildTables(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens,
+                   int64_t tokens);
+  /*! \brief The tables of the last BuildTables, in contract.LORA_TABLE_INPUTS order: [arena,
+   *  token_slot, rank, scale, a_off, b_off, token_order, slot_start]. */
+  const tvm::ffi::Array<tvm::runtime::Tensor>& tables() const { return tables_; }
+  /*! \brief Distinct adapters of the last BuildTables (0: every token is on the base model). */
+  int64_t num_slots() const { return num_slots_; }
+
+  tvm::ffi::Map<tvm::ffi::String, tvm::ffi::Any> Info(int64_t id) const;
+  /*! \brief Every host copy belongs to an adapter the pool has; throws InternalError if not. */
+  void CheckInvariants() const;
+
+ private:
+  struct HostAdapter {
+    tvm::runtime::Tensor pages;  // [L, n, E] on the host (pinned where the device has pinned memory)
+    int32_t n_pages, rank;
+    std::vector<int32_t> a_off, b_off;  // [M, R], local to the adapter's n*E region
+    std::vector<float> scale;           // [M]
+  };
+
+  HostAdapter Validate(int64_t id, tvm::ffi::TensorView pages, tvm::ffi::TensorView a_off,
+                       tvm::ffi::TensorView b_off, int64_t rank, tvm::ffi::TensorView scale) const;
+
+  PagePool* pool_;
+  tvm::runtime::Tensor arena_;  // (L*P*E,)
+  ArenaGeometry g_;
+  bool configured_ = false;
+  int64_t M_ = 0, R_ = 0;
+  // Fixed-address tables at maximum size; tables_ holds this batch's prefix views.
+  // token_order (max_tokens,) and slot_start (max_batch + 1,) sort the batch's tokens by slot;
+  // slot_start always has every entry (slots past the batch's own no tokens).
+  tvm::runtime::Tensor slot_, rank_, scale_, a_, b_, order_, start_;
+  int64_t num_slots_ = 0;
+  tvm::ffi::Array<tvm::runtime::Tensor> tables_;
+  std::unordered_map<int64_t, HostAdapter> host_;
+};
+
+}  // namespace mlc_lora
+
+#endif  // MLC_LORA_RUNTIME_ADAPTER_STORE_H_

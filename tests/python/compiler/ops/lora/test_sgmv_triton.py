@@ -1,0 +1,97 @@
+"""Stage 3 on tensor cores (ops/lora/sgmv_triton.py): the Triton kernels run on the CPU under
+Triton's interpreter against the numpy references, and build to cubin for sm_90a here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST  # noqa: E402
+
+
+def _interpret(tmp_path, **inp):
+    """The kernels' outputs under Triton's interpreter, in a process of its own (triton_interp.py)."""
+    np.savez(tmp_path / "in.npz", **inp)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = Path(__file__).resolve().parents[5]
+    proc = subprocess.run([sys.executable, "-m", "tests.python.compiler.ops.lora.triton_interp",
+                           str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                          cwd=root, env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(tmp_path / "out.npz") as f:
+        return f["v"], f["y"]
+
+
+def _case(rng, dtype, n, S, K, widths, mods, R, M=4):
+    layer_size, L = 50000, 3
+    arena = (rng.standard_normal(L * layer_size) * 0.5).astype(dtype)
+    base = layer_size
+    rank = rng.integers(1, R + 1, S).astype(np.int32)
+    rank[0] = R
+    scale = rng.uniform(0.5, 2, (S, M)).astype(np.float32)
+    scale[min(1, S - 1), max(m for m in mods)] = 0  # an adapter that leaves a part alone
+    a_off = (rng.integers(0, (layer_size - K) // 8, (S, M, R)) * 8).astype(np.int32)
+    b_off = (rng.integers(0, (layer_size - max(widths)) // 8, (S, M, R)) * 8).astype(np.int32)
+    slot = rng.integers(-1, S, n).astype(np.int32)
+    slot[:S] = np.arange(S)  # slots numbered by first appearance, every one used (as the pool does)
+    rng.shuffle(slot)
+    x = rng.standard_normal((n, K)).astype(dtype)
+    y = rng.standard_normal((n, sum(widths))).astype(dtype)
+    return arena, base, rank, scale, a_off, b_off, slot, x, y
+
+
+@pytest.mark.parametrize("variant", list(ST.VARIANTS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_kernels_match_references(tmp_path, variant, dtype):
+    rng = np.random.default_rng(7)
+    widths, mods, R = (72, 24, 40), (0, -1, 2), 32  # q|k|v with k untargeted
+    n = 90 if variant == "large" else 37
+    arena, base, rank, scale, a_off, b_off, slot, x, y = _case(rng, dtype, n, 6, 300, widths, mods, R)
+    S, cap = len(rank), 9
+    order, start = ST.sort_tokens_ref(slot, S)
+    start = np.concatenate([start, np.full(cap - S, start[-1], np.int32)])  # padded to the capacity
+    v, got = _interpret(tmp_path, variant=variant, x=x, arena=arena, rank=rank, scale=scale, order=order, start=start,
+                        mods=np.array(mods), widths=np.array(widths), base=base, R=R, a_off=a_off, b_off=b_off, y=y)
+    chunk = ST.VARIANTS[variant]["CHUNK"]
+    v_ref = ST.shrink_ref(x, arena, base, order, start, rank, scale, a_off, mods, R, chunk)
+    written = ~np.isnan(v)
+    # every entry the expand reads was written, and equals the reference
+    for s in range(len(rank)):
+        for p in range(start[s], start[s + 1]):
+            for part, m in enumerate(mods):
+                if m >= 0 and scale[s, m] != 0:
+                    assert written[p, part, :, :rank[s]].all()
+    tol = 1e-5 if dtype == np.float32 else 3e-3
+    np.testing.assert_allclose(np.where(written, v, 0), v_ref, rtol=tol, atol=tol * np.abs(v_ref).max())
+    ref = ST.expand_ref(y, v_ref, arena, base, order, start, rank, scale, b_off, mods, widths)
+    delta, delta_ref = got.astype(np.float64) - y, ref - y
+    assert np.linalg.norm(delta - delta_ref) / np.linalg.norm(delta_ref) < tol
+    base_rows = slot < 0
+    assert np.array_equal(got[base_rows], y[base_rows])  # base-model tokens untouched
+    assert np.array_equal(got[:, 72:96], y[:, 72:96])  # the untargeted part untouched
+
+
+def test_kernels_build_to_cubin_for_sm90(tmp_path, monkeypatch):
+    """Both tile variants of both kernels compile here (no GPU) and become TVM CUDA modules."""
+    from mlc_lora.compile import prepare_cuda_build
+    from mlc_lora.errors import CompileError
+
+    monkeypatch.setenv("MLC_LORA_CACHE", str(tmp_path))
+    try:
+        prepare_cuda_build()
+    except CompileError as e:
+        pytest.skip(str(e))
+    sh, smods = ST.shrink_wrapper(4096, (0, 1, 2), 2, 16, 7, "float16", 64, 8, "sm_90a")
+    ex, emods = ST.expand_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 64, 8, "sm_90a")
+    assert len(smods) == len(emods) == len(ST.VARIANTS)
+    assert len(list((tmp_path / "triton").glob("*.cubin"))) == 2 * len(ST.VARIANTS)
+    script = sh.script() + ex.script()
+    for var in ST.VARIANTS:
+        assert f"bm{ST.VARIANTS[var]['BM']}" in script

@@ -1,0 +1,60 @@
+"""Runs the Triton sgmv kernels under Triton's interpreter (the CPU emulation of the kernels):
+`python -m tests.python.compiler.ops.lora.triton_interp IN.npz OUT.npz` with TRITON_INTERPRET=1 set
+before triton is imported (Triton's own jit'd library functions are interpreted only then), so
+test_sgmv_triton.py runs it in a process of its own."""
+
+import sys
+
+import numpy as np
+
+
+def _interpreter_scalars():
+    """numpy >= 2.3 refuses int() of a 1-element array; the interpreter keeps scalars as such."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor  # pylint: disable=protected-access
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched  # pylint: disable=protected-access
+
+
+def run(inp: dict) -> dict:
+    """The shrink then the in-place expand, launched as the TIR wrappers launch them."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
+
+    _interpreter_scalars()
+    variant = str(inp["variant"])
+    cfg = ST.VARIANTS[variant]
+    x, arena, rank, scale = inp["x"], inp["arena"], inp["rank"], inp["scale"]
+    order, start = inp["order"], inp["start"]
+    mods, widths = [int(m) for m in inp["mods"]], [int(w) for w in inp["widths"]]
+    base, R, cap = int(inp["base"]), int(inp["R"]), len(start) - 1
+    n, K = x.shape
+    P, C = len(mods), ST.num_chunks(K, variant)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    v = torch.full((n, P, C, R), float("nan"), dtype=torch.float32)
+    m = (mods + [-1] * 3)[:3]
+    w = (widths + [0] * 3)[:3]
+    rows = -(-n // cfg["BM"]) + min(n, cap)
+    sp = ST._slot_pad(cap)  # pylint: disable=protected-access
+    ST.lora_shrink_kernel[(rows, C * P)](
+        t(x), t(arena), t(order), t(start), t(rank), t(scale), t(inp["a_off"]), v, n, cap, base, scale.shape[1],
+        m[0], m[1], m[2], C, P, K=K, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"], BK=ST.BK, BR=ST.BR, SP=sp, ALIGN=8)
+    y = t(inp["y"].copy())
+    tiles = sum(-(-x_ // cfg["BN"]) for x_ in widths)
+    ST.lora_expand_kernel[(rows, tiles)](
+        v, t(arena), t(order), t(start), t(rank), t(scale), t(inp["b_off"]), y, n, cap, C, base, scale.shape[1],
+        m[0], m[1], m[2], w[0], w[1], w[2], P, W=sum(widths), R=R, BM=cfg["BM"], BN=cfg["BN"], BR=ST.BR,
+        CP=1 << max(0, (C - 1).bit_length()), SP=sp, ALIGN=8)
+    return {"v": v.numpy(), "y": y.numpy()}
+
+
+if __name__ == "__main__":
+    with np.load(sys.argv[1]) as f:
+        out = run(dict(f))
+    np.savez(sys.argv[2], **out)
