@@ -6,19 +6,21 @@ float32 torch reference first.
   # here (no GPU needed): one library with both kernel sets for each shape
   python scripts/bench_attention.py compile --out attn
   # on the GPU (runtime-only TVM is enough)
-  python scripts/bench_attention.py run --lib-dir attn
+  python scripts/bench_attention.py run --lib-dir attn [--log-dir DIR]
 
 Shapes: Llama-2-7B (32 heads, MHA, d 128), Llama-3-8B (32/8 GQA, d 128, fp16 and bf16),
-SmolLM2-135M (9/3, d 64). Times are medians of CUDA-event timings of 20 back-to-back calls.
+SmolLM2-135M (9/3, d 64). Timing: scripts/harness/timing.py's CUDA-graph method, the three
+implementations of one case interleaved, 5 calls on the same pages per graph, 10 replays each.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 from pathlib import Path
+
+from harness import cli
+from harness.timing import compare
 
 SHAPES = {  # name: (h_q, h_kv, d, dtype)
     "llama2-7b": (32, 32, 128, "float16"),
@@ -30,54 +32,31 @@ PAGE = 16
 
 
 def compile_libs(out: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    import tvm  # pylint: disable=import-outside-toplevel
-    from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
     from tvm.relax.frontend.nn.llm._decode_kernels import _attention_decode  # pylint: disable=import-outside-toplevel
     from tvm.relax.frontend.nn.llm._prefill_kernels import _attention_prefill  # pylint: disable=import-outside-toplevel
 
-    from mlc_lora.compile import prepare_cuda_build  # pylint: disable=import-outside-toplevel
-    from mlc_lora.compiler_passes.ops.attention import attention_cuda as attention_kernels  # pylint: disable=import-outside-toplevel
+    from harness import compiler as C  # pylint: disable=import-outside-toplevel
 
-    prepare_cuda_build()
-    out.mkdir(parents=True, exist_ok=True)
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
-    for name, (hq, hkv, d, dtype) in tqdm(SHAPES.items(), desc="compile"):
-        prefill, decode, ext = attention_kernels.build(dtype, d, hq, hkv, "sm_90a")
+    target = C.target("cuda")
+    for name, (hq, hkv, d, dtype) in cli.tqdm(SHAPES.items(), desc="compile"):
+        prefill, decode, ext = C.attention_cuda.build(dtype, d, hq, hkv, C.ARCH)
         funcs = {
             "ours_prefill": prefill, "ours_decode": decode,
             "tir_prefill": _attention_prefill(hkv, hq, d, dtype, False, {}, target),
             "tir_decode": _attention_decode(hkv, hq, d, dtype, False, {}, target),
         }
-        mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()})
-        with target:
-            lib = tvm.compile(mod, target=target)
-        lib.mod.import_module(ext)
-        lib.export_library(str(out / f"{name}.so"))
+        C.build_library(funcs, out / f"{name}.so", target, imports=[ext])
 
 
-def run(lib_dir: Path, out_json: Path | None) -> None:  # pylint: disable=too-many-locals,too-many-statements
+def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-locals,too-many-statements
     import torch  # pylint: disable=import-outside-toplevel
     import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
-    import tvm  # pylint: disable=import-outside-toplevel
 
+    tvm = cli.gpu_runtime()
+    log = cli.Log(log_dir, "bench_attention")
     dev = torch.device("cuda")
     tv = tvm.runtime.from_dlpack
-    results = {"device": torch.cuda.get_device_name(), "correctness": [], "timing": []}
-
-    def timeit(fn, reps=20):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1000 / reps)
-        return sorted(times)[len(times) // 2]
+    results = {"correctness": [], "timing": []}
 
     for name, (hq, hkv, d, dtype) in SHAPES.items():
         lib = tvm.runtime.load_module(str(lib_dir / f"{name}.so"))
@@ -165,7 +144,7 @@ def run(lib_dir: Path, out_json: Path | None) -> None:  # pylint: disable=too-ma
                 err = float((o.float() - ref).norm() / ref.norm())
                 mx = float((o.float() - ref).abs().max())
                 results["correctness"].append(dict(shape=name, kind=kind, impl=impl, rel_err=err, max_abs=mx))
-                print(f"[check] {name:15s} {kind:7s} {impl:4s} rel err {err:.2e} max abs {mx:.2e}", flush=True)
+                log.say(f"[check] {name:15s} {kind:7s} {impl:4s} rel err {err:.2e} max abs {mx:.2e}")
 
         # ---- timing
         for kind, b, ql, kv in ([("prefill", b, 512, 512) for b in (1, 4, 16)]
@@ -174,43 +153,40 @@ def run(lib_dir: Path, out_json: Path | None) -> None:  # pylint: disable=too-ma
             q, qo, pages, pind, pidx, last = make_batch([ql] * b, [kv] * b)
             o = torch.empty_like(q)
             lse = torch.empty(q.shape[0], hq, dtype=torch.float32, device=dev)
-            if kind == "prefill":
-                t_ours = timeit(lambda: ours_prefill(q, qo, pages, pind, pidx, last, o, lse, ql))
-                t_tir = timeit(lambda: tir_prefill(q, qo, pages, pind, pidx, last, o, lse))
-            else:
-                t_ours = timeit(lambda: ours_decode(q, pages, pind, pidx, last, o, lse, kv))
-                t_tir = timeit(lambda: tir_decode(q, pages, pind, pidx, last, o, lse))
             # SDPA on contiguous (b, h, len, d) tensors of the same sizes (GQA expanded, as HF does)
             qs = torch.randn(b, hq, ql, d, device=dev, dtype=tdt)
             ks = torch.randn(b, hq, kv, d, device=dev, dtype=tdt)
             vs = torch.randn(b, hq, kv, d, device=dev, dtype=tdt)
-            t_sdpa = timeit(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=kind == "prefill"))
+            if kind == "prefill":
+                cands = {"ours": lambda _c: ours_prefill(q, qo, pages, pind, pidx, last, o, lse, ql),
+                         "tir": lambda _c: tir_prefill(q, qo, pages, pind, pidx, last, o, lse)}
+            else:
+                cands = {"ours": lambda _c: ours_decode(q, pages, pind, pidx, last, o, lse, kv),
+                         "tir": lambda _c: tir_decode(q, pages, pind, pidx, last, o, lse)}
+            cands["sdpa"] = lambda _c: F.scaled_dot_product_attention(qs, ks, vs, is_causal=kind == "prefill")
+            t = compare({k: (fn, 5) for k, fn in cands.items()}, reps=10)  # TIR prefill: up to ~50 ms a call
+            t_ours, t_tir, t_sdpa = t["ours"], t["tir"], t["sdpa"]
             flops = 4 * b * hq * ql * kv * d / (2 if kind == "prefill" else 1)
             kv_bytes = 2 * b * kv * hkv * d * q.element_size()
             row = dict(shape=name, kind=kind, batch=b, q_len=ql, kv_len=kv, ours_us=t_ours, tir_us=t_tir,
                        sdpa_us=t_sdpa, ours_tflops=flops / t_ours / 1e6, ours_tbps=kv_bytes / t_ours / 1e6)
             results["timing"].append(row)
-            print(f"[time] {name:15s} {kind:7s} b={b:3d} q={ql:4d} kv={kv:5d}  ours {t_ours:9.1f} us  "
-                  f"tir {t_tir:9.1f} us  sdpa {t_sdpa:9.1f} us  | tir/ours {t_tir / t_ours:6.2f}  "
-                  f"ours/sdpa {t_ours / t_sdpa:5.2f}  {row['ours_tflops']:.0f} TFLOP/s {row['ours_tbps']:.2f} TB/s",
-                  flush=True)
-    if out_json:
-        out_json.write_text(json.dumps(results, indent=1))
+            log.say(f"[time] {name:15s} {kind:7s} b={b:3d} q={ql:4d} kv={kv:5d}  ours {t_ours:9.1f} us  "
+                    f"tir {t_tir:9.1f} us  sdpa {t_sdpa:9.1f} us  | tir/ours {t_tir / t_ours:6.2f}  "
+                    f"ours/sdpa {t_ours / t_sdpa:5.2f}  {row['ours_tflops']:.0f} TFLOP/s {row['ours_tbps']:.2f} TB/s")
+    cli.write_results(log.json, results)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compile")
-    c.add_argument("--out", required=True, type=Path)
-    r = sub.add_parser("run")
+def main(argv=None) -> None:
+    ap, sub = cli.parser(__doc__, __file__)
+    cli.add_compile(sub, "one library per shape with both kernel sets (here)")
+    r = cli.add_run(sub, "check, then time ours / TIR / SDPA (the GPU machine)")
     r.add_argument("--lib-dir", required=True, type=Path)
-    r.add_argument("--json", type=Path, default=None)
-    a = ap.parse_args()
+    a = cli.parse(ap, argv)
     if a.cmd == "compile":
         compile_libs(a.out)
     else:
-        run(a.lib_dir, a.json)
+        run(a.lib_dir, a.log_dir)
 
 
 if __name__ == "__main__":

@@ -10,32 +10,38 @@ per decode step (median), and whether both backends produce the same greedy toke
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
+from harness.timing import wall_time
+
 
 def run(model_dir: Path, prompt_len: int, steps: int):
+    """(seconds per prefill of `prompt_len` tokens, median seconds per batch-1 decode step, the greedy
+    tokens): prefill into a fresh cache, one warm-up sample of each; decode continues the last prefill."""
     from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
     runner = ModelRunner(model_dir)
-    kv = runner.create_kv_cache(max_batch_size=1, max_total_seq_len=prompt_len + steps + 8,
-                                prefill_chunk_size=prompt_len)
-    runner.kv_add(kv, 0)
     prompt = (np.arange(prompt_len) * 37 % 5000 + 100).tolist()
-    t0 = time.perf_counter()
-    nxt = int(runner.prefill(kv, [0], [prompt]).numpy()[0].argmax())
-    prefill_s = time.perf_counter() - t0
-    tokens, times = [nxt], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        nxt = int(runner.decode(kv, [0], [nxt]).numpy()[0].argmax())
-        times.append(time.perf_counter() - t0)
-        tokens.append(nxt)
-    return prefill_s, statistics.median(times), tokens
+    state = {}
+
+    def fresh_cache():
+        kv = runner.create_kv_cache(max_batch_size=1, max_total_seq_len=prompt_len + steps + 8,
+                                    prefill_chunk_size=prompt_len)
+        runner.kv_add(kv, 0)
+        return kv
+
+    def prefill(kv):
+        state["kv"], state["tokens"] = kv, [int(runner.prefill(kv, [0], [prompt]).numpy()[0].argmax())]
+
+    def decode():
+        state["tokens"].append(int(runner.decode(state["kv"], [0], [state["tokens"][-1]]).numpy()[0].argmax()))
+
+    prefill_s = wall_time(prefill, setup=fresh_cache, repeat=1, warmup=1)
+    decode_s = wall_time(decode, repeat=steps, warmup=1)
+    return prefill_s, decode_s, state["tokens"]
 
 
 def main() -> None:

@@ -11,21 +11,12 @@ MLC_LORA_NUM_THREADS sets our thread count.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from harness.timing import wall_time
+
 SHAPES = [("q/o_proj", 576, 576), ("gate/up", 1536, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
-
-
-def best_time(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # a loaded host: the least-disturbed run
 
 
 def main() -> None:
@@ -47,8 +38,9 @@ def main() -> None:
             x = rng.standard_normal((m, k)).astype("float32")
             out, ref = np.empty((m, n), "float32"), np.empty((m, n), "float32")
             repeat = max(3, args.repeat if m * n * k < 1e8 else args.repeat // 4)
-            t_ours = best_time(lambda: gemm(x, w, out), repeat)
-            t_np = best_time(lambda: np.matmul(x, wt, out=ref), repeat)
+            # a loaded host: the least-disturbed sample of each
+            t_ours = wall_time(lambda: gemm(x, w, out), repeat=repeat, stat="min")
+            t_np = wall_time(lambda: np.matmul(x, wt, out=ref), repeat=repeat, stat="min")
             err = float(np.abs(out - ref).max() / (np.abs(ref).max() + 1e-30))
             if err > 1e-4:
                 raise SystemExit(f"{name} M={m}: ours differs from numpy by {err:.2e} (relative)")

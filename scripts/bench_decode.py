@@ -3,19 +3,23 @@ against a plain PyTorch implementation of the same model (cuBLAS + SDPA), and wh
 
 Two steps, so that no 13 GB of weights travel:
   compile (any machine, no GPU):  python scripts/bench_decode.py compile --out OUT
-  run (the GPU machine):          python scripts/bench_decode.py run --model OUT [--ext libcublas_gemm.so]
+  run (the GPU machine):          python scripts/bench_decode.py run --model OUT [--log-dir DIR]
 The run makes seeded random fp16 weights on the GPU with torch and hands them to ModelRunner.
+Timing (scripts/harness/timing.py): prefill and decode steps by the host clock around synchronized
+GPU work (median of samples after warm-up); SDPA by the CUDA-graph method (20 calls on the same
+q/k/v per graph). The torch model: scripts/harness/torch_llama.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
+from harness import cli
+from harness.timing import compare, wall_time
+from harness.torch_llama import TorchLlama
 from mlc_lora.models.random_model import LLAMA2_7B, build, make_params
 
 PROMPT = 512  # tokens per prompt (prefill) and context before the timed decode steps
@@ -47,49 +51,6 @@ def compile_variants(out: Path, layers: int, variants: list[str]) -> None:
 # GPU side
 
 
-class TorchLlama:
-    """The same model in plain PyTorch: cuBLAS linears, SDPA attention, HF's RoPE and RMSNorm."""
-
-    def __init__(self, p, mc, torch):
-        self.p, self.mc, self.t = p, mc, torch
-        d = mc["head_dim"]
-        inv = 1.0 / (mc["rope_theta"] ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
-        pos = torch.arange(PROMPT, device="cuda", dtype=torch.float32)
-        ang = torch.outer(pos, inv)
-        ang = torch.cat([ang, ang], dim=-1)
-        self.cos, self.sin = ang.cos().half(), ang.sin().half()
-
-    def norm(self, x, w):
-        t = self.t
-        xf = x.float()
-        return (xf * t.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.mc["rms_norm_eps"])).half() * w
-
-    def rope(self, x):  # x (B, heads, S, D)
-        h = x.shape[-1] // 2
-        rot = self.t.cat([-x[..., h:], x[..., :h]], dim=-1)
-        return x * self.cos + rot * self.sin
-
-    def prefill(self, ids):  # ids (B, S) -> last-token logits (B, V) float32
-        t, p, mc = self.t, self.p, self.mc
-        F = t.nn.functional
-        nh, nkv, d = mc["num_attention_heads"], mc["num_key_value_heads"], mc["head_dim"]
-        b, s = ids.shape
-        x = F.embedding(ids, p["model.embed_tokens.weight"])
-        for l in range(mc["num_hidden_layers"]):
-            pre = f"model.layers.{l}."
-            qkv = F.linear(self.norm(x, p[pre + "input_layernorm.weight"]), p[pre + "self_attn.qkv_proj.weight"])
-            qkv = qkv.view(b, s, nh + 2 * nkv, d).transpose(1, 2)
-            q, k, v = qkv[:, :nh], qkv[:, nh:nh + nkv], qkv[:, nh + nkv:]
-            o = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True,
-                                               enable_gqa=nh != nkv)
-            x = x + F.linear(o.transpose(1, 2).reshape(b, s, nh * d), p[pre + "self_attn.o_proj.weight"])
-            gu = F.linear(self.norm(x, p[pre + "post_attention_layernorm.weight"]), p[pre + "mlp.gate_up_proj.weight"])
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
-        x = self.norm(x[:, -1], p["model.norm.weight"])
-        return F.linear(x, p["lm_head.weight"]).float()
-
-
 def kernel_breakdown(prof, steps):
     """GPU kernel time (ms per step) by kind, from a torch.profiler trace."""
     cats = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
@@ -114,21 +75,11 @@ def run(args) -> int:
     import torch  # pylint: disable=import-outside-toplevel  (loads libcublas first)
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
-    from mlc_lora.runner import ModelRunner, _tvm, load_cuda_runtime  # pylint: disable=import-outside-toplevel
+    from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
-    tvm = _tvm()
-    load_cuda_runtime()
-    ext = None  # keep it alive: unloading would drop the globals it registered
-    if args.ext and tvm_ffi.get_global_func("mlc_lora.runtime.cublas_gemm", allow_missing=True) is None:
-        ext = tvm_ffi.load_module(args.ext)
-    out_dir = Path(args.log_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir / "bench_decode.log", "w")  # pylint: disable=consider-using-with
-
-    def say(msg):
-        print(msg, flush=True)
-        log.write(msg + "\n")
-        log.flush()
+    cli.gpu_runtime()
+    log = cli.Log(args.log_dir, "bench_decode")
+    out_dir, say, sync = log.dir, log.say, torch.cuda.synchronize
 
     model = Path(args.model)
     cfg_json = json.loads((model / "graph" / "mlc-lora-config.json").read_text())
@@ -155,27 +106,26 @@ def run(args) -> int:
         r = runners[v]
         ids = torch.randint(0, V, (b, PROMPT), generator=gen)
         toks = [row.tolist() for row in ids]
-        times, ttimes = [], []
-        for rep in range(4):
+        ids_c = ids.cuda()
+        out = {}
+
+        def fresh_cache(r=r, b=b):
             kv = r.create_kv_cache(64, 16 * PROMPT + 1024)
             for i in range(b):
                 r.kv_add(kv, i)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            logits = r.prefill(kv, list(range(b)), toks)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-            del kv
-            ids_c = ids.cuda()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
+            return kv
+
+        def ours_prefill(kv, r=r, b=b, toks=toks):
+            out["ours"] = r.prefill(kv, list(range(b)), toks)
+
+        def torch_prefill(ids_c=ids_c):
             with torch.no_grad():
-                tl = ref.prefill(ids_c)
-            torch.cuda.synchronize()
-            ttimes.append(time.perf_counter() - t)
-        ours = torch.from_dlpack(logits).float()
+                out["torch"] = ref.prefill(ids_c)
+
+        ms = wall_time(ours_prefill, setup=fresh_cache, repeat=3, warmup=1, sync=sync) * 1e3
+        tms = wall_time(torch_prefill, repeat=3, warmup=1, sync=sync) * 1e3
+        ours, tl = torch.from_dlpack(out["ours"]).float(), out["torch"]
         err = ((ours - tl).norm() / tl.norm()).item()
-        ms, tms = statistics.median(times[1:]) * 1e3, statistics.median(ttimes[1:]) * 1e3
         rows.append((f"prefill[{v}]", f"{b}x{PROMPT}", ms, tms, tms / ms, err))
         say(f"prefill[{v}] {b}x{PROMPT}: ours {ms:.2f} ms, torch {tms:.2f} ms, speed {tms / ms:.2f}x, "
             f"logits rel err {err:.2e}, argmax agree {(ours.argmax(-1) == tl.argmax(-1)).float().mean():.2f}")
@@ -183,7 +133,7 @@ def run(args) -> int:
     # --- decode at batch 1, 16, 64 with PROMPT tokens of context --------------------------------
     dec = []
     first = {}  # (variant, batch) -> logits of the first decode step, same prompts in every variant
-    steps = 20
+    steps, samples = 10, 3  # the median of 3 samples of 10 steps
     for v, r in runners.items():
         for b in batches:
             kv = r.create_kv_cache(64, 64 * (PROMPT + 64))
@@ -198,13 +148,9 @@ def run(args) -> int:
             first[(v, b)] = torch.from_dlpack(r.decode(kv, seqs, tok)).float().reshape(b, -1).clone()
             for _ in range(2):  # the first steps capture the graphs
                 r.decode(kv, seqs, tok)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(steps):
-                r.decode(kv, seqs, tok)
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t) / steps * 1e3
-            ctx = PROMPT + 3 + steps // 2
+            ms = wall_time(lambda r=r, kv=kv, seqs=seqs, tok=tok: r.decode(kv, seqs, tok), number=steps,
+                           repeat=samples, warmup=0, sync=sync) * 1e3
+            ctx = PROMPT + 3 + steps * samples // 2
             floor = (w_bytes + b * ctx * kv_bytes_tok) / PEAK_BW * 1e3
             bd = None
             if v in ("graph", "cublas", "tir", "gemv8"):
@@ -238,15 +184,8 @@ def run(args) -> int:
     F = torch.nn.functional
 
     def sdpa_ms(q, k, v, causal):
-        for _ in range(3):
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(20):
-            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1) / 20
+        """One SDPA call, ms: 20 calls in one CUDA graph (harness.timing)."""
+        return compare({"sdpa": (lambda _c: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 20)})["sdpa"] / 1e3
 
     att = []
     for b in batches:
@@ -289,27 +228,27 @@ def run(args) -> int:
     say("\n| attention | batch | paged-KV kernels ms (all layers) | SDPA ms (x layers) | ratio |\n|---|---|---|---|---|")
     for ph, b, ours, sd in att:
         say(f"| {ph} | {b} | {ours:.3f} | {sd:.3f} | {ours / sd:.2f} |")
+    cli.write_results(log.json, {
+        "prefill": [dict(zip(("phase", "shape", "ours_ms", "torch_ms", "torch_over_ours", "rel_err"), x)) for x in rows],
+        "decode": [dict(zip(("variant", "batch", "ms_per_step", "floor_ms", "kernels_ms"), x)) for x in dec],
+        "decode_agreement": [dict(zip(("variant", "batch", "rel_err_vs_cublas", "argmax_agree"), x)) for x in agree],
+        "attention": [dict(zip(("phase", "batch", "ours_ms", "sdpa_ms"), x)) for x in att]})
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compile")
-    c.add_argument("--out", required=True)
+def main(argv=None) -> int:
+    ap, sub = cli.parser(__doc__, __file__)
+    c = cli.add_compile(sub, "the variants' libraries, one folder each (here)")
     c.add_argument("--layers", type=int, default=32)
     c.add_argument("--variants", default="graph,cublas,tir", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    rr = sub.add_parser("run")
-    rr.add_argument("--model", required=True)
-    rr.add_argument("--ext", default=None, help="src/runtime/cublas_gemm.cc built alone (scripts/build_cublas_gemm.sh), "
-                   "for a runtime library without it")
-    rr.add_argument("--log-dir", default="bench_logs")
+    rr = cli.add_run(sub, "prefill, decode and attention on the GPU, weights made there")
+    rr.add_argument("--model", required=True, help="the folder of `compile`")
     rr.add_argument("--variants", default="", help="comma-separated subset of the compiled variants")
     rr.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
     rr.add_argument("--no-prefill", dest="prefill", action="store_false", help="decode only")
-    a = ap.parse_args()
+    a = cli.parse(ap, argv)
     if a.cmd == "compile":
-        compile_variants(Path(a.out), a.layers, a.variants.split(","))
+        compile_variants(a.out, a.layers, a.variants.split(","))
         return 0
     return run(a)
 

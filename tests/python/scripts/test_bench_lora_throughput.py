@@ -1,0 +1,51 @@
+"""scripts/bench_lora_throughput.py end to end on CPU: prepare -> compile --smoke --target llvm ->
+run --smoke --device cpu (the LoRA library's logits checked against harness/torch_llama.py, then
+base, 4 adapters, 64 adapters through AsyncMLCEngine), and the merge of split runs."""
+
+from __future__ import annotations
+
+import json
+
+import bench_lora_throughput as bench
+
+
+def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys):
+    def conv(i):
+        return {"conversations": [{"from": "human", "value": f"question {i} " + "word " * (5 + i)},
+                                  {"from": "gpt", "value": "answer " * (4 + i)}]}
+
+    (tmp_path / "sg.json").write_text(json.dumps([conv(i) for i in range(6)]))
+    req = tmp_path / "req.npz"
+    assert bench.main(["prepare", "--out", str(req), "--num-prompts", "5", "--sharegpt", str(tmp_path / "sg.json")]) == 0
+    assert len(bench.load_requests(req)) == 5
+    assert bench.main(["compile", "--smoke", "--target", "llvm", "--out", str(tmp_path / "libs")]) == 0
+    out = tmp_path / "res.json"
+    assert bench.main(["run", "--smoke", "--device", "cpu", "--lib-dir", str(tmp_path / "libs"), "--requests",
+                       str(req), "--max-output-len", "6", "--warmup", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    worst = float(printed.split("worst rel err ")[1].split()[0])
+    assert worst < 1e-4  # the logits check ran and passed (float32 llvm build vs float32 torch)
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["python"] and doc["command"].startswith("python")
+    res = doc["results"]
+    want_out = sum(min(n, 6) for _, n in bench.load_requests(req))
+    assert [r["config"] for r in res] == ["base", "lora4", "lora64"]
+    assert [r["adapters"] for r in res] == [0, 4, 64]
+    assert res[2]["ranks"] == [8, 16, 32, 64]
+    for r in res:
+        assert r["requests"] == 5 and r["output_tokens"] == want_out
+        assert r["requests_per_s"] > 0 and r["ratio_vs_base"] > 0
+        assert r["kv_pages"] == bench.SIZES["smoke"]["kv_pages"]
+    assert res[0]["ratio_vs_base"] == 1.0
+
+    # two split runs merged: one JSON with every config, ratios against the merged base, charts
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(dict(doc, results=res[:1])))
+    b.write_text(json.dumps(dict(doc, results=res[1:])))
+    merged = tmp_path / "merged.json"
+    assert bench.main(["plot", str(a), str(b), "--out", str(merged)]) == 0
+    m = json.loads(merged.read_text())
+    assert [r["config"] for r in m["results"]] == ["base", "lora4", "lora64"]
+    assert m["results"][1]["ratio_vs_base"] == res[1]["requests_per_s"] / res[0]["requests_per_s"]
+    assert len(m["merged_from"]) == 2
+    assert merged.with_suffix(".svg").stat().st_size > 0 and merged.with_suffix(".png").stat().st_size > 0
