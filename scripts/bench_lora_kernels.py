@@ -36,6 +36,8 @@ import os
 import sys
 import time
 import zlib
+
+import numpy as np
 from pathlib import Path
 
 from harness import cli, plot as charts
@@ -61,6 +63,7 @@ DRY = dict(shapes=[(64, 96), (96, 64)], tokens=[1, 5, 17], adapters=[1, 4], rank
            dtypes=["float16"], layer={"qkv": (64, (64, 32, 32)), "o": (64, (64,)), "gate_up": (64, (96, 96)),
                                       "down": (96, (64,))}, layer_tokens=[3, 17])
 HBM = 4.2e12  # bytes/s for the roofline
+TRITON_SLOTS = 256  # the tensor-core kernels are built for up to this many slots (a model: its max batch size)
 SCALE = 0.5  # every adapter's LoRA scale (not 1: the check sees scaling)
 TOL = 2e-2  # relative error of the delta against float64 (fp16 ~1e-3, bf16 ~4e-3 expected)
 ELT = 2  # bytes per fp16 / bf16 element
@@ -185,6 +188,10 @@ def compile_lib(out: Path, target: str, dry: bool) -> None:
                 if target == "cuda":
                     funcs[fname("cshrink", dtype, R, i, o)] = C.sgmv_cuda.shrink_wrapper(i, (0,), 1, R, 1, dtype)
                     funcs[fname("cexpand", dtype, R, i, o)] = C.sgmv_cuda.expand_wrapper(i, (o,), (0,), 1, R, 1, dtype)
+                    sh, ms = C.sgmv_triton.shrink_wrapper(i, (0,), 1, R, 1, dtype, TRITON_SLOTS, 8, C.ARCH)
+                    ex, me = C.sgmv_triton.expand_wrapper(i, (o,), (0,), 1, R, 1, dtype, TRITON_SLOTS, 8, C.ARCH)
+                    funcs[fname("tshrink", dtype, R, i, o)], funcs[fname("texpand", dtype, R, i, o)] = sh, ex
+                    imports += ms + me
             if target != "cuda":
                 continue
             first = 0
@@ -193,6 +200,10 @@ def compile_lib(out: Path, target: str, dry: bool) -> None:
                 first += len(widths)
                 funcs[lname("shrink", name, dtype, R)] = C.sgmv_cuda.shrink_wrapper(i, mods, 1, R, 7, dtype)
                 funcs[lname("expand", name, dtype, R)] = C.sgmv_cuda.expand_wrapper(i, widths, mods, 1, R, 7, dtype)
+                sh, ms = C.sgmv_triton.shrink_wrapper(i, mods, 1, R, 7, dtype, TRITON_SLOTS, 8, C.ARCH)
+                ex, me = C.sgmv_triton.expand_wrapper(i, widths, mods, 1, R, 7, dtype, TRITON_SLOTS, 8, C.ARCH)
+                funcs[lname("tshrink", name, dtype, R)], funcs[lname("texpand", name, dtype, R)] = sh, ex
+                imports += ms + me
             # a TIR-only build ignores the IRModule's external_mods (relax.build links them): import
             imports.append(C.sgmv_cuda.build_module(dtype, R, C.ARCH))
     C.build_library(funcs, out, tgt, imports)
@@ -298,6 +309,30 @@ def _sgmv_cuda(pb: Linear):
     def call(c):
         shrink(pb.x[c], pb.arena, pb.slot, pb.rank, pb.scale, pb.a_off[c], 0, v)
         expand(v, pb.arena, pb.slot, pb.rank, pb.scale, pb.b_off[c], 0, pb.y[c])  # y += delta
+    return call
+
+
+def _sorted_tables(t, slot, n_slots: int, dev):
+    """lora_token_order and lora_slot_start of a batch, as the pool builds them (contract.py): the
+    tokens sorted by slot, stable, and each slot's first position (every slot here has a token or
+    none; no base-model tokens). numpy here: the GPU machine's TVM has no compiler to import."""
+    s = slot.cpu().numpy()
+    order = np.argsort(s, kind="stable").astype(np.int32)
+    start = np.concatenate([[0], np.cumsum(np.bincount(s, minlength=n_slots))]).astype(np.int32)
+    return t.from_numpy(order).to(dev), t.from_numpy(start).to(dev)
+
+
+def _sgmv_triton(pb: Linear):
+    """The tensor-core stage 3 (Triton) as the model runs it: tokens sorted by slot on the host."""
+    p, t = pb.p, pb.env.torch
+    shrink = _fn(pb.env.lib, fname("tshrink", p.dtype, p.R, p.in_f, p.out_f))
+    expand = _fn(pb.env.lib, fname("texpand", p.dtype, p.R, p.in_f, p.out_f))
+    order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device)
+    v = t.empty((p.T, 1, -(-p.in_f // 256), p.R), dtype=t.float32, device=pb.env.device)
+
+    def call(c):
+        shrink(pb.x[c], pb.arena, order, start, pb.rank, pb.scale, pb.a_off[c], 0, v)
+        expand(v, pb.arena, order, start, pb.rank, pb.scale, pb.b_off[c], 0, pb.y[c])  # y += delta
     return call
 
 
@@ -430,6 +465,24 @@ def _layer_cuda(lp: Layer):
     return call
 
 
+def _layer_triton(lp: Layer):
+    """The tensor-core stage 3 (Triton) as the model runs it: per fused linear one shrink and one
+    in-place expand over the tokens sorted by slot."""
+    t, lib = lp.env.torch, lp.env.lib
+    order, start = _sorted_tables(t, lp.slot, lp.N, lp.env.device)
+    fns = {name: (_fn(lib, lname("tshrink", name, lp.dtype, lp.R)), _fn(lib, lname("texpand", name, lp.dtype, lp.R)),
+                  t.empty((lp.T, len(parts), -(-lp.layer[name][0] // 256), lp.R), dtype=t.float32, device=lp.env.device))
+           for name, parts in lp.mods.items()}
+
+    def call(c):
+        lp.base(c)
+        a, b = lp.t7[c]
+        for name, (shrink, expand, v) in fns.items():
+            shrink(lp.x[name][c], lp.arena, order, start, lp.rank, lp.scale7, a, 0, v)
+            expand(v, lp.arena, order, start, lp.rank, lp.scale7, b, 0, lp.y[name][c])
+    return call
+
+
 def vllm_fused(peers, torch, y, x, a_slices, b_slices, meta, scale):
     """vLLM 0.34's PunicaWrapperGPU.add_lora_linear for all slices of a fused linear (the peers'
     vllm_lora_linear is its one-slice case): one shrink into an fp32 buffer, one expand adding each
@@ -504,6 +557,7 @@ BACKENDS = {
     "gather": Backend("ours", _gather),
     "sgmv-tir": Backend("ours", _sgmv_tir, _layer_tir),
     "sgmv-cuda": Backend("ours", _sgmv_cuda, _layer_cuda, cuda_only=True),
+    "sgmv-triton": Backend("ours", _sgmv_triton, _layer_triton, cuda_only=True),
     "vllm": Backend("peer", _vllm, _layer_vllm, mixed=False),
     "sglang": Backend("peer", _sglang, _layer_sglang, mixed=False),
 }

@@ -42,7 +42,11 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     "base": ("base", []),
     "lora4": ("lora", [(8, 4)]),
     "lora64": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
-    "lora0": ("lora", []),  # the LoRA library with no adapter: what the LoRA kernels cost by themselves
+    "lora0": ("lora", []),  # the LoRA library with no adapter: batches run its functions without LoRA
+    # the same 4 x r8 and 64 mixed through the CUDA C++ stage 3 (sgmv.cu), which the Triton
+    # tensor-core kernels of the default library replace
+    "lora4-cuda": ("lora-cuda", [(8, 4)]),
+    "lora64-cuda": ("lora-cuda", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     # the same 4 x r8 on a library compiled for max rank 16 (vLLM's default max_lora_rank) instead
     # of 64: the kernels' register tiles and loops are sized by the compiled maximum
     "lora4-r16": ("lora-r16", [(8, 4)]),
@@ -84,10 +88,15 @@ def compile_libs(a) -> int:
                   prefill_chunk_size=size["prefill_chunk_size"], max_batch_size=size["max_batch_size"],
                   gemm="cublas", cuda_graph=True)
     lora = dict(common, lora_pool_pages=pages, lora_kernel="sgmv")
-    for name, opts in (("base", CompileOptions(**common)),
-                       ("lora", CompileOptions(**lora, max_lora_rank=MAX_RANK)),
-                       ("lora-r16", CompileOptions(**lora, max_lora_rank=16)),
-                       ("lora-tir", CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir"))):
+    libs = {"base": CompileOptions(**common),
+            "lora": CompileOptions(**lora, max_lora_rank=MAX_RANK),
+            "lora-cuda": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="cuda"),
+            "lora-r16": CompileOptions(**lora, max_lora_rank=16),
+            "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir")}
+    for name in a.libs.split(","):
+        if name not in libs:
+            raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")
+        opts = libs[name]
         secs = random_model.build(a.out / name, model_cfg, opts, name=f"llama-{'tiny' if a.smoke else '2-7b'}-random")
         print(f"{a.out / name}: built in {secs:.0f} s")
     print(f"pool: {size['kv_pages']} KV pages + {adapters} for {NUM_ADAPTERS_MAX} adapters of rank {MAX_RANK} "
@@ -303,6 +312,8 @@ def main(argv=None) -> int:
     c = cli.add_compile(sub, "build the base and LoRA (sgmv) libraries into one folder (here)")
     c.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
     c.add_argument("--smoke", action="store_true", help="the 2-layer model")
+    c.add_argument("--libs", default="base,lora,lora-cuda,lora-r16,lora-tir",
+                   help="comma-separated libraries to build (a config runs on its library)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True)
     r.add_argument("--requests", required=True, help="the file of `prepare`")

@@ -14,7 +14,7 @@ from mlc_lora.compiler_passes import get_pipeline  # noqa: F401  pylint: disable
 from mlc_lora.compiler_passes.ops.attention import attention_cuda  # noqa: F401  pylint: disable=unused-import
 from mlc_lora.compiler_passes.ops.gemv import gemv_cuda  # noqa: F401  pylint: disable=unused-import
 from mlc_lora.compiler_passes.ops.lora import (  # noqa: F401  pylint: disable=unused-import
-    gather_tir, sgmv_cuda, sgmv_tir)
+    gather_tir, sgmv_cuda, sgmv_tir, sgmv_triton)
 from mlc_lora.compiler_passes.passes.dispatch_cublas import GEMV_MAX_ROWS  # noqa: F401  pylint: disable=unused-import
 
 ARCH = "sm_90a"  # the H200's
