@@ -167,7 +167,7 @@ def lname(kind: str, name: str, dtype: str, R: int) -> str:  # pylint: disable=i
     return f"l{kind}_{name}_{DT[dtype]}_r{R}"
 
 
-def compile_lib(out: Path, target: str, dry: bool) -> None:
+def compile_lib(out: Path, target: str, dry: bool, ranks=None) -> None:
     """Every kernel of ours the sweep and `layer` call, both dtypes, every compiled rank, in one
     library: TIR stage 2 and stage 3 per (in, out) shape; on CUDA also the CUDA stage 3 per shape and
     per fused linear of the layer (the nvcc-built kernels imported into the library)."""
@@ -180,7 +180,7 @@ def compile_lib(out: Path, target: str, dry: bool) -> None:
     pairs = sorted(set(shapes) | {(i, w) for i, ws in layer.values() for w in ws})
     funcs, imports = {}, []
     for dtype in dtypes:
-        for R in COMPILED_RANKS:
+        for R in ranks or COMPILED_RANKS:
             for i, o in pairs:
                 funcs[fname("gather", dtype, R, i, o)] = C.gather_tir.lora_gather_kernel(i, o, 0, 1, R, 1, dtype, tgt)
                 funcs[fname("shrink", dtype, R, i, o)] = C.sgmv_tir.lora_sgmv_shrink_kernel(i, 0, 1, R, 1, dtype, tgt)
@@ -856,6 +856,8 @@ def plot(a) -> int:
 def main(argv=None) -> int:
     ap, sub = cli.parser(__doc__, __file__)
     c = cli.add_compile(sub, "the library of our kernels (here)", "the library (.so)")
+    c.add_argument("--compiled-ranks", default=",".join(map(str, COMPILED_RANKS)),
+                   help="max ranks to build the kernels for (a smaller library for a subset of the sweep)")
     c.add_argument("--target", choices=["cuda", "llvm"], default="cuda", help="llvm: the CPU dry run's (tiny shapes)")
 
     def selection(p):
@@ -892,7 +894,7 @@ def main(argv=None) -> int:
     pt.add_argument("--out", required=True, help="the chart (.svg or .png)")
     a = cli.parse(ap, argv)
     if a.cmd == "compile":
-        compile_lib(a.out, a.target, a.target == "llvm")
+        compile_lib(a.out, a.target, a.target == "llvm", [int(r) for r in a.compiled_ranks.split(",")])
         return 0
     return {"run": run, "layer": run_layer, "plan": plan, "plot": plot}[a.cmd](a)
 

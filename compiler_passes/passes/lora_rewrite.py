@@ -48,7 +48,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         symbolic arena size. `kernel`: the LoRA stage, "single" (stage 1), "gather" (stage 2) or
         "sgmv" (stage 3). `backend`: whose implementation of the stage runs (ops/lora.STAGES:
         "tir", "cuda"), or "auto": per linear, the first registered one that supports it (for
-        sgmv: the Triton kernels on CUDA fp16/bf16, else the TIR kernels). `max_slots`: the most
+        sgmv: sgmv.cu on CUDA fp16/bf16, else the TIR kernels). `max_slots`: the most
         adapter slots a batch's tables hold (the model's max batch size). `base_functions`: keep
         each rewritten function, unchanged, as `<name>_base` too (contract.BASE_FUNCTION_SUFFIX), for
         batches without adapters."""

@@ -117,12 +117,13 @@ def expand_ref(y, v, arena, base, order, slot_start, rank, scale, b_off, mods, w
 # the kernels
 
 def _kernel_name(kind: str):
-    """Triton names a kernel after its Python function; every built variant needs its own."""
+    """Triton names a kernel after its Python function; every built variant needs its own name,
+    which names every compile-time constant (a library links many variants; one looked up by
+    another's name would run with the wrong constants)."""
 
     def name(proxy) -> str:
         c, dtype = proxy.constants, proxy.signature["arena_ptr"].lstrip("*")
-        size = c["K"] if kind == "shrink" else c["W"]
-        return f"mlc_lora_triton_{kind}_{dtype}_{size}_r{c['R']}_bm{c['BM']}_s{c['SP']}_a{c['ALIGN']}"
+        return f"mlc_lora_triton_{kind}_{dtype}_" + "_".join(f"{k}{v}".replace("-", "n") for k, v in sorted(c.items()))
 
     return name
 
@@ -145,8 +146,8 @@ if triton is not None:
 
     @triton.jit(repr=_kernel_name("shrink"))
     def lora_shrink_kernel(x_ptr, arena_ptr, order_ptr, start_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr,
-                           n, S, base, M, m0, m1, m2, C, P,
-                           K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
+                           n, S, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
+                           m2: tl.constexpr, C: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
                            BK: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, ALIGN: tl.constexpr):
         pid = tl.program_id(0)
         pid_c = tl.program_id(1) % C
@@ -182,7 +183,8 @@ if triton is not None:
 
     @triton.jit(repr=_kernel_name("expand"))
     def lora_expand_kernel(v_ptr, arena_ptr, order_ptr, start_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr,
-                           n, S, C, base, M, m0, m1, m2, w0, w1, w2, P,
+                           n, S, base, C: tl.constexpr, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
+                           m2: tl.constexpr, w0: tl.constexpr, w1: tl.constexpr, w2: tl.constexpr, P: tl.constexpr,
                            W: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            BR: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr, ALIGN: tl.constexpr):
         pid = tl.program_id(0)
@@ -238,13 +240,13 @@ def _signature(kind: str, dtype: str) -> dict:
     if kind == "shrink":
         ptrs = dict(x_ptr=e, arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32")
-        ints = ["n", "S", "base", "M", "m0", "m1", "m2", "C", "P"]
-        consts = ["K", "R", "BM", "CHUNK", "BK", "BR", "SP", "ALIGN"]
+        ints = ["n", "S", "base"]
+        consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "CHUNK", "BK", "BR", "SP", "ALIGN"]
     else:
         ptrs = dict(v_ptr="*fp32", arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", boff_ptr="*i32", y_ptr=e)
-        ints = ["n", "S", "C", "base", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P"]
-        consts = ["W", "R", "BM", "BN", "BR", "CP", "SP", "ALIGN"]
+        ints = ["n", "S", "base"]
+        consts = ["C", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R", "BM", "BN", "BR", "CP", "SP", "ALIGN"]
     sig = dict(ptrs)
     sig.update({k: ("i64" if k == "base" else "i32") for k in ints})
     sig.update({k: "constexpr" for k in consts})
@@ -316,7 +318,8 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
     C = num_chunks(in_f, "small")
     built = {}
     for var, cfg in VARIANTS.items():
-        consts = dict(K=in_f, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"], BK=BK, BR=BR, SP=SP, ALIGN=align)
+        consts = dict(M=M, m0=m0, m1=m1, m2=m2, C=num_chunks(in_f, var), P=P, K=in_f, R=R, BM=cfg["BM"],
+                      CHUNK=cfg["CHUNK"], BK=BK, BR=BR, SP=SP, ALIGN=align)
         built[var] = _module("shrink", dtype, consts, cfg["num_warps"], arch)
     (sn, sth, ssh, _), (ln, lth, lsh, _) = built["small"], built["large"]
     s_bm, l_bm = VARIANTS["small"]["BM"], VARIANTS["large"]["BM"]
@@ -340,13 +343,13 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
         if n > 0:
             if n <= SMALL_MAX_TOKENS:
                 T.call_packed(sn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
-                              v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L), M,
-                              m0, m1, m2, s_c, P, T.int64(0), T.int64(0),
+                              v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
+                              T.int64(0), T.int64(0),
                               T.Cast("int32", (n + s_bm - 1) // s_bm + T.min(n, cap1 - 1)), s_c * P, sth, ssh)
             else:
                 T.call_packed(ln, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
-                              v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L), M,
-                              m0, m1, m2, l_c, P, T.int64(0), T.int64(0),
+                              v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
+                              T.int64(0), T.int64(0),
                               T.Cast("int32", (n + l_bm - 1) // l_bm + T.min(n, cap1 - 1)), l_c * P, lth, lsh)
 
     return lora_shrink_triton, [b[3] for b in built.values()]
@@ -366,8 +369,8 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     built, tiles = {}, {}
     for var, cfg in VARIANTS.items():
         c = num_chunks(in_f, var)
-        consts = dict(W=W, R=R, BM=cfg["BM"], BN=cfg["BN"], BR=BR, CP=1 << max(0, (c - 1).bit_length()),
-                      SP=SP, ALIGN=align)
+        consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=W, R=R, BM=cfg["BM"],
+                      BN=cfg["BN"], BR=BR, CP=1 << max(0, (c - 1).bit_length()), SP=SP, ALIGN=align)
         built[var] = _module("expand", dtype, consts, cfg["num_warps"], arch)
         tiles[var] = sum(-(-w // cfg["BN"]) for w in widths)
     (sn, sth, ssh, _), (ln, lth, lsh, _) = built["small"], built["large"]
@@ -393,13 +396,13 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         if n > 0:
             if n <= SMALL_MAX_TOKENS:
                 T.call_packed(sn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
-                              y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), s_c, layer * (size // L), M,
-                              m0, m1, m2, w0, w1, w2, P, T.int64(0), T.int64(0),
+                              y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
+                              T.int64(0), T.int64(0),
                               T.Cast("int32", (n + s_bm - 1) // s_bm + T.min(n, cap1 - 1)), s_t, sth, ssh)
             else:
                 T.call_packed(ln, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
-                              y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), l_c, layer * (size // L), M,
-                              m0, m1, m2, w0, w1, w2, P, T.int64(0), T.int64(0),
+                              y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
+                              T.int64(0), T.int64(0),
                               T.Cast("int32", (n + l_bm - 1) // l_bm + T.min(n, cap1 - 1)), l_t, lth, lsh)
 
     return lora_expand_triton, [b[3] for b in built.values()]

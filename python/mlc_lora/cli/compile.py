@@ -38,7 +38,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lora-kernel", choices=LORA_KERNELS, default="gather",
                    help="single: one adapter per batch, dense GEMMs; gather: per-token gather; sgmv: fused shrink+expand")
     p.add_argument("--lora-sgmv-backend", choices=BACKENDS, default="auto",
-                   help="who runs the LoRA stage: auto (on cuda fp16/bf16 sgmv: the Triton tensor-core kernels, else CUDA C++, else TIR), triton, cuda or tir")
+                   help="who runs the LoRA stage: auto (sgmv on cuda fp16/bf16: the CUDA C++ kernels, else TIR), cuda, "
+                        "triton (tensor-core kernels over tokens sorted by slot) or tir")
     p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
                    help="split the model over K GPUs (Megatron-style; docs/TP.md)")
     a = p.parse_args(argv)

@@ -1,6 +1,8 @@
 """LoraRewrite on small hand-written Relax modules: exact IR (Before/After) for every registered
 stage implementation (compiler_passes/ops/lora), numerics on llvm, the choice of backend."""
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -403,11 +405,11 @@ def _rewrite(target, backend):
 @needs_nvcc
 @pytest.mark.parametrize("backend", ["auto", "triton", "cuda", "tir"])
 def test_rewrite_inserts_the_cuda_kernels(cuda, backend):
-    if backend in ("auto", "triton"):
+    if backend == "triton":
         pytest.importorskip("triton")
     after = _rewrite(cuda, backend)
-    on_cuda = backend == "cuda"
-    if backend in ("auto", "triton"):
+    on_cuda = backend in ("auto", "cuda")
+    if backend == "triton":
         expected = ExpectedTriton
         names = ("lora_sgmv_triton_shrink_m0_1024", "lora_sgmv_triton_expand_m0_1024x600")
         shrink, smods = GT.shrink_wrapper(1024, (0,), 1, 16, 1, "float16", 256, 8, "sm_90a")
@@ -418,9 +420,10 @@ def test_rewrite_inserts_the_cuda_kernels(cuda, backend):
         tvm.ir.assert_structural_equal(after.without_attr("external_mods"), relax.transform.Normalize()(expected))
         mods = list(after.attrs["external_mods"])
         assert len(mods) == len(smods) + len(emods)  # one cubin per kernel and tile variant
-        for var in GT.VARIANTS.values():
-            assert any(m.implements_function(f"mlc_lora_triton_expand_fp16_600_r16_bm{var['BM']}_s256_a8")
-                       for m in mods)
+        # every kernel the wrappers launch (one per kind and tile variant) is in a linked module
+        launched = set(re.findall(r'"(mlc_lora_triton_\w+)"', after.script()))
+        assert len(launched) == 2 * len(GT.VARIANTS)
+        assert all(any(m.implements_function(k) for m in mods) for k in launched)
         return
     if on_cuda:
         expected = ExpectedCuda

@@ -27,17 +27,18 @@ def test_every_stage_of_the_contract_is_registered():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_auto_picks_the_triton_sgmv_on_cuda_half(dtype):
-    pytest.importorskip("triton")
+def test_auto_picks_the_cuda_sgmv_on_cuda_half(dtype):
     for parts in (1, 2, 3):
-        assert lora.select("sgmv", "auto", CUDA, dtype, 64, parts) is sgmv_triton.STAGE
-    assert lora.select("sgmv", "auto", CUDA, dtype, 128, 1) is sgmv_triton.STAGE
+        assert lora.select("sgmv", "auto", CUDA, dtype, 64, parts) is sgmv_cuda.STAGE
+    assert lora.select("sgmv", "auto", CUDA, dtype, 128, 1) is sgmv_cuda.STAGE
 
 
-def test_auto_takes_the_cuda_sgmv_where_triton_is_missing(monkeypatch):
+def test_the_triton_sgmv_runs_when_asked_for(monkeypatch):
+    pytest.importorskip("triton")
+    assert lora.select("sgmv", "triton", CUDA, "bfloat16", 64, 3) is sgmv_triton.STAGE
     monkeypatch.setattr(sgmv_triton, "triton", None)
-    assert "triton is not installed" in sgmv_triton.STAGE.supported(CUDA, "float16", 16, 1)
-    assert lora.select("sgmv", "auto", CUDA, "float16", 16, 3) is sgmv_cuda.STAGE
+    with pytest.raises(ValueError, match="triton is not installed"):
+        lora.select("sgmv", "triton", CUDA, "float16", 16, 1)
 
 
 @pytest.mark.parametrize("target,dtype,rank,parts,why", [

@@ -43,14 +43,15 @@ def run(inp: dict) -> dict:
     rows = -(-n // cfg["BM"]) + min(n, cap)
     sp = ST._slot_pad(cap)  # pylint: disable=protected-access
     ST.lora_shrink_kernel[(rows, C * P)](
-        t(x), t(arena), t(order), t(start), t(rank), t(scale), t(inp["a_off"]), v, n, cap, base, scale.shape[1],
-        m[0], m[1], m[2], C, P, K=K, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"], BK=ST.BK, BR=ST.BR, SP=sp, ALIGN=8)
+        t(x), t(arena), t(order), t(start), t(rank), t(scale), t(inp["a_off"]), v, n, cap, base, M=scale.shape[1],
+        m0=m[0], m1=m[1], m2=m[2], C=C, P=P, K=K, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"], BK=ST.BK, BR=ST.BR, SP=sp,
+        ALIGN=8)
     y = t(inp["y"].copy())
     tiles = sum(-(-x_ // cfg["BN"]) for x_ in widths)
     ST.lora_expand_kernel[(rows, tiles)](
-        v, t(arena), t(order), t(start), t(rank), t(scale), t(inp["b_off"]), y, n, cap, C, base, scale.shape[1],
-        m[0], m[1], m[2], w[0], w[1], w[2], P, W=sum(widths), R=R, BM=cfg["BM"], BN=cfg["BN"], BR=ST.BR,
-        CP=1 << max(0, (C - 1).bit_length()), SP=sp, ALIGN=8)
+        v, t(arena), t(order), t(start), t(rank), t(scale), t(inp["b_off"]), y, n, cap, base, C=C, M=scale.shape[1],
+        m0=m[0], m1=m[1], m2=m[2], w0=w[0], w1=w[1], w2=w[2], P=P, W=sum(widths), R=R, BM=cfg["BM"], BN=cfg["BN"],
+        BR=ST.BR, CP=1 << max(0, (C - 1).bit_length()), SP=sp, ALIGN=8)
     return {"v": v.numpy(), "y": y.numpy()}
 
 
