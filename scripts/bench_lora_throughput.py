@@ -43,10 +43,10 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     "lora4": ("lora", [(8, 4)]),
     "lora64": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     "lora0": ("lora", []),  # the LoRA library with no adapter: batches run its functions without LoRA
-    # the same 4 x r8 and 64 mixed through the CUDA C++ stage 3 (sgmv.cu), which the Triton
-    # tensor-core kernels of the default library replace
-    "lora4-cuda": ("lora-cuda", [(8, 4)]),
-    "lora64-cuda": ("lora-cuda", [(8, 16), (16, 16), (32, 16), (64, 16)]),
+    # the same 4 x r8 and 64 mixed through the Triton tensor-core stage 3 (--lora-sgmv-backend
+    # triton) instead of the default library's CUDA C++ kernels (sgmv.cu)
+    "lora4-triton": ("lora-triton", [(8, 4)]),
+    "lora64-triton": ("lora-triton", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     # the same 4 x r8 on a library compiled for max rank 16 (vLLM's default max_lora_rank) instead
     # of 64: the kernels' register tiles and loops are sized by the compiled maximum
     "lora4-r16": ("lora-r16", [(8, 4)]),
@@ -90,7 +90,7 @@ def compile_libs(a) -> int:
     lora = dict(common, lora_pool_pages=pages, lora_kernel="sgmv")
     libs = {"base": CompileOptions(**common),
             "lora": CompileOptions(**lora, max_lora_rank=MAX_RANK),
-            "lora-cuda": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="cuda"),
+            "lora-triton": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="triton"),
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir")}
     for name in a.libs.split(","):
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     c = cli.add_compile(sub, "build the base and LoRA (sgmv) libraries into one folder (here)")
     c.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
     c.add_argument("--smoke", action="store_true", help="the 2-layer model")
-    c.add_argument("--libs", default="base,lora,lora-cuda,lora-r16,lora-tir",
+    c.add_argument("--libs", default="base,lora,lora-triton,lora-r16,lora-tir",
                    help="comma-separated libraries to build (a config runs on its library)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True)
