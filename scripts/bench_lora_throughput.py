@@ -93,7 +93,10 @@ def compile_libs(a) -> int:
             "lora-triton": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="triton"),
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir")}
-    for name in a.libs.split(","):
+    # by default every library the target can build (the CUDA C++ and Triton stage 3 are CUDA only)
+    names = a.libs.split(",") if a.libs else [n for n, o in libs.items()
+                                              if o.lora_sgmv_backend not in ("cuda", "triton") or a.target == "cuda"]
+    for name in names:
         if name not in libs:
             raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")
         opts = libs[name]
@@ -312,8 +315,8 @@ def main(argv=None) -> int:
     c = cli.add_compile(sub, "build the base and LoRA (sgmv) libraries into one folder (here)")
     c.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
     c.add_argument("--smoke", action="store_true", help="the 2-layer model")
-    c.add_argument("--libs", default="base,lora,lora-triton,lora-r16,lora-tir",
-                   help="comma-separated libraries to build (a config runs on its library)")
+    c.add_argument("--libs", default=None, help="comma-separated libraries to build, of base, lora, lora-triton, "
+                   "lora-r16, lora-tir (default: all the target can build; a config runs on its library)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True)
     r.add_argument("--requests", required=True, help="the file of `prepare`")

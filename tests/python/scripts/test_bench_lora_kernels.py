@@ -68,9 +68,11 @@ def test_summary_table_and_chart_of_a_result_set(tmp_path, capsys):
     assert sl["ours_over_peers"] == 50 / 40
     text = bench.table([lin, lin2, mixed, lay])
     rows = text.splitlines()
-    assert rows[2].startswith("| 4096x4096 | f16 | 64 | 16 | 16 | 16 | 12.0 | 30.0 | 20.0 | 16.0 | 8.0 | 10.0 | 2.00 | 1.33 | 62 | 125 |")
-    assert "| 4096x4096 | f16 | 64 | 16 | mixed | 64 |" in text and "| - | - | - | 1.50 |" in text
-    assert "| bf16 | 16 | 4 | 8 | 8 | 100.0 | 90.0 (0.90) | 50.0 (0.50) | 40.0 (0.40) | 60.0 (0.60) | 1.25 |" in text
+    # sgmv-triton: not in these results ("-")
+    assert rows[2].startswith("| 4096x4096 | f16 | 64 | 16 | 16 | 16 | 12.0 | 30.0 | 20.0 | 16.0 | - | 8.0 | 10.0 | 2.00 | 1.33 "
+                              "| 62 | 125 |")
+    assert "| 4096x4096 | f16 | 64 | 16 | mixed | 64 |" in text and "| - | - | - | - | 1.50 |" in text
+    assert "| bf16 | 16 | 4 | 8 | 8 | 100.0 | 90.0 (0.90) | 50.0 (0.50) | - | 40.0 (0.40) | 60.0 (0.60) | 1.25 |" in text
     assert "ours sgmv-cuda / best peer vllm = 2.00" in bench.line(lin)
 
     res = tmp_path / "res.json"
@@ -97,7 +99,8 @@ def test_dry_run_checks_and_times_every_cpu_backend(dry_lib, tmp_path):
         (s, t, r) for s in ("64x96", "96x64") for r in (8, "mixed") for t in (1, 17)]
     for r in rows:
         assert r["status"]["gather"] == r["status"]["sgmv-tir"] == "ok"
-        assert r["status"]["sgmv-cuda"] == "skip: CUDA only" and r["status"]["vllm"] == "skip: no peers"
+        assert r["status"]["sgmv-cuda"] == r["status"]["sgmv-triton"] == "skip: CUDA only"
+        assert r["status"]["vllm"] == r["status"]["sglang"] == "skip: no peers"
         assert max(r["err"].values()) < 1e-3  # fp16 kernels against float64
         assert set(r["us"]) == {"base", "gather", "sgmv-tir"} and min(r["us"].values()) > 0
         assert 1 <= r["touched"] <= min(4, r["T"]) and r["roof_us"] == pytest.approx(r["bytes"] / bench.HBM * 1e6)
@@ -130,3 +133,16 @@ def test_a_wrong_kernel_is_caught_before_timing(dry_lib, tmp_path, monkeypatch):
     (row,) = json.loads((tmp_path / "bench_lora_kernels.json").read_text())["rows"]
     assert row["status"]["twice"] == "FAIL" and row["err"]["twice"] == pytest.approx(1.0, rel=1e-2)
     assert "twice" not in row["us"] and row["status"]["sgmv-tir"] == "ok"
+
+
+def test_the_triton_stage_gets_the_pools_token_order():
+    import numpy as np
+    import torch
+
+    from mlc_lora.compiler_passes.ops.lora.reference import sort_tokens_ref
+
+    slot = np.array([3, 0, 3, 1, 0, 3, 2], np.int32)
+    order, start = bench._sorted_tables(torch, torch.from_numpy(slot), 5, "cpu")  # pylint: disable=protected-access
+    want = sort_tokens_ref(slot, 5)
+    assert order.tolist() == want[0].tolist() == [1, 4, 3, 6, 0, 2, 5]
+    assert start.tolist() == want[1].tolist() == [0, 2, 3, 4, 7, 7]

@@ -24,7 +24,7 @@ def test_the_compiler_import_site():
     from harness import compiler
 
     assert compiler.ARCH == "sm_90a" and compiler.target("llvm").kind.name == "llvm"
-    for mod in ("attention_cuda", "gemv_cuda", "gather_tir", "sgmv_tir", "sgmv_cuda"):
+    for mod in ("attention_cuda", "gemv_cuda", "gather_tir", "sgmv_tir", "sgmv_cuda", "sgmv_triton"):
         assert getattr(compiler, mod).__name__.endswith(mod)
     with pytest.raises(ValueError, match="unknown target"):
         compiler.target("rocm")

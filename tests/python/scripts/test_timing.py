@@ -47,7 +47,8 @@ def test_replays_interleave_with_the_order_rotated():
         return fn
 
     t = timing.compare({"a": (cand("a", 0.002), 2), "b": (cand("b", 0.004), 3)}, device="cpu", reps=4)
-    assert t["a"] == pytest.approx(2000, rel=0.5) and t["b"] == pytest.approx(4000, rel=0.5)  # us per call
+    # us per call: a sleep never ends early, and a loaded host may add to it (not a factor of 5)
+    assert 1950 <= t["a"] < 10000 and 3950 <= t["b"] < 20000 and t["b"] > t["a"]
     warm = [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("b", 2)]  # each call once, before any timing
     assert order[:5] == warm
     firsts = [name for name, c in order[5:] if c == 0]
