@@ -13,7 +13,6 @@ from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import MLCLoraError
 from mlc_lora.lora import pack_peft_adapter
 from mlc_lora.lora.layout import layout_adapter
-from mlc_lora.lora.peft import load_peft_adapter
 from mlc_lora.models.llama import LlamaConfig
 from mlc_lora.runner import ModelRunner, ShardedModelRunner
 from mlc_lora.runner.disco import make_session, numpy_ccl_of
@@ -54,10 +53,6 @@ def models(tmp_path_factory):
     return root, compiled
 
 
-def _adapter(runner, folder):
-    return load_peft_adapter(folder, LlamaConfig(**runner.model_config), runner.lora, folder.name)
-
-
 def _run(runner, pool, load):
     """Load the adapters, prefill every request in one mixed batch, then decode; all logits."""
     for aid in (3, 1, 4, 2):
@@ -93,8 +88,8 @@ def test_sharded_logits_match_unsharded(models, shards):
     calls0 = ccl.calls
 
     def load(aid):
-        folder = root / f"adapter{aid}"
-        assert pool.load_adapter(aid, _adapter(r, folder), folder=folder) == _pages(r, aid)
+        plan = pool.load_adapter(aid, root / f"adapter{aid}")  # workers pack, the controller plans
+        assert (plan.name, plan.rank, plan.num_pages) == (f"adapter{aid}", ADAPTERS[aid]["r"], _pages(r, aid))
 
     got = _run(r, pool, load)
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
@@ -143,9 +138,8 @@ def test_unload_pin_and_eviction_stay_in_step(models):
     pinned, idle = 2, 1
     pages = _pages(r, pinned) + _pages(r, idle) + 4
     pool = r.create_pool(8, (pages - 1) * 16, 128)
-    for aid, pin in ((pinned, True), (idle, False)):
-        folder = root / f"adapter{aid}"
-        pool.load_adapter(aid, _adapter(r, folder), pin=pin, folder=folder)
+    pool.load_adapter(pinned, root / f"adapter{pinned}", pin=True)
+    pool.load_adapter(idle, root / f"adapter{idle}")
     before = pool.shard_stats()
     assert before[0] == before[1] and before[0].free_pages == 4
     pool.add_sequence(0)
