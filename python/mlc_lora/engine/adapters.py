@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import LoraError, PoolExhaustedError, UnknownAdapterError
 from ..lora.peft import LoraAdapter

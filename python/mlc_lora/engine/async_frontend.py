@@ -60,7 +60,8 @@ class AsyncMLCEngine(MLCEngine):
     async def stats(self) -> dict[str, Any]:  # type: ignore[override]
         return await self._in_thread(MLCEngine.stats)
 
-    async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:  # type: ignore[override]
+    async def load_adapter(self, name: str, path: str | Path,  # type: ignore[override]
+                           pin: bool = False) -> dict[str, Any]:
         return await self._in_thread(MLCEngine.load_adapter, name, path, pin)
 
     async def pin_adapter(self, name: str, pin: bool = True) -> dict[str, Any]:  # type: ignore[override]

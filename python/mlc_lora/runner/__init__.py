@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 from ..errors import MLCLoraError
 from .base import Runner
 from .config import CompiledConfig, read_compiled_config
-from .device import _tvm, device_of, load_cublas, load_cuda_runtime
+from .device import _tvm, device_of, load_cublas, load_cuda_runtime  # noqa: F401  (_tvm: for the scripts)
 from .pool import AdapterInfo, DevicePool, Pool, PoolStats
 from .sharded import ShardedModelRunner, ShardedPool
 from .single import ModelRunner

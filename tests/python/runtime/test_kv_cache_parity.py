@@ -1,8 +1,8 @@
 """mlc-lora's paged KV cache against TVM's stock cache (and HF) on the same traffic.
 
-Both caches are driven only through the stock vm.builtin.* functions (the runner's Pool calls them): mixed prefill and decode,
-forks at a page boundary, inside a page and at the end, popn into a shared page, removal of a
-parent whose pages its children share.
+Both caches are driven only through the stock vm.builtin.* functions (which the runner's Pool
+calls): mixed prefill and decode, forks at a page boundary, inside a page and at the end, popn into
+a shared page, removal of a parent whose pages its children share.
 """
 
 import numpy as np
@@ -10,8 +10,6 @@ import torch
 import tvm
 
 from mlc_lora.runner import ModelRunner
-
-from ..conftest import TINY_CONFIGS
 
 ATOL = 1e-5
 
