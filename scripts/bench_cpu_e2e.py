@@ -28,9 +28,9 @@ def run(model_dir: Path, prompt_len: int, steps: int):
     state = {}
 
     def fresh_cache():
-        kv = runner.create_kv_cache(max_batch_size=1, max_total_seq_len=prompt_len + steps + 8,
+        kv = runner.create_pool(max_batch_size=1, max_total_seq_len=prompt_len + steps + 8,
                                     prefill_chunk_size=prompt_len)
-        runner.kv_add(kv, 0)
+        kv.add_sequence(0)
         return kv
 
     def prefill(kv):

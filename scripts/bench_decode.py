@@ -110,9 +110,9 @@ def run(args) -> int:
         out = {}
 
         def fresh_cache(r=r, b=b):
-            kv = r.create_kv_cache(64, 16 * PROMPT + 1024)
+            kv = r.create_pool(64, 16 * PROMPT + 1024)
             for i in range(b):
-                r.kv_add(kv, i)
+                kv.add_sequence(i)
             return kv
 
         def ours_prefill(kv, r=r, b=b, toks=toks):
@@ -136,9 +136,9 @@ def run(args) -> int:
     steps, samples = 10, 3  # the median of 3 samples of 10 steps
     for v, r in runners.items():
         for b in batches:
-            kv = r.create_kv_cache(64, 64 * (PROMPT + 64))
+            kv = r.create_pool(64, 64 * (PROMPT + 64))
             for i in range(b):
-                r.kv_add(kv, i)
+                kv.add_sequence(i)
             pgen = torch.Generator(device="cpu").manual_seed(100 + b)
             for s in range(0, b, 16):
                 chunk = list(range(s, min(b, s + 16)))
@@ -198,9 +198,9 @@ def run(args) -> int:
                 att.append((f"decode[{v}]", b, ours, sd))
     for v, b in [(v, b) for v in ("graph", "tir") if v in runners and args.prefill for b in (1, 4, 16)]:
         r = runners[v]
-        kv = r.create_kv_cache(64, 16 * PROMPT + 1024)
+        kv = r.create_pool(64, 16 * PROMPT + 1024)
         for i in range(b):
-            r.kv_add(kv, i)
+            kv.add_sequence(i)
         toks = [torch.randint(0, V, (PROMPT,), generator=gen).tolist() for _ in range(b)]
         from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

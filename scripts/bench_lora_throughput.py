@@ -164,9 +164,7 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed) -> float:
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
-    from mlc_lora import _ffi_api as rt  # pylint: disable=import-outside-toplevel
-    from mlc_lora.engine.adapters import _numpy_dtype  # pylint: disable=import-outside-toplevel
-    from mlc_lora.lora.layout import LoraSpec, pack_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.lora.layout import pack_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.models.random_model import random_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
@@ -174,19 +172,19 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed) -> float:
     cfg = json.loads((folder / "mlc-lora-config.json").read_text())
     mc = cfg["model_config"]
     r = ModelRunner(folder, device, params=[params[n] for n in cfg["param_names"]])
-    spec = LoraSpec.from_json(r.lora)
-    kv = r.create_kv_cache(4, 128 * 16)
+    spec = r.lora
+    kv = r.create_pool(4, 128 * 16)
     ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
            for i, rank in enumerate((8, 64))}
     for i, ad in ads.items():
-        p = pack_adapter(spec, ad, _numpy_dtype(r.dtype))
-        rt.pool_load_adapter(kv, i, *p.ffi_args(), True)
+        p = pack_adapter(spec, ad, r.compiled.numpy_dtype)
+        kv.load_packed_adapter(i, p, True)
     rng = np.random.default_rng(seed)
     rows = [(0, rng.integers(0, r.vocab_size, 7).tolist()), (None, rng.integers(0, r.vocab_size, 19).tolist()),
             (1, rng.integers(0, r.vocab_size, 33).tolist())]
     for sid, (aid, _) in enumerate(rows):
-        r.kv_add(kv, sid)
-        rt.pool_set_sequence_adapter(kv, sid, -1 if aid is None else aid)
+        kv.add_sequence(sid)
+        kv.set_sequence_adapter(sid, aid)
     seqs = [list(p) for _, p in rows]
     ref_model = TorchLlama(weights, mc, torch, torch.float32)
 

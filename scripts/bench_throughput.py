@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 
-    from mlc_lora.engine.engine import resolve_compiled  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compile import resolve_compiled  # pylint: disable=import-outside-toplevel
     from mlc_lora.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
     compiled = resolve_compiled(a.model, a.device)

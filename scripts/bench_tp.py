@@ -1,6 +1,6 @@
 """1 GPU vs K GPUs side by side: the same model compiled unsharded and with --tensor-parallel-shards K.
 
-  # on a machine with 2 GPUs (docs/TP.md); NCCL_NVLS_ENABLE=0 is set by mlc_lora.tp itself
+  # on a machine with 2 GPUs (docs/TP.md); NCCL_NVLS_ENABLE=0 is set by mlc_lora.runner itself
   python scripts/bench_tp.py --model /path/to/Llama-3-8B-hf --shards 2 --num-prompts 256 \
       --max-output-len 128 --out docs/results/tp_llama3_8b.json
 

@@ -32,10 +32,10 @@ def run(runner, prompts: list[list[int]], forced: np.ndarray | None, steps: int)
     """Ragged prefill of all prompts, then `steps` decode steps. Returns (logits [steps+1, b, V],
     greedy tokens [steps+1, b]); with `forced`, feeds forced[k] instead of the greedy choice."""
     b = len(prompts)
-    kv = runner.create_kv_cache(max_batch_size=b, max_total_seq_len=1024, prefill_chunk_size=256)
+    kv = runner.create_pool(max_batch_size=b, max_total_seq_len=1024, prefill_chunk_size=256)
     ids = list(range(b))
     for i in ids:
-        runner.kv_add(kv, i)
+        kv.add_sequence(i)
     out = [runner.prefill(kv, ids, prompts).numpy()]
     greedy = [out[-1].argmax(-1)]
     for k in range(steps):

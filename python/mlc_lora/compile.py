@@ -58,6 +58,22 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
         return dtype
 
 
+def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtype: str | None = None,
+                     max_lora_rank: int = 0, lora_pool_pages: int = 0) -> Path:
+    """A compiled folder as is; anything else (embedded name, HF folder, .gguf) is compiled once into
+    the user's cache directory (with LoRA when `max_lora_rank` and `lora_pool_pages` are given)."""
+    path = Path(model)
+    if (path / CONFIG_FILE).is_file():
+        return path
+    target = "llvm" if device == "cpu" else "cuda"
+    opts = CompileOptions(target=target, dtype=dtype, max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
+    lora = f"-lora{max_lora_rank}x{lora_pool_pages}" if max_lora_rank or lora_pool_pages else ""
+    out = cache_dir() / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}{lora}"
+    if not (out / CONFIG_FILE).is_file():
+        compile_model(model, out, opts, progress=progress)
+    return out
+
+
 def make_target(options: CompileOptions):
     import tvm  # pylint: disable=import-outside-toplevel
 
@@ -258,9 +274,9 @@ def _jsonable(v) -> bool:
 
 
 def _version() -> str:
-    from . import __version__  # pylint: disable=import-outside-toplevel
+    from importlib.metadata import version  # pylint: disable=import-outside-toplevel
 
-    return __version__
+    return version("mlc-lora")
 
 
 # ---------------------------------------------------------------------------------------------

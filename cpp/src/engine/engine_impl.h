@@ -1,7 +1,7 @@
 /*!
  * \file engine_impl.h
  * \brief The C++ engine's state: a compiled model folder driven through TVM's runtime, as
- *        python/mlc_lora/runner.py does, and the requests it runs.
+ *        python/mlc_lora/runner/single.py does, and the requests it runs.
  *
  * TVM is reached only through tvm-ffi: the model library is a tvm-ffi Module whose
  * `vm_load_executable` gives the Relax VM; tensors are made and copied with the runtime's
@@ -92,7 +92,7 @@ struct Engine::Impl {
   void LoadParams(const std::string& path, const JSON& names);
   void ConfigureLora();
 
-  // ---- forward passes (model.cc; runner.py's prefill / decode)
+  // ---- forward passes (model.cc; runner/single.py's prefill / decode)
   tvm::ffi::Tensor Empty(std::vector<int64_t> shape, DLDataType dt) const;
   tvm::ffi::Tensor Embed(const std::vector<int32_t>& ids) const;
   std::vector<float> ToHost(const tvm::ffi::Tensor& logits, size_t rows) const;

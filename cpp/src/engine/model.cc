@@ -1,7 +1,7 @@
 /*!
  * \file model.cc
  * \brief The compiled model folder: config and contract, tokenizer, library, params, KV cache;
- *        and the forward passes (runner.py's prefill / decode).
+ *        and the forward passes (runner/single.py's prefill / decode).
  *
  * MLC_LORA_CONFIG_FILE is CONFIG_FILE of python/mlc_lora/contract.py, read by CMake; everything
  * else the engine must agree on comes from the config's "contract" block.
@@ -252,7 +252,7 @@ std::vector<float> Engine::Impl::ToHost(const ffi::Tensor& logits, size_t rows) 
 }
 
 // The LoRA inputs of the batch: the pool's arena and the tables it built in begin_forward from
-// each sequence's adapter (pool_set_sequence_adapter), as runner.py's lora="pool".
+// each sequence's adapter (pool_set_sequence_adapter), as runner/single.py's lora="pool".
 std::vector<ffi::Any> Engine::Impl::LoraArgs() {
   if (!lora) return {};
   std::vector<ffi::Any> out;

@@ -1,4 +1,4 @@
-"""The engine's LoRA adapters: names -> unified-pool ids, validation against the compiled library,
+"""The engine's LoRA adapters: names -> pool slots, validation against the compiled library,
 each sequence bound to its adapter, and the page counts the scheduler admits requests by.
 
 Lifetimes: an adapter counts the engine's sequences on it (waiting or running). `unload` forgets
@@ -10,22 +10,19 @@ not only the pool's per-sequence refcount.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import types
 from pathlib import Path
-from typing import Any, Optional
-
-import numpy as np
+from typing import Any
 
 from ..errors import LoraError, PoolExhaustedError, UnknownAdapterError
-from ..lora.layout import LoraSpec, pack_adapter
-from ..lora.peft import LoraAdapter, pack_peft_adapter
+from ..lora.peft import LoraAdapter
+from ..runner import Pool, Runner
+from .scheduler import Sequence
 
 
 @dataclasses.dataclass
 class Adapter:  # pylint: disable=too-many-instance-attributes
     name: str
-    id: int  # pool id, never reused
+    slot: int  # its id in the pool, never reused
     path: str
     rank: int
     lora_alpha: float
@@ -38,30 +35,21 @@ class Adapter:  # pylint: disable=too-many-instance-attributes
     unloading: bool = False
 
 
-def _numpy_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes  # pylint: disable=import-outside-toplevel
-
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
-
-
 class AdapterTable:
-    """Adapters of one engine's KV cache (the unified pool). Used from the engine thread only."""
+    """Adapters of one engine's pool. Used from the engine thread only."""
 
-    def __init__(self, runner, kv):
-        self.runner, self.kv = runner, kv
-        # (runner.create_kv_cache configured the pool for LoRA)
-        self.spec: Optional[LoraSpec] = LoraSpec.from_json(runner.lora) if runner.lora else None
+    def __init__(self, runner: Runner, pool: Pool):
+        self.runner, self.pool = runner, pool
         self.by_name: dict[str, Adapter] = {}
-        self.by_id: dict[int, Adapter] = {}  # also adapters unloading while sequences finish
-        self._next_id = itertools.count()
+        self.by_slot: dict[int, Adapter] = {}  # also adapters unloading while sequences finish
+        self._next_slot = 0  # slots are never reused: a sequence's stays its adapter's
         self._of_seq: dict[int, Adapter] = {}  # seq_id -> its adapter
 
     # --- loading ------------------------------------------------------------------------------
 
-    def load(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:
-        if self.spec is None:
+    def load(self, name: str, path: str | Path | LoraAdapter, pin: bool = False) -> dict[str, Any]:
+        """Check and load the PEFT adapter at `path` (or one in memory) into the pool as `name`."""
+        if self.runner.lora is None:
             raise LoraError(f"{self.runner.model_dir} was compiled without LoRA: recompile it with "
                             "--max-lora-rank R --lora-pool-pages P to load adapters")
         if not isinstance(name, str) or not name:
@@ -69,26 +57,14 @@ class AdapterTable:
         if name in self.by_name:
             raise LoraError(f"adapter {name!r} is already loaded (from {self.by_name[name].path}); "
                             "unload it first")
-        spec = self.spec
-        if isinstance(path, LoraAdapter):  # read already (e.g. made on the device by a benchmark)
-            packed, path = pack_adapter(spec, path, _numpy_dtype(self.runner.dtype)), f"<in memory: {path.name}>"
-        else:
-            packed = pack_peft_adapter(path, self.runner.config, name)
-        n, total = int(packed.pages.shape[1]), self.pool_stats()["total_pages"]
-        if n > total:
-            raise LoraError(f"adapter {name} (rank {packed.rank}, {', '.join(packed.modules)}) needs {n} "
-                            f"pages, but the whole pool has {total}")
-        aid = next(self._next_id)
-        try:
-            if getattr(self.runner, "num_shards", 1) > 1:  # every shard packs its own slices
-                self.runner.load_adapter(self.kv, aid, path, bool(pin))
-            else:
-                self.runner.pool("pool_load_adapter")(self.kv, aid, *packed.ffi_args(), bool(pin))
-        except PoolExhaustedError as e:
-            raise PoolExhaustedError(f"cannot load adapter {name!r} ({n} pages): {e}") from None
-        a = Adapter(name, aid, str(path), packed.rank, packed.lora_alpha, packed.use_rslora,
-                    dict(packed.scales), list(packed.modules), bool(pin), n)
-        self.by_name[name] = self.by_id[aid] = a
+        slot = self._next_slot
+        plan = self.pool.load_adapter(slot, path, bool(pin), name=name)
+        self._next_slot += 1
+        if isinstance(path, LoraAdapter):  # made in memory (e.g. on the device by a benchmark)
+            path = f"<in memory: {path.name}>"
+        a = Adapter(name, slot, str(path), plan.rank, plan.lora_alpha, plan.use_rslora, dict(plan.scales),
+                    list(plan.modules), bool(pin), plan.num_pages)
+        self.by_name[name] = self.by_slot[slot] = a
         return self.info(a)
 
     def unload(self, name: str) -> None:
@@ -103,7 +79,7 @@ class AdapterTable:
             raise LoraError(f"pin must be true or false, got {pin!r}")
         a = self.get(name)
         try:
-            self.runner.pool("pool_pin_adapter")(self.kv, a.id, pin)
+            self.pool.pin_adapter(a.slot, pin)
         except PoolExhaustedError as e:
             raise PoolExhaustedError(f"cannot pin adapter {name!r} ({a.num_pages} pages): {e}") from None
         a.pinned = pin
@@ -117,79 +93,75 @@ class AdapterTable:
         return a
 
     def info(self, a: Adapter) -> dict[str, Any]:
-        pool = self.runner.pool("pool_adapter_info")(self.kv, a.id)
-        return dict(name=a.name, id=a.id, path=a.path, rank=a.rank, lora_alpha=a.lora_alpha,
+        pool = self.pool.adapter_info(a.slot)
+        return dict(name=a.name, id=a.slot, path=a.path, rank=a.rank, lora_alpha=a.lora_alpha,
                     use_rslora=a.use_rslora, scales=dict(a.scales), target_modules=list(a.target_modules),
-                    pinned=bool(pool["pinned"]), resident=bool(pool["resident"]), pages=a.num_pages,
-                    active_requests=a.users)
+                    pinned=pool.pinned, resident=pool.resident, pages=a.num_pages, active_requests=a.users)
 
     def list(self) -> list[dict[str, Any]]:
         return [self.info(a) for a in self.by_name.values()]
 
     # --- sequences ----------------------------------------------------------------------------
 
-    def attach(self, seq) -> None:
-        """Take the sequence's adapter by name; from now on `seq.adapter_id` is its pool id."""
-        if seq.adapter_id is None:
+    def attach(self, seq: Sequence) -> None:
+        """Take the sequence's adapter (by its name): `seq.adapter_slot` is its pool slot from now on."""
+        if seq.adapter_name is None:
             return
-        a = self.get(seq.adapter_id)
+        a = self.get(seq.adapter_name)
         a.users += 1
         self._of_seq[seq.seq_id] = a
-        seq.adapter_name, seq.adapter_id = a.name, a.id
+        seq.adapter_slot = a.slot
 
-    def detach(self, seq) -> None:
+    def detach(self, seq: Sequence) -> None:
         a = self._of_seq.pop(seq.seq_id, None)
         if a is not None:
             a.users -= 1
             self._free_if_unused(a)
 
     def add_sequence(self, seq_id: int) -> None:
-        """The scheduler's kv_add: a KV sequence, bound to its adapter in the pool (refcounted)."""
-        self.runner.kv_add(self.kv, seq_id)
+        """The scheduler's add_sequence: a place in the pool, bound to its adapter (refcounted)."""
+        self.pool.add_sequence(seq_id)
         a = self._of_seq.get(seq_id)
         if a is not None:
-            self.runner.pool("pool_set_sequence_adapter")(self.kv, seq_id, a.id)
+            self.pool.set_sequence_adapter(seq_id, a.slot)
 
     def _free_if_unused(self, a: Adapter) -> None:
         if a.unloading and a.users == 0:
-            self.runner.pool("pool_unload_adapter")(self.kv, a.id)
-            del self.by_id[a.id]
+            self.pool.unload_adapter(a.slot)
+            del self.by_slot[a.slot]
 
     # --- pages --------------------------------------------------------------------------------
 
-    def pool_stats(self) -> dict[str, int]:
-        return {k: int(v) for k, v in self.runner.pool("pool_stats")(self.kv).items()}
-
     def available_pages(self) -> int:
         """Pages a batch can take: free ones plus those of idle unpinned adapters (evicted LRU)."""
-        free = int(self.runner.kv_available_pages(self.kv))
-        return free + (self.pool_stats()["evictable_pages"] if self.spec is not None else 0)
+        free = self.pool.available_pages()
+        return free + (self.pool.stats().evictable_pages if self.runner.lora is not None else 0)
 
-    def pages_to_run(self, aid: int) -> int:
-        """Pages a batch must find for adapter `aid`: all of them unless it is resident and kept
+    def pages_to_run(self, slot: int) -> int:
+        """Pages a batch must find for adapter `slot`: all of them unless it is resident and kept
         (pinned, or held by a running sequence); an idle resident one stops being evictable."""
-        info = self.runner.pool("pool_adapter_info")(self.kv, aid)
-        kept = bool(info["resident"]) and (bool(info["pinned"]) or int(info["refs"]) > 0)
-        return 0 if kept else int(info["num_pages"])
+        info = self.pool.adapter_info(slot)
+        kept = info.resident and (info.pinned or info.refs > 0)
+        return 0 if kept else info.num_pages
 
-    def exhausted(self, seq) -> PoolExhaustedError:
-        s = self.pool_stats()
+    def exhausted(self, seq: Sequence) -> PoolExhaustedError:
+        s = self.pool.stats()
         what = "its KV"
-        if seq.adapter_id is not None:
-            a = self.by_id[seq.adapter_id]
+        if seq.adapter_slot is not None:
+            a = self.by_slot[seq.adapter_slot]
             what = f"adapter {a.name!r} ({a.num_pages} pages) and its KV"
         return PoolExhaustedError(
             f"request cannot run: {what} need more pages than the pool can give with nothing else "
-            f"running ({s['free_pages']} free, {s['evictable_pages']} held by idle adapters, "
-            f"{s['adapter_pages'] - s['evictable_pages']} by pinned or busy adapters, {s['total_pages']} "
+            f"running ({s.free_pages} free, {s.evictable_pages} held by idle adapters, "
+            f"{s.adapter_pages - s.evictable_pages} by pinned or busy adapters, {s.total_pages} "
             "in total); unpin or unload adapters, or compile with more --lora-pool-pages")
 
     def stats(self) -> dict[str, Any]:
-        s = self.pool_stats()
-        return dict(pool_pages_total=s["total_pages"], pool_pages_free=s["free_pages"],
-                    pool_pages_kv=s["kv_pages"], pool_pages_adapter=s["adapter_pages"],
-                    pool_pages_evictable=s["evictable_pages"],
-                    adapter_evictions=s["adapter_evictions"], adapter_page_ins=s["adapter_page_ins"],
+        s = self.pool.stats()
+        return dict(pool_pages_total=s.total_pages, pool_pages_free=s.free_pages,
+                    pool_pages_kv=s.kv_pages, pool_pages_adapter=s.adapter_pages,
+                    pool_pages_evictable=s.evictable_pages,
+                    adapter_evictions=s.adapter_evictions, adapter_page_ins=s.adapter_page_ins,
                     adapters_loaded=sorted(self.by_name),
-                    adapters_resident=sorted(a.name for a in self.by_id.values()
-                                             if bool(self.runner.pool("pool_adapter_info")(self.kv, a.id)["resident"])))
+                    adapters_resident=sorted(a.name for a in self.by_slot.values()
+                                             if self.pool.adapter_info(a.slot).resident))

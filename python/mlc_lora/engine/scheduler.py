@@ -46,21 +46,19 @@ _seq_ids = itertools.count()
 class Sequence:  # pylint: disable=too-many-instance-attributes
     """One request's tokens, its place in the KV cache, and its sampling state."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, adapter_id: Optional[str] = None,
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, adapter_name: Optional[str] = None,
                  sink: Optional[Callable[[Any], None]] = None):
         self.seq_id = next(_seq_ids)
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
-        # The LoRA work plugs in here: the batch carries each row's adapter (None = base model).
-        self.adapter_id = adapter_id  # the name until the engine takes the adapter, then its pool id
-        self.adapter_name = adapter_id
+        self.adapter_name = adapter_name  # the LoRA adapter the request asked for (None: base model)
+        self.adapter_slot: Optional[int] = None  # its id in the pool, once the engine takes it
         self.status = Status.WAITING
         self.num_cached = 0  # tokens whose KV is in the cache
         self.finish_reason: Optional[str] = None
         self.rng = np.random.default_rng(params.seed)
         self.sink = sink  # receives this sequence's outputs (set by the engine front end)
-        self.aborted = False
         self.state: Any = None  # the engine's per-request text state (detokeniser, stop strings)
 
     @property
@@ -85,8 +83,6 @@ def new_pages(num_cached: int, n: int) -> int:
 class Batch:
     seqs: list[Sequence]
     chunks: list[list[int]]  # tokens each sequence appends this step
-    # Per-row adapter of the batch (None = base model): where the LoRA tables will be built from.
-    adapter_ids: list[Optional[str]]
 
     @property
     def is_decode(self) -> bool:
@@ -100,20 +96,22 @@ class Batch:
 class Scheduler:
     """FIFO admission; running decodes first; pages checked before every step."""
 
-    def __init__(self, kv_pages: Callable[[], int], kv_add: Callable[[int], None],
-                 kv_remove: Callable[[int], None], max_num_seqs: int, max_step_tokens: int,
-                 adapter_pages: Optional[Callable[[Any], int]] = None, one_adapter_per_batch: bool = False):
-        """LoRA: `kv_pages` counts the pages idle adapters would give back too; `adapter_pages(a)`
-        is what a batch must find for adapter `a` (its pages unless resident and held by a running
-        sequence); `one_adapter_per_batch` for stage-1 (`single`) libraries."""
-        self.kv_pages = kv_pages
+    def __init__(self, free_pages: Callable[[], int], add_sequence: Callable[[int], None],
+                 remove_sequence: Callable[[int], None], max_num_seqs: int, max_step_tokens: int,
+                 adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False):
+        """The pool's side: `free_pages()` counts the pages a batch can take (LoRA: with those idle
+        adapters would give back), `add_sequence` / `remove_sequence` take and drop a sequence's
+        place in it, `adapter_pages(slot)` is what a batch must find for an adapter (its pages
+        unless resident and held by a running sequence); `one_adapter_per_batch` for stage-1
+        (`single`) libraries."""
+        self.free_pages = free_pages
         self.adapter_pages = adapter_pages or (lambda a: 0)
         self.one_adapter = one_adapter_per_batch
-        self._served: dict[Any, int] = {}  # adapter -> step it last ran (one_adapter fairness)
+        self._served: dict[int, int] = {}  # adapter slot -> step it last ran (one_adapter fairness)
         self._step = 0
         self.rejected: list[Sequence] = []  # waiting requests that can never fit; the engine fails them
-        self.kv_add = kv_add
-        self.kv_remove = kv_remove
+        self.add_sequence = add_sequence
+        self.remove_sequence = remove_sequence
         self.max_num_seqs = max_num_seqs
         self.max_step_tokens = max_step_tokens
         self.waiting: deque[Sequence] = deque()
@@ -125,7 +123,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         if seq.status == Status.RUNNING:
-            self.kv_remove(seq.seq_id)
+            self.remove_sequence(seq.seq_id)
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -138,31 +136,31 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute: drop the KV, keep the tokens; the sequence prefills them again later."""
-        self.kv_remove(seq.seq_id)
+        self.remove_sequence(seq.seq_id)
         self.running.remove(seq)
         seq.num_cached = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _pick_adapter(self) -> Any:
+    def _pick_adapter(self) -> Optional[int]:
         """Stage 1: the adapter of this batch, the one served least recently (base rides along)."""
-        order = list(dict.fromkeys(s.adapter_id for s in self.running + list(self.waiting)
-                                   if s.adapter_id is not None))
+        order = list(dict.fromkeys(s.adapter_slot for s in self.running + list(self.waiting)
+                                   if s.adapter_slot is not None))
         return min(order, key=lambda a: self._served.get(a, -1)) if order else None
 
     def schedule(self) -> Optional[Batch]:
         self._step += 1
         only = self._pick_adapter() if self.one_adapter else None
-        fits = lambda s: not self.one_adapter or s.adapter_id in (None, only)  # noqa: E731
+        fits = lambda s: not self.one_adapter or s.adapter_slot in (None, only)  # noqa: E731
         charged: set = set()  # adapters whose pages this batch already counts
 
         def cost(seq: Sequence) -> int:
-            a = seq.adapter_id
+            a = seq.adapter_slot
             return 0 if a is None or a in charged else self.adapter_pages(a)
 
         used = 0  # pages this batch takes (KV and adapters paged in or kept from eviction)
-        free = self.kv_pages()
+        free = self.free_pages()
         budget = self.max_step_tokens
         rows: list[tuple[Sequence, list[int]]] = []
         # 1. decodes, oldest first; when pages run out, preempt the newest running sequence
@@ -172,18 +170,18 @@ class Scheduler:
             need = new_pages(seq.num_cached, 1) + cost(seq)
             while need > free and queue:
                 self.preempt(queue.pop())
-                free = self.kv_pages() - used
+                free = self.free_pages() - used
             if need > free:
                 if len(self.running) == 1:  # alone and out of pages: it can never finish
                     self.reject(seq)
                     continue
                 self.preempt(seq)
-                free = self.kv_pages() - used
+                free = self.free_pages() - used
                 continue
             free -= need
             used += need
             budget -= 1
-            charged.add(seq.adapter_id)
+            charged.add(seq.adapter_slot)
             rows.append((seq, seq.tokens[-1:]))
         # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
@@ -203,14 +201,14 @@ class Scheduler:
                 break
             if seq.status == Status.WAITING:
                 self.waiting.remove(seq)
-                self.kv_add(seq.seq_id)
+                self.add_sequence(seq.seq_id)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
             need = new_pages(seq.num_cached, n) + c
             free -= need
             used += need
             budget -= n
-            charged.add(seq.adapter_id)
+            charged.add(seq.adapter_slot)
             rows.append((seq, seq.tokens[seq.num_cached:seq.num_cached + n]))
         if not rows and len(self.running) > 1:
             # every running sequence is stuck mid-prefill without pages: free the newest
@@ -225,4 +223,4 @@ class Scheduler:
             return None
         if only is not None:
             self._served[only] = self._step
-        return Batch([s for s, _ in rows], [c for _, c in rows], [s.adapter_id for s, _ in rows])
+        return Batch([s for s, _ in rows], [c for _, c in rows])

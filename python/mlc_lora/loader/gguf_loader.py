@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import ModelConfigError, WeightError
 from .gguf_file import read_gguf
 from .gguf_tokenizer import gguf_tokenizer
-from .source import ModelSource
+from .model_source import ModelSource
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",

@@ -8,7 +8,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from ..errors import ModelConfigError, WeightError
-from .source import ModelSource
+from .model_source import ModelSource
 
 
 def load_hf_folder(folder: Path) -> ModelSource:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one AsyncMLCEngine (FastAPI).
 
-Every generation runs as an engine stream, also for non-streaming requests (they gather it): so a
-client that goes away cancels the stream, whose `finally` aborts the sequence and frees its pages.
+Responses are the engine's own (engine/responses.py), renamed to the model the request asked for.
+A client that goes away cancels its engine call (the stream, or the task awaiting a whole
+response), which aborts the request's sequences and frees their pages.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import inspect
 import json
 import time
 from pathlib import Path
@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
-from ..engine import protocol as P
 from .adapters import AdapterRoots
 from .metrics import Metrics
 
@@ -80,13 +79,6 @@ def _check_types(body: dict[str, Any]) -> None:
         raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
 
 
-async def _call(fn, *args, **kw):
-    """Call an engine method: awaited when async, else in a worker thread (it waits on the engine loop)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kw)
-    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kw))
-
-
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -135,19 +127,13 @@ class Server:  # pylint: disable=too-many-instance-attributes
 
     # --- adapters ---------------------------------------------------------------------------
 
-    def _adapter_api(self, what: str):
-        fn = getattr(self.engine, what, None)
-        if fn is None:
-            raise APIError(501, f"this engine has no adapter API (MLCEngine.{what})", "server_error")
-        return fn
-
     async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> None:
         if name == self.model_name:
             raise APIError(400, f"adapter name {name!r} is the base model's name", param="lora_name")
         if name in self.adapters:
             raise APIError(400, f"an adapter named {name!r} is already loaded; unload it first",
                            param="lora_name")
-        await _call(self._adapter_api("load_adapter"), name, path, pin=pin)
+        await self.engine.load_adapter(name, path, pin=pin)
         self.adapters[name] = str(path)
         self.metrics.adapter_loads.inc()
 
@@ -155,7 +141,7 @@ class Server:  # pylint: disable=too-many-instance-attributes
         if name not in self.adapters:
             raise APIError(404, f"no adapter named {name!r} is loaded", "not_found_error", "model_not_found",
                            "lora_name")
-        await _call(self._adapter_api("unload_adapter"), name)
+        await self.engine.unload_adapter(name)
         del self.adapters[name]
         self.metrics.adapter_unloads.inc()
 
@@ -163,11 +149,10 @@ class Server:  # pylint: disable=too-many-instance-attributes
         if name not in self.adapters:
             raise APIError(404, f"no adapter named {name!r} is loaded", "not_found_error", "model_not_found",
                            "lora_name")
-        await _call(self._adapter_api("pin_adapter"), name, pin)
+        await self.engine.pin_adapter(name, pin)
 
     async def list_adapters(self) -> list[dict[str, Any]]:
-        fn = getattr(self.engine, "list_adapters", None)
-        return list(await _call(fn)) if fn is not None else []
+        return list(await self.engine.list_adapters())
 
     def adapter_of(self, model: Any) -> Optional[str]:
         """The adapter a request's `model` names (None: the base model); 404 when it names nothing."""
@@ -179,14 +164,14 @@ class Server:  # pylint: disable=too-many-instance-attributes
                        f"adapters {sorted(self.adapters)}", "not_found_error", "model_not_found", "model")
 
     async def stats(self) -> dict[str, Any]:
-        s = await _call(self.engine.stats)
+        s = await self.engine.stats()
         self.metrics.observe_engine(s)
         return s
 
     # --- generation -------------------------------------------------------------------------
 
-    async def open_stream(self, chat: bool, body: dict[str, Any]):
-        """Validate `body` and start the engine stream; returns (model name, async iterator of chunks)."""
+    def prepare(self, chat: bool, body: dict[str, Any]):
+        """Check `body`; returns (the model name it answers as, its create(...) and its arguments)."""
         body = dict(body)
         model = body.pop("model", None)
         adapter = self.adapter_of(model)
@@ -194,8 +179,8 @@ class Server:  # pylint: disable=too-many-instance-attributes
         for k in ("stream", "stream_options", "user"):
             body.pop(k, None)
         creator = self.engine.chat.completions if chat else self.engine.completions
-        gen = await creator.create(stream=True, adapter_id=adapter, **body)
-        return model if model is not None else self.model_name, gen
+        return (model if model is not None else self.model_name), functools.partial(
+            creator.create, adapter_id=adapter, **body)
 
     async def events(self, gen, model: str, endpoint: str, include_usage: bool, t0: float) -> AsyncIterator[str]:
         """The SSE body of a streaming request (OpenAI's: usage on its own last chunk when asked)."""
@@ -222,42 +207,24 @@ class Server:  # pylint: disable=too-many-instance-attributes
             await gen.aclose()
             self._finished(endpoint, outcome, usage, t0)
 
-    async def gather(self, gen, model: str, chat: bool, endpoint: str, t0: float):
-        """A whole response from the engine stream (the same text, logprobs and usage)."""
-        outcome, chunks = "abort", []
+    async def complete(self, create, model: str, endpoint: str, t0: float):
+        """A whole response (the engine's, as MLCEngine returns it); cancelling this aborts the
+        request. A request the engine refuses (RequestError) is not counted as finished."""
+        outcome, usage = "abort", None
         try:
-            async for chunk in gen:
-                chunks.append(chunk)
-            outcome = "ok"
+            response = await create(stream=False)
+            outcome, usage = "ok", response.usage
+        except errors.RequestError:
+            outcome = None
+            raise
         except errors.MLCLoraError:
             outcome = "error"
             raise
         finally:
-            await gen.aclose()
-            usage = next((c.usage for c in reversed(chunks) if c.usage is not None), None)
-            self._finished(endpoint, outcome, usage, t0)
-        last = chunks[-1]
-        by_index: dict[int, list] = {}  # choice index -> its chunks' choice objects, in order
-        for c in chunks:
-            by_index.setdefault(c.choices[0].index, []).append(c.choices[0])
-        out = []
-        for index, choices in sorted(by_index.items()):
-            lps = [c.logprobs for c in choices if c.logprobs is not None]
-            if chat:
-                lp = P.ChoiceLogprobs([t for x in lps for t in x.content]) if lps else None
-                text = "".join(c.delta.content or "" for c in choices)
-                out.append(P.ChatCompletionChoice(index, P.ChatCompletionMessage("assistant", text),
-                                                  choices[-1].finish_reason, lp))
-                continue
-            lp = None
-            if lps:  # each chunk's text_offset is already its offset in the whole text
-                lp = P.CompletionLogprobs([t for x in lps for t in x.tokens], [t for x in lps for t in x.token_logprobs],
-                                          [t for x in lps for t in x.top_logprobs],
-                                          [t for x in lps for t in x.text_offset])
-            out.append(P.CompletionChoice(index, "".join(c.text for c in choices), choices[-1].finish_reason, lp))
-        if chat:
-            return P.ChatCompletion(last.id, last.created, model, out, usage)
-        return P.Completion(last.id, last.created, model, out, usage)
+            if outcome is not None:
+                self._finished(endpoint, outcome, usage, t0)
+        response.model = model
+        return response
 
     def _finished(self, endpoint: str, outcome: str, usage, t0: float) -> None:
         m = self.metrics
@@ -329,11 +296,12 @@ def create_app(server: Server) -> FastAPI:
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise APIError(400, "stream_options must be an object", param="stream_options")
-        model, gen = await server.open_stream(chat, body)
+        model, create = server.prepare(chat, body)
         if stream:
+            gen = await create(stream=True)
             include_usage = bool((opts or {}).get("include_usage"))
             return _EventStream(server.events(gen, model, endpoint, include_usage, t0))
-        task = asyncio.ensure_future(server.gather(gen, model, chat, endpoint, t0))
+        task = asyncio.ensure_future(server.complete(create, model, endpoint, t0))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -403,8 +371,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        loop = getattr(server.engine, "_loop", None)
-        if loop is not None and not loop.thread.is_alive():
+        if not server.engine.is_alive():
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 

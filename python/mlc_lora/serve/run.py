@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from pathlib import Path
 from typing import Optional
@@ -33,18 +32,13 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
     try:
         name = served_model_name or engine.model_name
         server = Server(engine, name, model, roots, api_key)
-        if adapters:
-            if not hasattr(engine, "load_adapter"):
-                raise LoraError("--adapter: this engine has no adapter API (MLCEngine.load_adapter)")
-            for aname, path in adapters.items():
-                if aname == name:
-                    raise LoraError(f"--adapter {aname}=...: the name is the base model's")
-                loaded = engine.load_adapter(aname, path)
-                if inspect.isawaitable(loaded):  # AsyncMLCEngine's is a coroutine
-                    asyncio.run(loaded)
-                server.adapters[aname] = str(path)
-                server.metrics.adapter_loads.inc()
-                logger.info("loaded adapter %s from %s", aname, path)
+        for aname, path in (adapters or {}).items():
+            if aname == name:
+                raise LoraError(f"--adapter {aname}=...: the name is the base model's")
+            asyncio.run(engine.load_adapter(aname, path))
+            server.adapters[aname] = str(path)
+            server.metrics.adapter_loads.inc()
+            logger.info("loaded adapter %s from %s", aname, path)
         uvicorn.run(create_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         engine.close()

@@ -112,12 +112,11 @@ def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = M
               adapters: dict[str, Path] | None = None, adapter_of: list[str | None] | None = None,
               engine: bool = True) -> list[dict]:
     """One request at a time. With `adapters`, prompt i runs with adapter_of[i] through the pool:
-    pack_peft_adapter -> pool_load_adapter, pool_set_sequence_adapter, prefill/decode(lora="pool")."""
+    pack_peft_adapter -> Pool.load_packed_adapter, Pool.set_sequence_adapter, prefill/decode(lora="pool")."""
     import jinja2
     import numpy as np
     import tokenizers
 
-    from mlc_lora import _ffi_api as rt
     from mlc_lora.lora import pack_peft_adapter
     from mlc_lora.runner import ModelRunner
 
@@ -134,17 +133,17 @@ def reference(model_dir: Path, prompts: list[str] = PROMPTS, max_tokens: int = M
         ids = tok.encode(text, add_special_tokens=False).ids
         lora = None
         if runner.lora:  # the cache must have exactly pool_pages pages (the compiled arena)
-            kv = runner.create_kv_cache(1, (runner.lora["pool_pages"] - 1) * 16)
+            kv = runner.create_pool(1, (runner.lora.pool_pages - 1) * 16)
             lora = "pool"
         else:
-            kv = runner.create_kv_cache(1, 512)
-        runner.kv_add(kv, i)
+            kv = runner.create_pool(1, 512)
+        kv.add_sequence(i)
         name = adapter_of[i] if adapter_of else None
         if name is not None:
             p = pack_peft_adapter(adapters[name], cfg, name)
-            rt.pool_load_adapter(kv, 0, p.pages, p.a_off, p.b_off, p.rank, p.scale, False)
+            kv.load_packed_adapter(0, p, False)
         if runner.lora:
-            rt.pool_set_sequence_adapter(kv, i, -1 if name is None else 0)
+            kv.set_sequence_adapter(i, None if name is None else 0)
         logits = runner.prefill(kv, [i], [ids], lora=lora).numpy()
         gen, finish = [], "length"
         while True:

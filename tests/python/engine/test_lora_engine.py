@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mlc_lora import AsyncMLCEngine, MLCEngine
+from mlc_lora.engine import LLMEngine, SamplingParams
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import LoraError, PoolExhaustedError, UnknownAdapterError
 
@@ -238,3 +239,28 @@ def test_request_that_cannot_fit_beside_pinned_adapters_fails_others_go_on(small
                                      adapter_id="qv8")
         assert out.choices[0].token_ids == peft_greedy(refs["qv8"], short, 4)[0]
         assert_idle(eng.stats(), 3)
+
+
+def test_a_sequence_keeps_its_adapter_name_and_gets_its_pool_slot(small):
+    """The request's adapter name stays the name; the pool's slot is a field of its own, set when the
+    engine takes the adapter (and freed with the sequence)."""
+    lib, d, refs = small
+    eng = LLMEngine(lib, "cpu")
+    eng.adapters.load("qv4", d / "qv4")
+    info = eng.adapters.load("qv8", d / "qv8")
+    outs = []
+    prompt = [5, 6, 7, 8]
+    seq = eng.make_sequence(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "qv8",
+                            sink=outs.append)
+    assert (seq.adapter_name, seq.adapter_slot) == ("qv8", None)
+    eng.add(seq)
+    assert (seq.adapter_name, seq.adapter_slot) == ("qv8", info["id"]) and info["id"] == 1
+    assert eng.adapters.list()[1]["active_requests"] == 1
+    while eng.has_work():
+        eng.step()
+    assert [s.token for o in outs for s in o.tokens] == peft_greedy(refs["qv8"], prompt, 3)[0]
+    assert (seq.adapter_name, seq.adapter_slot, seq.finish_reason) == ("qv8", 1, "length")
+    assert eng.adapters.list()[1]["active_requests"] == 0
+    base = eng.make_sequence(prompt, SamplingParams(max_tokens=1), None)
+    eng.add(base)
+    assert (base.adapter_name, base.adapter_slot) == (None, None)

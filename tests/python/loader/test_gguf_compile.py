@@ -18,9 +18,9 @@ def test_compiled_llama3_gguf_matches_original_hf(tmp_path):
     r = ModelRunner(out)
     # Past original_max_position_embeddings (64), where the scaled low frequencies matter.
     prompts = [list(np.random.default_rng(0).integers(0, 112, 150)), [3, 1, 4, 1, 5]]
-    kv = r.create_kv_cache(max_batch_size=4, max_total_seq_len=512, prefill_chunk_size=128)
+    kv = r.create_pool(max_batch_size=4, max_total_seq_len=512, prefill_chunk_size=128)
     for s in (0, 1):
-        r.kv_add(kv, s)
+        kv.add_sequence(s)
     # two chunks of sequence 0 (so positions > 128 too), then both together
     r.prefill(kv, [0], [prompts[0][:100]])
     logits = r.prefill(kv, [0, 1], [prompts[0][100:], prompts[1]]).numpy()

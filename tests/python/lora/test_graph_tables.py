@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from mlc_lora import _ffi_api as rt
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import MLCLoraError
-from mlc_lora.lora.layout import LoraSpec, pack_adapter
+from mlc_lora.lora.layout import pack_adapter
 from mlc_lora.models.random_model import random_adapter
 from mlc_lora.runner import ModelRunner
 
@@ -38,17 +37,17 @@ def _engine_like(folder, graph):
     """A runner + pool with three adapters (ranks 4, 8, 16) and six sequences prefilled."""
     r = ModelRunner(folder)
     r.graph_tables = graph
-    kv = r.create_kv_cache(MAX_BATCH, 63 * 16, 64)
-    spec = LoraSpec.from_json(r.lora)
+    kv = r.create_pool(MAX_BATCH, 63 * 16, 64)
+    spec = r.lora
     mc = r.model_config
     for aid, rank in enumerate((4, 8, 16)):
         ad = random_adapter(f"a{aid}", mc, spec.module_names, rank, torch, "cpu", seed=aid)
         p = pack_adapter(spec, ad, np.float32)
-        rt.pool_load_adapter(kv, aid, *p.ffi_args(), False)
+        kv.load_packed_adapter(aid, p, False)
     adapters = [0, None, 1, 2, 0, 1]
     for s, aid in enumerate(adapters):
-        r.kv_add(kv, s)
-        rt.pool_set_sequence_adapter(kv, s, -1 if aid is None else aid)
+        kv.add_sequence(s)
+        kv.set_sequence_adapter(s, aid)
     rng = np.random.default_rng(0)
     r.prefill(kv, list(range(6)), [rng.integers(0, r.vocab_size, 5 + s).tolist() for s in range(6)], lora="pool")
     return r, kv
@@ -73,7 +72,7 @@ def test_fixed_tables_give_the_same_logits_at_fixed_addresses_and_size(compiled)
         got = r.decode(kv, seqs, toks, lora="pool").numpy()
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     # the slot tables (rank, scale, a_off, b_off): same buffers, max_batch_size slots, every batch
-    M, R = len(r.lora["modules"]), r.lora["max_rank"]
+    M, R = len(r.lora.modules), r.lora.max_rank
     for call in seen:
         assert [shape for _, shape in call[2:]] == [(MAX_BATCH,), (MAX_BATCH, M), (MAX_BATCH, M, R),
                                                     (MAX_BATCH, M, R)]
@@ -89,17 +88,17 @@ def test_fixed_tables_give_the_same_logits_at_fixed_addresses_and_size(compiled)
 def test_a_second_kv_cache_is_refused_under_graphs(compiled):
     r, kv = _engine_like(compiled, graph=True)
     r.decode(kv, [0], [1], lora="pool")
-    kv2 = r.create_kv_cache(MAX_BATCH, 63 * 16, 64)
-    spec = LoraSpec.from_json(r.lora)
+    kv2 = r.create_pool(MAX_BATCH, 63 * 16, 64)
+    spec = r.lora
     ad = random_adapter("b", r.model_config, spec.module_names, 4, torch, "cpu", seed=9)
-    rt.pool_load_adapter(kv2, 0, *pack_adapter(spec, ad, np.float32).ffi_args(), False)
-    r.kv_add(kv2, 0)
-    rt.pool_set_sequence_adapter(kv2, 0, 0)
+    kv2.load_packed_adapter(0, pack_adapter(spec, ad, np.float32))
+    kv2.add_sequence(0)
+    kv2.set_sequence_adapter(0, 0)
     r.prefill(kv2, [0], [[1, 2, 3]], lora="pool")
-    with pytest.raises(MLCLoraError, match="first KV cache"):
+    with pytest.raises(MLCLoraError, match="first pool"):
         r.decode(kv2, [0], [1], lora="pool")
     # the refused step left the cache usable
-    assert int(r.kv_seq_length(kv2, 0)) == 3
+    assert int(kv2.sequence_length(0)) == 3
 
 
 def test_batches_without_adapters_run_the_base_functions(compiled):
@@ -111,10 +110,10 @@ def test_batches_without_adapters_run_the_base_functions(compiled):
     r._base_fns = (lambda *a: calls.append("prefill") or base_prefill(*a),  # pylint: disable=protected-access
                    lambda *a: calls.append("decode") or base_decode(*a))
     got = r.decode(kv, [1], [5], lora="pool").numpy()
-    r.kv_add(kv, 7)
+    kv.add_sequence(7)
     r.prefill(kv, [7], [[4, 5, 6]], lora="pool")
     assert calls == ["decode", "prefill"]
     r._base_fns = None  # pylint: disable=protected-access  (the LoRA functions, inert tables)
-    r.kv_popn(kv, 1, 1)
+    kv.popn(1, 1)
     want = r.decode(kv, [1], [5], lora=None).numpy()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

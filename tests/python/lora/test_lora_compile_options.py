@@ -41,8 +41,8 @@ def test_without_lora_flags_the_model_has_no_lora_inputs(tiny_models):
     _, compiled = tiny_models["gqa"]
     assert json.loads((compiled / "mlc-lora-config.json").read_text())["lora"] is None
     r = ModelRunner(compiled)
-    kv = r.create_kv_cache(max_batch_size=2, max_total_seq_len=64, prefill_chunk_size=64)
-    r.kv_add(kv, 0)
+    kv = r.create_pool(max_batch_size=2, max_total_seq_len=64, prefill_chunk_size=64)
+    kv.add_sequence(0)
     with pytest.raises(Exception, match="compiled without LoRA"):
         r.prefill(kv, [0], [[1, 2]], lora={})
     from mlc_lora.lora import pack_peft_adapter

@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from mlc_lora import _ffi_api as rt
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import MLCLoraError
 from mlc_lora.lora import pack_peft_adapter
-from mlc_lora.lora.layout import LoraSpec
 from mlc_lora.models.llama import LlamaConfig
 from mlc_lora.runner import ModelRunner
 
@@ -69,7 +67,7 @@ def _run_batches(runner, arena, batches, kv=None):
     next_tokens = {i: rng.integers(0, runner.vocab_size, DECODE_STEPS).tolist() for i in range(len(REQUESTS))}
     out, seqs = {}, {}
     if kv is None:
-        kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=512, prefill_chunk_size=128)
+        kv = runner.create_pool(max_batch_size=16, max_total_seq_len=512, prefill_chunk_size=128)
 
     def tables(token_adapter):
         if arena == "pool":
@@ -78,9 +76,9 @@ def _run_batches(runner, arena, batches, kv=None):
 
     for batch in batches:
         for i in batch:
-            runner.kv_add(kv, i)
+            kv.add_sequence(i)
             if arena == "pool":
-                rt.pool_set_sequence_adapter(kv, i, -1 if REQUESTS[i][0] is None else REQUESTS[i][0])
+                kv.set_sequence_adapter(i, REQUESTS[i][0])
             seqs[i] = list(REQUESTS[i][1])
         token_adapter = [REQUESTS[i][0] for i in batch for _ in REQUESTS[i][1]]
         logits = runner.prefill(kv, batch, [REQUESTS[i][1] for i in batch], lora=tables(token_adapter)).numpy()
@@ -105,7 +103,7 @@ def _one_adapter_batches():
 
 
 def _arena(runner, root):
-    spec = LoraSpec.from_json(runner.lora)
+    spec = runner.lora
     arena = NumpyArena(spec, np.float32)
     # Load in an order that leaves adapters on non-contiguous, non-initial page ids.
     arena.free = list(np.random.default_rng(3).permutation(spec.pool_pages))
@@ -150,14 +148,14 @@ def test_tables_from_the_cpp_pool_match_peft(lora_setup, kernel):
     pages in one arena) and the pool's own per-batch tables."""
     cfg, root, refs, compiled = lora_setup
     runner = ModelRunner(compiled[kernel])
-    kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
+    kv = runner.create_pool(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
     for aid in (3, 1, 5, 2, 4):
         p = pack_peft_adapter(root / f"adapter{aid}", runner.config)
-        rt.pool_load_adapter(kv, aid, *p.ffi_args(), False)
+        kv.load_packed_adapter(aid, p, False)
     batches = [list(range(len(REQUESTS)))] if kernel != "single" else _one_adapter_batches()
     out, seqs = _run_batches(runner, "pool", batches, kv=kv)
     print(f"{kernel} with the C++ pool: max abs error vs PEFT {_check_against_peft(refs, out, seqs):.2e}")
-    rt.pool_check_invariants(kv)
+    kv.check_invariants()
 
 
 def test_single_adapter_batches_match_peft_and_gather(lora_setup):
@@ -185,8 +183,8 @@ def test_base_only_batch_and_config_record(lora_setup):
     assert [(m["name"], m["in_features"], m["out_features"]) for m in lora["modules"]] == [
         ("q_proj", 64, 64), ("k_proj", 64, 32), ("v_proj", 64, 32), ("o_proj", 64, 64),
         ("gate_proj", 64, 128), ("up_proj", 64, 128), ("down_proj", 128, 64)]
-    kv = r.create_kv_cache(max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=128)
-    r.kv_add(kv, 0)
+    kv = r.create_pool(max_batch_size=4, max_total_seq_len=128, prefill_chunk_size=128)
+    kv.add_sequence(0)
     got = r.prefill(kv, [0], [[4, 5, 6]]).numpy()[0]  # no tables: every token on the base model
     np.testing.assert_allclose(got, _peft_logits(refs[None], [4, 5, 6]), atol=1e-4, rtol=0)
 
@@ -223,11 +221,11 @@ def test_half_precision_library_matches_peft(lora_setup, tmp_path, dtype, tol):
                         CompileOptions(prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96,
                                        max_lora_rank=64, lora_kernel="sgmv", dtype=dtype), progress=False)
     runner = ModelRunner(lib)
-    kv = runner.create_kv_cache(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
+    kv = runner.create_pool(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
     for aid in (3, 1, 5, 2, 4):
         p = pack_peft_adapter(root / f"adapter{aid}", runner.config)
         assert p.pages.dtype.name == dtype
-        rt.pool_load_adapter(kv, aid, *p.ffi_args(), False)
+        kv.load_packed_adapter(aid, p, False)
     out, seqs = _run_batches(runner, "pool", [list(range(len(REQUESTS)))], kv=kv)
     worst, effect = 0.0, np.inf
     for i, (aid, prompt) in enumerate(REQUESTS):

@@ -20,10 +20,10 @@ def _hf_last_logits(model, tokens):
 def test_ragged_prefill_and_decode_match_hf(tiny_models, name):
     hf, compiled = tiny_models[name]
     r = ModelRunner(compiled)
-    kv = r.create_kv_cache(max_batch_size=8, max_total_seq_len=512, prefill_chunk_size=256)
+    kv = r.create_pool(max_batch_size=8, max_total_seq_len=512, prefill_chunk_size=256)
     seq_ids = [0, 1, 2]
     for s in seq_ids:
-        r.kv_add(kv, s)
+        kv.add_sequence(s)
     # One ragged prefill of three sequences of different lengths.
     logits = r.prefill(kv, seq_ids, PROMPTS).numpy()
     assert logits.shape == (3, TINY_CONFIGS[name]["vocab_size"])
@@ -35,7 +35,7 @@ def test_ragged_prefill_and_decode_match_hf(tiny_models, name):
     for step in range(4):
         active = seq_ids if step < 2 else [0, 2]
         if step == 2:
-            r.kv_remove(kv, 1)
+            kv.remove_sequence(1)
         nxt = rng.integers(0, TINY_CONFIGS[name]["vocab_size"], len(active)).tolist()
         out = r.decode(kv, active, nxt).numpy()
         for row, s in enumerate(active):
@@ -47,8 +47,8 @@ def test_prefill_chunks_continue_a_sequence(tiny_models):
     """A prompt prefilled in two chunks gives the same logits as in one."""
     hf, compiled = tiny_models["gqa"]
     r = ModelRunner(compiled)
-    kv = r.create_kv_cache(max_batch_size=4, max_total_seq_len=256, prefill_chunk_size=64)
-    r.kv_add(kv, 7)
+    kv = r.create_pool(max_batch_size=4, max_total_seq_len=256, prefill_chunk_size=64)
+    kv.add_sequence(7)
     p = PROMPTS[2]
     r.prefill(kv, [7], [p[:9]])
     last = r.prefill(kv, [7], [p[9:]]).numpy()[0]

@@ -54,10 +54,10 @@ def _assert_close(ours, ref, what):
 def test_ragged_prefill_and_decode_match_hf(runner, tokenizer, hf_model):
     ids = [tokenizer.encode(p, add_special_tokens=False).ids for p in PROMPTS]
     assert len({len(i) for i in ids}) > 1  # a ragged batch
-    kv = runner.create_kv_cache(max_batch_size=4, max_total_seq_len=1024, prefill_chunk_size=256)
+    kv = runner.create_pool(max_batch_size=4, max_total_seq_len=1024, prefill_chunk_size=256)
     seq_ids = list(range(len(ids)))
     for s in seq_ids:
-        runner.kv_add(kv, s)
+        kv.add_sequence(s)
     seqs = [list(p) for p in ids]
     out = runner.prefill(kv, seq_ids, ids).numpy()
     assert out.shape == (3, 49152)
@@ -77,8 +77,8 @@ def test_ragged_prefill_and_decode_match_hf(runner, tokenizer, hf_model):
 
 
 def test_greedy_continuation_knows_paris(runner, tokenizer):
-    kv = runner.create_kv_cache(max_batch_size=1, max_total_seq_len=256, prefill_chunk_size=64)
-    runner.kv_add(kv, 0)
+    kv = runner.create_pool(max_batch_size=1, max_total_seq_len=256, prefill_chunk_size=64)
+    kv.add_sequence(0)
     prompt = tokenizer.encode("The capital of France is", add_special_tokens=False).ids
     nxt = int(runner.prefill(kv, [0], [prompt]).numpy()[0].argmax())
     generated = []

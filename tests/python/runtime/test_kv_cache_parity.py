@@ -1,8 +1,8 @@
 """mlc-lora's paged KV cache against TVM's stock cache (and HF) on the same traffic.
 
-Both caches are driven only through the stock vm.builtin.* functions: mixed prefill and decode,
-forks at a page boundary, inside a page and at the end, popn into a shared page, removal of a
-parent whose pages its children share.
+Both caches are driven only through the stock vm.builtin.* functions (which the runner's Pool
+calls): mixed prefill and decode, forks at a page boundary, inside a page and at the end, popn into
+a shared page, removal of a parent whose pages its children share.
 """
 
 import numpy as np
@@ -10,8 +10,6 @@ import torch
 import tvm
 
 from mlc_lora.runner import ModelRunner
-
-from ..conftest import TINY_CONFIGS
 
 ATOL = 1e-5
 
@@ -21,41 +19,41 @@ class Twin:
 
     def __init__(self, ours_dir, stock_dir, hf):
         self.ours, self.stock, self.hf = ModelRunner(ours_dir), ModelRunner(stock_dir), hf
-        self.kv_ours = self.ours.create_kv_cache(8, 512, 64)
-        self.kv_stock = self.stock.create_kv_cache(8, 512, 64)
+        self.pool_ours = self.ours.create_pool(8, 512, 64)
+        self.pool_stock = self.stock.create_pool(8, 512, 64)
         self.tokens = {}
         self.vocab = self.ours.vocab_size
         self.rng = np.random.default_rng(1)
 
     def both(self, fn, *args):
-        getattr(self.ours, fn)(self.kv_ours, *args)
-        getattr(self.stock, fn)(self.kv_stock, *args)
+        getattr(self.pool_ours, fn)(*args)
+        getattr(self.pool_stock, fn)(*args)
 
     def add(self, s):
-        self.both("kv_add", s)
+        self.both("add_sequence", s)
         self.tokens[s] = []
 
     def fork(self, parent, child, pos=-1):
-        self.both("kv_fork", parent, child, pos)
+        self.both("fork_sequence", parent, child, pos)
         self.tokens[child] = list(self.tokens[parent][: None if pos == -1 else pos])
 
     def popn(self, s, n):
-        self.both("kv_popn", s, n)
+        self.both("popn", s, n)
         del self.tokens[s][-n:]
 
     def remove(self, s):
-        self.both("kv_remove", s)
+        self.both("remove_sequence", s)
         del self.tokens[s]
 
     def forward(self, lens: dict, check_hf=False):
         seqs = list(lens)
         new = [self.rng.integers(0, self.vocab, lens[s]).tolist() for s in seqs]
         if all(n == 1 for n in lens.values()):
-            a = self.ours.decode(self.kv_ours, seqs, [t[0] for t in new]).numpy()
-            b = self.stock.decode(self.kv_stock, seqs, [t[0] for t in new]).numpy()
+            a = self.ours.decode(self.pool_ours, seqs, [t[0] for t in new]).numpy()
+            b = self.stock.decode(self.pool_stock, seqs, [t[0] for t in new]).numpy()
         else:
-            a = self.ours.prefill(self.kv_ours, seqs, new).numpy()
-            b = self.stock.prefill(self.kv_stock, seqs, new).numpy()
+            a = self.ours.prefill(self.pool_ours, seqs, new).numpy()
+            b = self.stock.prefill(self.pool_stock, seqs, new).numpy()
         np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
         for s, t in zip(seqs, new):
             self.tokens[s] += t
@@ -65,7 +63,7 @@ class Twin:
                     ref = self.hf(torch.tensor([self.tokens[s]])).logits[0, -1].numpy()
                     np.testing.assert_allclose(a[row], ref, atol=1e-4, rtol=0)
         for s in self.tokens:
-            assert self.ours.kv_seq_length(self.kv_ours, s) == len(self.tokens[s])
+            assert self.pool_ours.sequence_length(s) == len(self.tokens[s])
 
     def check_kv_equal(self):
         """The cached K/V of every live sequence, every layer, equal the stock cache's."""
@@ -76,10 +74,10 @@ class Twin:
             if not toks:
                 continue
             got = []
-            for r, kv in ((self.ours, self.kv_ours), (self.stock, self.kv_stock)):
+            for r, pool in ((self.ours, self.pool_ours), (self.stock, self.pool_stock)):
                 k = tvm.runtime.empty(shape(len(toks)), "float32", r.device)
                 v = tvm.runtime.empty(shape(len(toks)), "float32", r.device)
-                f(kv, s, 0, len(toks), k, v)
+                f(pool.handle, s, 0, len(toks), k, v)
                 got.append((k.numpy(), v.numpy()))
             np.testing.assert_allclose(got[0][0], got[1][0], atol=ATOL, rtol=0)
             np.testing.assert_allclose(got[0][1], got[1][1], atol=ATOL, rtol=0)
@@ -109,7 +107,7 @@ def test_same_logits_as_stock_cache(tiny_models, stock_twins):
     t.check_kv_equal()
     for s in list(t.tokens):
         t.remove(s)
-    assert t.ours.kv_available_pages(t.kv_ours) == t.stock.kv_available_pages(t.kv_stock)
+    assert t.pool_ours.available_pages() == t.pool_stock.available_pages()
 
 
 def test_long_prompt_chunks_and_decode_match_hf(tiny_models, stock_twins):

@@ -163,10 +163,10 @@ def test_pool_cache_drives_mlc_lora_kernels(tiny_models, tmp_path):
     run = ModelRunner(ours)
 
     rng = np.random.default_rng(0)
-    kv_a, kv_b = ref.create_kv_cache(8, 1024, 256), run.create_kv_cache(8, 1024, 256)
+    kv_a, kv_b = ref.create_pool(8, 1024, 256), run.create_pool(8, 1024, 256)
     for s in range(3):
-        ref.kv_add(kv_a, s)
-        run.kv_add(kv_b, s)
+        kv_a.add_sequence(s)
+        kv_b.add_sequence(s)
 
     def step(seqs, lens):
         toks = [rng.integers(0, ref.vocab_size, n).tolist() for n in lens]

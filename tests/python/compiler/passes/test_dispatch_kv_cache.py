@@ -10,7 +10,7 @@ from mlc_lora.compile import CompileOptions, export_model, make_target
 from mlc_lora.compiler_passes.passes.dispatch_kv_cache import POOL_CREATE, STOCK_CREATE, DispatchKVCache
 from mlc_lora.models import llama
 
-from ..conftest import TINY_CONFIGS
+from ...conftest import TINY_CONFIGS, needs_nvcc
 
 
 def _extern_symbols(mod):
@@ -43,14 +43,11 @@ def test_constructor_is_rewritten_and_nothing_else():
     relax.analysis.well_formed(after_mod)
 
 
+@needs_nvcc
 @pytest.mark.skipif(not os.environ.get("MLC_LORA_TEST_CUDA_BUILD"),
                     reason="a cubin build takes minutes on CPU; set MLC_LORA_TEST_CUDA_BUILD=1")
 def test_cuda_library_builds_with_the_pool(tmp_path):
     """The GPU build (cubin) of a tiny model calls our constructor; nothing is CUDA-specific in it."""
-    import shutil
-
-    if shutil.which("nvcc") is None:
-        pytest.skip("needs nvcc to build cubin")
     from mlc_lora.compile import build_library
 
     cfg = llama.LlamaConfig(**TINY_CONFIGS["gqa"])

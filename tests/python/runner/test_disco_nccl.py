@@ -5,13 +5,12 @@ Checks the dlopen path, the unique-id hand-over, ranks and devices, and that dis
 Runs in a subprocess: the stubs must be the first libnccl/libcudart the process loads."""
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from ..conftest import needs_cxx
 
 SCRIPT = textwrap.dedent("""
     import ctypes, os, sys
@@ -19,8 +18,9 @@ SCRIPT = textwrap.dedent("""
     cudart = ctypes.CDLL(sys.argv[2], mode=ctypes.RTLD_GLOBAL)
     ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
     import tvm, tvm_ffi
-    from mlc_lora import tp, _ffi_api as rt
-    tp._tvm()
+    from mlc_lora import _ffi_api as rt
+    from mlc_lora.runner.disco import disco_tvm
+    disco_tvm()
     K = 2
     sess = tvm.runtime.disco.ThreadedSession(K)
     sess.init_ccl("nccl", 0, 1)
@@ -73,13 +73,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def _build(src: Path, out: Path, soname: str, *flags):
-    subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-O1", *flags, f"-Wl,-soname,{soname}",
-                    "-o", str(out), str(src), "-lpthread"], check=True, capture_output=True)
+    """The stub as a shared library (C, built by the C++ compiler's driver)."""
+    subprocess.run([os.environ.get("CXX", "g++"), "-x", "c", "-shared", "-fPIC", "-O1", *flags,
+                    f"-Wl,-soname,{soname}", "-o", str(out), str(src), "-lpthread"], check=True, capture_output=True)
 
 
+@needs_cxx
 def test_disco_collectives_over_the_nccl_ccl(tmp_path):
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler")
     src = Path(__file__).with_name("nccl_stub.c")
     nccl, cudart = tmp_path / "libnccl.so.2", tmp_path / "libcudart.so.13"
     _build(src, nccl, "libnccl.so.2")
@@ -92,11 +92,13 @@ def test_disco_collectives_over_the_nccl_ccl(tmp_path):
 
 WORKER_SCRIPT = textwrap.dedent("""
     import os
-    from mlc_lora import tp
-    tvm = tp._tvm()
-    sess = tvm.runtime.disco.ProcessSession(2, entrypoint="mlc_lora.tp_worker")
+    from mlc_lora.runner.disco import WORKER_ENTRYPOINT, disco_tvm
+    from mlc_lora.runner.sharded import INIT_WORKER
+    tvm = disco_tvm()
+    assert WORKER_ENTRYPOINT == "mlc_lora.runner.worker"
+    sess = tvm.runtime.disco.ProcessSession(2, entrypoint=WORKER_ENTRYPOINT)
     rank = sess.get_global_func("runtime.disco.worker_rank")()
-    sess.get_global_func("mlc_lora.tp.init_worker")("cpu")          # registered by mlc_lora.tp
+    sess.get_global_func(INIT_WORKER)("cpu")          # registered by mlc_lora.runner.sharded
     ccl = sess.get_global_func("runtime.disco.nccl.allreduce")        # registered by the runtime lib
     sess._sync_worker(1)
     assert int(rank.debug_get_from_remote(1)) == 1
@@ -106,7 +108,7 @@ WORKER_SCRIPT = textwrap.dedent("""
 
 
 def test_gpu_worker_entrypoint_starts_and_registers_our_functions():
-    """`python -m mlc_lora.tp_worker` (the GPU worker processes) starts as a disco worker on a CPU
-    machine and has the mlc_lora.tp.* and runtime.disco.nccl.* functions (no NCCL needed for that)."""
+    """`python -m mlc_lora.runner.worker` (the GPU worker processes) starts as a disco worker on a CPU
+    machine and has the mlc_lora.sharded.* and runtime.disco.nccl.* functions (no NCCL needed for that)."""
     r = subprocess.run([sys.executable, "-c", WORKER_SCRIPT], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "worker ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -9,7 +9,7 @@ from tvm import relax
 from mlc_lora.compiler_passes.ops.sampler import reference as S
 from mlc_lora.compiler_passes.passes import AttachSampler
 
-from ..conftest import needs_nvcc
+from ....conftest import needs_nvcc
 
 
 def _cuda_target():

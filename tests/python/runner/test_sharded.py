@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU: K = 2 and 4 shards of a tiny Llama with mixed LoRA batches, each shard
 a disco worker thread, the all-reduces computed by the numpy reference collectives
-(mlc_lora.tp.NumpyCCL), against the same model compiled unsharded (docs/TP.md)."""
+(mlc_lora.runner.disco.NumpyCCL), against the same model compiled unsharded (docs/TP.md)."""
 
 import json
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 import transformers
 
-from mlc_lora import tp
 from mlc_lora.compile import CompileOptions, compile_model
 from mlc_lora.errors import MLCLoraError
-from mlc_lora.lora.layout import LoraSpec, layout_adapter
+from mlc_lora.lora import pack_peft_adapter
+from mlc_lora.lora.layout import layout_adapter
 from mlc_lora.models.llama import LlamaConfig
-from mlc_lora.runner import ModelRunner
-from mlc_lora import _ffi_api as rt
+from mlc_lora.runner import ModelRunner, ShardedModelRunner
+from mlc_lora.runner.disco import make_session, numpy_ccl_of
 
 from ..conftest import save_adapter
 
@@ -53,46 +53,45 @@ def models(tmp_path_factory):
     return root, compiled
 
 
-def _run(runner, kv, load, set_adapter):
+def _run(runner, pool, load):
     """Load the adapters, prefill every request in one mixed batch, then decode; all logits."""
     for aid in (3, 1, 4, 2):
         load(aid)
     seqs = list(range(len(REQUESTS)))
     for s, (aid, _) in enumerate(REQUESTS):
-        runner.kv_add(kv, s)
-        set_adapter(s, aid)
-    out = [runner.prefill(kv, seqs, [p for _, p in REQUESTS], lora="pool").numpy().copy()]
+        pool.add_sequence(s)
+        pool.set_sequence_adapter(s, aid)
+    out = [runner.prefill(pool, seqs, [p for _, p in REQUESTS], lora="pool").numpy().copy()]
     rng = np.random.default_rng(0)
     for _ in range(DECODE_STEPS):
-        out.append(runner.decode(kv, seqs, rng.integers(0, 128, len(seqs)).tolist(), lora="pool").numpy().copy())
+        out.append(runner.decode(pool, seqs, rng.integers(0, 128, len(seqs)).tolist(), lora="pool").numpy().copy())
     return out
 
 
 def _unsharded(root, folder):
+    """The same traffic on the unsharded model, adapters packed here (pack_peft_adapter)."""
     r = ModelRunner(folder)
-    kv = r.create_kv_cache(16, (POOL_PAGES - 1) * 16, 128)
-
-    def load(aid):
-        from mlc_lora.lora import pack_peft_adapter
-
-        p = pack_peft_adapter(root / f"adapter{aid}", r.config)
-        rt.pool_load_adapter(kv, aid, *p.ffi_args(), False)
-
-    out = _run(r, kv, load, lambda s, a: rt.pool_set_sequence_adapter(kv, s, -1 if a is None else a))
-    return out, rt.pool_stats(kv)
+    pool = r.create_pool(16, (POOL_PAGES - 1) * 16, 128)
+    out = _run(r, pool, lambda aid: pool.load_packed_adapter(aid, pack_peft_adapter(root / f"adapter{aid}", r.config)))
+    return out, pool.stats()
 
 
 @pytest.mark.parametrize("shards", [2, 4])
 def test_sharded_logits_match_unsharded(models, shards):
     root, compiled = models
     want, stats1 = _unsharded(root, compiled[1])
-    r = tp.ShardedModelRunner(compiled[shards])
-    assert r.config["tensor_parallel_shards"] == shards
-    kv = r.create_kv_cache(16, (POOL_PAGES - 1) * 16, 128)
-    ccl = tp.numpy_ccl_of(r.sess)
+    r = ShardedModelRunner(compiled[shards])
+    assert r.config["tensor_parallel_shards"] == shards == r.num_shards
+    pool = r.create_pool(16, (POOL_PAGES - 1) * 16, 128)
+    assert pool.num_shards == shards
+    ccl = numpy_ccl_of(r.sess)
     calls0 = ccl.calls
-    got = _run(r, kv, lambda aid: r.load_adapter(kv, aid, root / f"adapter{aid}"),
-               lambda s, a: r.set_sequence_adapter(kv, s, a))
+
+    def load(aid):
+        plan = pool.load_adapter(aid, root / f"adapter{aid}")  # workers pack, the controller plans
+        assert (plan.name, plan.rank, plan.num_pages) == (f"adapter{aid}", ADAPTERS[aid]["r"], _pages(r, aid))
+
+    got = _run(r, pool, load)
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
     print(f"K={shards}: max abs error vs unsharded {worst:.2e} over {len(got)} steps")
     assert worst < 1e-4
@@ -100,23 +99,23 @@ def test_sharded_logits_match_unsharded(models, shards):
     L = CONFIG["num_hidden_layers"]
     assert ccl.calls - calls0 >= 2 * L * (1 + DECODE_STEPS)
     # The adapters matter (an adapter request differs from its base-model logits).
-    base = tp.ShardedModelRunner(compiled[shards], session=r.sess)
-    kvb = base.create_kv_cache(16, 256, 128)
-    base.kv_add(kvb, 0)
-    plain = base.prefill(kvb, [0], [REQUESTS[0][1]]).numpy()[0]
+    base = ShardedModelRunner(compiled[shards], session=r.sess)
+    base_pool = base.create_pool(16, 256, 128)
+    base_pool.add_sequence(0)
+    plain = base.prefill(base_pool, [0], [REQUESTS[0][1]]).numpy()[0]
     assert np.abs(plain - got[0][0]).max() > 1e-2
 
     # Page accounting: every shard holds the same number of pages, each exactly its slices' layout.
     cfg = LlamaConfig(**r.model_config)
     want_pages = sum(_pages(r, aid) for aid in ADAPTERS)
-    stats = r.pool_stats(kv)
+    stats = pool.shard_stats()
     assert len(stats) == shards
     for s in stats:
         assert s == stats[0], "shards' pools out of step"
-        assert s["adapter_pages"] == want_pages and s["loaded_adapters"] == len(ADAPTERS)
-        assert s["page_elems"] == 2 * (cfg.num_key_value_heads // shards) * 16 * cfg.head_dim
-        assert s["total_pages"] == stats1["total_pages"]
-        assert s["kv_pages"] == stats1["kv_pages"]
+        assert s.adapter_pages == want_pages and s.loaded_adapters == len(ADAPTERS)
+        assert s.page_elems == 2 * (cfg.num_key_value_heads // shards) * 16 * cfg.head_dim
+        assert s.total_pages == stats1.total_pages
+        assert s.kv_pages == stats1.kv_pages
     # A shard's slice of an adapter is smaller than the whole adapter: per-shard pages never exceed
     # the unsharded count (ranks fill pages of 1/K the size with rows of at most the same length).
     assert 0 < want_pages
@@ -125,7 +124,7 @@ def test_sharded_logits_match_unsharded(models, shards):
 
 def _pages(runner, aid):
     """Pages of one shard's slices of adapter `aid` (its layout at the shard's module sizes)."""
-    spec = LoraSpec.from_json(runner.lora)
+    spec = runner.lora
     mods = {m.name: m for m in spec.modules}
     kw = ADAPTERS[aid]
     return layout_adapter(spec.page_elems, [mods[n] for n in kw["target_modules"]], kw["r"]).num_pages
@@ -135,34 +134,33 @@ def test_unload_pin_and_eviction_stay_in_step(models):
     """A pinned and an idle adapter under KV pressure: the idle one is evicted on every shard, the
     pinned one stays, and the evicted one is paged back in (same logits as unsharded)."""
     root, compiled = models
-    r = tp.ShardedModelRunner(compiled[2])
+    r = ShardedModelRunner(compiled[2])
     pinned, idle = 2, 1
     pages = _pages(r, pinned) + _pages(r, idle) + 4
-    kv = r.create_kv_cache(8, (pages - 1) * 16, 128)
-    r.load_adapter(kv, pinned, root / f"adapter{pinned}", pin=True)
-    r.load_adapter(kv, idle, root / f"adapter{idle}")
-    before = r.pool_stats(kv)
-    assert before[0] == before[1] and before[0]["free_pages"] == 4
-    info = r.sess.get_global_func("mlc_lora.runtime.pool_adapter_info")
-    r.kv_add(kv, 0)
+    pool = r.create_pool(8, (pages - 1) * 16, 128)
+    pool.load_adapter(pinned, root / f"adapter{pinned}", pin=True)
+    pool.load_adapter(idle, root / f"adapter{idle}")
+    before = pool.shard_stats()
+    assert before[0] == before[1] and before[0].free_pages == 4
+    pool.add_sequence(0)
     long = np.random.default_rng(1).integers(0, 128, 4 * 16 + 8).tolist()
-    r.prefill(kv, [0], [long], lora="pool")  # needs the idle adapter's pages
-    after = r.pool_stats(kv)
+    r.prefill(pool, [0], [long], lora="pool")  # needs the idle adapter's pages
+    after = pool.shard_stats()
     assert after[0] == after[1]
-    res = [(bool(r.worker_value(info(kv, a), w)["resident"])) for a in (pinned, idle) for w in (0, 1)]
+    res = [info.resident for a in (pinned, idle) for info in pool.shard_adapter_info(a)]
     assert res == [True, True, False, False], res
-    r.kv_remove(kv, 0)
-    r.kv_add(kv, 1)
-    r.set_sequence_adapter(kv, 1, 1)
-    got = r.prefill(kv, [1], [REQUESTS[0][1]], lora="pool").numpy()[0]
-    assert all(bool(r.worker_value(info(kv, 1), w)["resident"]) for w in (0, 1))
+    pool.remove_sequence(0)
+    pool.add_sequence(1)
+    pool.set_sequence_adapter(1, 1)
+    got = r.prefill(pool, [1], [REQUESTS[0][1]], lora="pool").numpy()[0]
+    assert all(info.resident for info in pool.shard_adapter_info(1))
     want, _ = _unsharded(root, compiled[1])
     np.testing.assert_allclose(got, want[0][0], atol=1e-4, rtol=0)
-    r.pool_call(kv, "pool_check_invariants")
-    r.pool_call(kv, "pool_pin_adapter", pinned, False)
-    r.pool_call(kv, "pool_unload_adapter", pinned)
-    s = r.pool_stats(kv)
-    assert s[0] == s[1] and s[0]["loaded_adapters"] == 1
+    pool.check_invariants()
+    pool.pin_adapter(pinned, False)
+    pool.unload_adapter(pinned)
+    s = pool.shard_stats()
+    assert s[0] == s[1] and s[0].loaded_adapters == 1
     r.sess.shutdown()
 
 
@@ -172,7 +170,7 @@ def test_config_records_the_shard_count(models):
     assert cfg["tensor_parallel_shards"] == 4 and cfg["model_config"]["tensor_parallel_shards"] == 4
     assert cfg["lora"]["tensor_parallel_shards"] == 4
     with pytest.raises(MLCLoraError, match="compiled for 4 tensor-parallel shards; the session has 2"):
-        tp.ShardedModelRunner(compiled[4], session=tp.make_session(2))
+        ShardedModelRunner(compiled[4], session=make_session(2))
 
 
 def test_engine_serves_a_sharded_model(models):
@@ -184,7 +182,7 @@ def test_engine_serves_a_sharded_model(models):
     out = {}
     for k in (1, 2):
         with MLCEngine(compiled[k], "cpu") as eng:
-            assert getattr(eng.engine.runner, "num_shards", 1) == k
+            assert eng.engine.runner.num_shards == k
             for aid in (1, 4):
                 eng.load_adapter(f"a{aid}", root / f"adapter{aid}")
             res = []

@@ -1,0 +1,74 @@
+"""`AsyncMLCEngine`: MLCEngine for asyncio. The same core, loop and `Request`; only the waiting
+is asynchronous (an asyncio.Queue fed from the engine thread, engine calls in a worker thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from .frontend import Chat, MLCEngine, Request
+
+
+async def _achunks(req: Request, q: asyncio.Queue) -> AsyncIterator:
+    try:
+        while not req.done:
+            chunk = req.take(await q.get())
+            if chunk is not None:
+                yield chunk
+    finally:
+        req.abort_unfinished()
+
+
+class AsyncCompletions:
+    """`await .create(...)`: the response, or with stream=True an async iterator of chunks.
+    Cancelling the caller (or closing the iterator) aborts what is left of the request."""
+
+    def __init__(self, owner: "AsyncMLCEngine", chat: bool):
+        self.owner, self.chat = owner, chat
+
+    async def create(self, *, messages=None, prompt=None, stream: bool = False, adapter_id=None, **kw):
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req = Request(self.owner, self.chat, stream, lambda item: loop.call_soon_threadsafe(q.put_nowait, item),
+                      messages, prompt, adapter_id, **kw)
+        chunks = _achunks(req, q)
+        if stream:
+            return chunks
+        try:
+            async for _ in chunks:
+                pass
+        finally:
+            await chunks.aclose()
+        return req.response()
+
+
+class AsyncMLCEngine(MLCEngine):
+    """The same engine for asyncio: `await engine.chat.completions.create(...)`; streams are async
+    iterators; the adapter calls and `stats` are coroutines."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.chat = Chat(AsyncCompletions(self, chat=True))
+        self.completions = AsyncCompletions(self, chat=False)
+
+    async def _in_thread(self, fn, *args):
+        """MLCEngine's `fn(self, *args)` (it waits for the engine thread) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, self, *args))
+
+    async def stats(self) -> dict[str, Any]:  # type: ignore[override]
+        return await self._in_thread(MLCEngine.stats)
+
+    async def load_adapter(self, name: str, path: str | Path,  # type: ignore[override]
+                           pin: bool = False) -> dict[str, Any]:
+        return await self._in_thread(MLCEngine.load_adapter, name, path, pin)
+
+    async def pin_adapter(self, name: str, pin: bool = True) -> dict[str, Any]:  # type: ignore[override]
+        return await self._in_thread(MLCEngine.pin_adapter, name, pin)
+
+    async def unload_adapter(self, name: str) -> None:  # type: ignore[override]
+        await self._in_thread(MLCEngine.unload_adapter, name)
+
+    async def list_adapters(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return await self._in_thread(MLCEngine.list_adapters)

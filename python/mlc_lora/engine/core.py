@@ -1,0 +1,214 @@
+"""`LLMEngine`: the runner, its pool, the scheduler and the sampler; `step()` runs one batch.
+
+Each step schedules a batch (decodes + chunked prefills), runs `prefill` or `decode`, samples on
+the device and hands each sequence its `StepOutput` (new text, tokens, finish) through its sink.
+The front ends (frontend.py) own the thread that steps it (loop.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+from ..contract import PAGE_SIZE
+from ..errors import MLCLoraError, PoolExhaustedError, RequestError
+from ..runner import open_runner
+from ..tokenizer import Detokenizer, Tokenizer
+from .adapters import AdapterTable
+from .sampler import Sampled, Sampler
+from .scheduler import Batch, SamplingParams, Scheduler, Sequence, Status
+
+
+@dataclasses.dataclass
+class TextState:
+    """A sequence's text so far, as the front end receives it."""
+
+    detok: Optional[Detokenizer]
+    text: str = ""  # decoded so far (cut at a stop string)
+    sent: int = 0  # characters already handed to the client
+    holdback: int = 0  # a partial stop string may hide in the last characters
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One step's news for one sequence."""
+
+    text: str
+    tokens: list[Sampled]
+    finish_reason: Optional[str] = None
+    error: Optional[BaseException] = None
+    usage: Optional[tuple[int, int]] = None  # (prompt, completion) tokens, on the last output
+
+
+class LLMEngine:  # pylint: disable=too-many-instance-attributes
+    """The model, the scheduler and the sampler; `step()` runs one batch. Not thread-safe."""
+
+    def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
+                 max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
+                 params=None):
+        # tensor-parallel models: one worker per shard
+        self.runner = open_runner(model_dir, device, params=params)
+        compiled = self.runner.compiled
+        self.context_window = compiled.context_window_size
+        self.max_num_seqs = max_num_seqs or compiled.max_batch_size
+        chunk = prefill_chunk_size or compiled.prefill_chunk_size
+        total = max_total_tokens or max(self.context_window, 8192)
+        lora = self.runner.lora
+        if lora is not None and max_total_tokens is None:
+            # the pool (KV and adapter pages) defaults to the compiled --lora-pool-pages
+            total = (lora.pool_pages - 1) * PAGE_SIZE
+        self.pool = self.runner.create_pool(self.max_num_seqs, total, chunk)
+        self.adapters = AdapterTable(self.runner, self.pool)
+        self.sampler = Sampler(self.runner)
+        try:
+            self.tokenizer: Optional[Tokenizer] = Tokenizer(model_dir, compiled.tokenizer)
+        except RequestError:
+            self.tokenizer = None
+        self.kv_pages_total = self.pool.available_pages()
+        # the longest sequence the engine can hold: the context window or the whole pool
+        self.max_seq_len = min(self.context_window, (self.kv_pages_total - 1) * PAGE_SIZE)
+        ad = self.adapters
+        self.scheduler = Scheduler(ad.available_pages, ad.add_sequence, self.pool.remove_sequence,
+                                   self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
+                                   one_adapter_per_batch=lora is not None and lora.kernel == "single")
+        self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
+                             num_generated_tokens=0, num_finished=0, num_aborted=0)
+
+    @property
+    def model_name(self) -> Optional[str]:
+        return self.runner.compiled.model_name
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def make_sequence(self, prompt_ids: list[int], params: SamplingParams, adapter_name: Optional[str] = None,
+                      sink=None) -> Sequence:
+        """A sequence for a prompt, checked against this model (adapter, vocabulary, context)."""
+        if adapter_name is not None:
+            self.adapters.get(adapter_name)  # UnknownAdapterError naming it
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        n = len(prompt_ids)
+        if n >= self.max_seq_len:
+            raise RequestError(f"the prompt has {n} tokens; this model's context holds {self.max_seq_len} "
+                               "(prompt plus at least one new token)")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_seq_len - n
+        if n + params.max_tokens > self.max_seq_len:
+            raise RequestError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                               f"of {self.max_seq_len} tokens")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has none")
+        seq = Sequence(prompt_ids, params, adapter_name, sink)
+        detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        seq.state = TextState(detok, holdback=max((len(s) for s in params.stop), default=1) - 1)
+        return seq
+
+    def add(self, seq: Sequence) -> None:
+        try:
+            self.adapters.attach(seq)  # an adapter unloaded since the request was checked fails here
+        except RequestError as e:
+            seq.status = Status.FINISHED
+            self._emit(seq, StepOutput("", [], "error", error=e))
+            return
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status != Status.FINISHED:
+            self.scheduler.finish(seq)
+            self.adapters.detach(seq)
+            seq.finish_reason = "abort"
+            self.counters["num_aborted"] += 1
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                    kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
+                    num_preemptions=self.scheduler.num_preemptions, **self.counters,
+                    **self.adapters.stats())
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        for seq in self.scheduler.rejected:
+            self._emit(seq, StepOutput("", [], "error", error=self.adapters.exhausted(seq)))
+            self.adapters.detach(seq)
+        self.scheduler.rejected.clear()
+        if batch is None:
+            return
+        c = self.counters
+        c["num_steps"] += 1
+        c["max_running"] = max(c["max_running"], len(batch.seqs))
+        try:
+            rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+            logits = self._forward(batch)
+            sampled = self.sampler.sample(logits, batch.seqs, rows) if rows else []
+        except Exception as e:  # pylint: disable=broad-except
+            # a failed forward fails only its own requests; the engine keeps serving
+            cls = PoolExhaustedError if isinstance(e, PoolExhaustedError) else MLCLoraError
+            for seq in batch.seqs:
+                self._fail(seq, cls(f"engine step failed: {e}"))
+            return
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            seq.num_cached += len(chunk)
+        for i, s in zip(rows, sampled):
+            try:
+                self._append(batch.seqs[i], s)
+            except Exception as e:  # pylint: disable=broad-except
+                self._fail(batch.seqs[i], MLCLoraError(f"request failed: {e}"))
+
+    def _fail(self, seq: Sequence, error: MLCLoraError) -> None:
+        self.scheduler.finish(seq)
+        self.adapters.detach(seq)
+        self._emit(seq, StepOutput("", [], "error", error=error))
+
+    def _forward(self, batch: Batch):
+        ids = [s.seq_id for s in batch.seqs]
+        lora = "pool" if self.runner.lora is not None else None  # tables from each sequence's adapter
+        if batch.is_decode:
+            self.counters["num_decode_steps"] += 1
+            return self.runner.decode(self.pool, ids, [c[0] for c in batch.chunks], lora=lora)
+        self.counters["num_prefill_steps"] += 1
+        return self.runner.prefill(self.pool, ids, batch.chunks, lora=lora)
+
+    def _append(self, seq: Sequence, s: Sampled) -> None:
+        p, st = seq.params, seq.state
+        seq.output_ids.append(s.token)
+        self.counters["num_generated_tokens"] += 1
+        finish, cut = None, False
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
+        if (s.token in eos and not p.ignore_eos) or s.token in p.stop_token_ids:
+            finish = "stop"
+        prev = len(st.text)
+        if finish is None and st.detok is not None:
+            st.text += st.detok.push(s.token)
+        if finish is None and p.stop:
+            # only a stop string that ends in the new text can be new
+            start = max(0, prev - st.holdback)
+            hits = [i for i in (st.text.find(x, start) for x in p.stop) if i >= 0]
+            if hits:
+                st.text, finish, cut = st.text[:min(hits)], "stop", True
+        if finish is None and len(seq.output_ids) >= p.max_tokens:
+            finish = "length"
+        if finish is not None:
+            if st.detok is not None and not cut:
+                st.text += st.detok.flush()  # an incomplete character held back at the end
+            seq.finish_reason = finish
+            self.scheduler.finish(seq)
+            self.adapters.detach(seq)
+            self.counters["num_finished"] += 1
+        end = len(st.text) if finish else max(st.sent, len(st.text) - st.holdback)
+        delta, st.sent = st.text[st.sent:end], end
+        usage = (len(seq.prompt_ids), len(seq.output_ids)) if finish else None
+        self._emit(seq, StepOutput(delta, [s], finish, usage=usage))
+
+    @staticmethod
+    def _emit(seq: Sequence, out: StepOutput) -> None:
+        if seq.sink is not None:
+            seq.sink(out)

@@ -1,0 +1,178 @@
+"""`MLCEngine`: OpenAI-style chat and completions over a continuously batched model.
+
+One background thread (loop.py) owns the core (core.py); a create(...) call validates its request
+(requests.py), submits its sequences and turns their outputs into OpenAI objects as they arrive
+(responses.py). `Request` holds everything a create() call does but the waiting, so the async
+front end (async_frontend.py) differs from this one only in how it waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from ..contract import CONFIG_FILE
+from ..tokenizer import Tokenizer
+from .core import LLMEngine, StepOutput
+from .loop import EngineLoop
+from .requests import prompt_ids, request_options
+from .responses import ResponseBuilder
+
+
+def compiled_folder(model: str | Path, device: str, **compile_options) -> Path:
+    """`model` if it is a compiled folder; else its compiled copy in the cache (compiled now if
+    missing, see mlc_lora.compile.resolve_compiled)."""
+    if (Path(model) / CONFIG_FILE).is_file():
+        return Path(model)
+    # Only now the compiler: a runtime-only TVM (what a GPU server may have) serves compiled folders.
+    from ..compile import resolve_compiled  # pylint: disable=import-outside-toplevel
+
+    return resolve_compiled(model, device, **compile_options)
+
+
+class Request:  # pylint: disable=too-many-instance-attributes
+    """One create(...) call: its n sequences (choice i samples with seed + i), submitted to the
+    loop; `take` turns each (choice, output) that `put` received into the response."""
+
+    def __init__(self, owner: "MLCEngine", chat: bool, stream: bool, put: Callable[[tuple[int, StepOutput]], None],
+                 messages=None, prompt=None, adapter_id: Optional[str] = None, **kw):
+        params, n = request_options(**kw)
+        ids = prompt_ids(owner.tokenizer, chat, messages, prompt)
+        core = owner.engine
+        self.seqs = [core.make_sequence(ids, params if params.seed is None or i == 0 else
+                                        dataclasses.replace(params, seed=params.seed + i), adapter_id)
+                     for i in range(n)]
+        for i, seq in enumerate(self.seqs):
+            seq.sink = lambda out, i=i: put((i, out))
+        self.stream = stream
+        self.builder = ResponseBuilder(chat, owner.model_name, owner.tokenizer, self.seqs)
+        self.outs: list[list[StepOutput]] = [[] for _ in self.seqs]  # (whole responses)
+        self.finished = 0
+        self._loop = owner._loop  # pylint: disable=protected-access
+        for seq in self.seqs:
+            self._loop.submit(seq)
+
+    @property
+    def done(self) -> bool:
+        return self.finished == len(self.seqs)
+
+    def take(self, item: tuple[int, StepOutput]):
+        """One output: the chunk it makes when streaming (or None); raises the request's error."""
+        i, out = item
+        if out.error is not None:
+            raise out.error
+        self.finished += out.finish_reason is not None
+        if self.stream:
+            return self.builder.chunk(i, out)
+        self.outs[i].append(out)
+        return None
+
+    def response(self):
+        return self.builder.response(self.outs)
+
+    def abort_unfinished(self) -> None:
+        """Whatever is left unfinished (an error, or the caller stopped reading) is aborted."""
+        for seq in self.seqs:
+            if seq.finish_reason is None:
+                self._loop.abort(seq)
+
+
+def _chunks(req: Request, q: queue.Queue) -> Iterator:
+    try:
+        while not req.done:
+            chunk = req.take(q.get())
+            if chunk is not None:
+                yield chunk
+    finally:
+        req.abort_unfinished()
+
+
+class Completions:
+    """`.create(...)` of `chat.completions` / `completions`: the response, or with stream=True an
+    iterator of chunks. `adapter_id=NAME`: a loaded LoRA adapter (None: the base model)."""
+
+    def __init__(self, owner: "MLCEngine", chat: bool):
+        self.owner, self.chat = owner, chat
+
+    def create(self, *, messages=None, prompt=None, stream: bool = False, adapter_id=None, **kw):
+        q: queue.Queue = queue.Queue()
+        req = Request(self.owner, self.chat, stream, q.put, messages, prompt, adapter_id, **kw)
+        chunks = _chunks(req, q)
+        if stream:
+            return chunks
+        for _ in chunks:
+            pass
+        return req.response()
+
+
+class Chat:
+    """`engine.chat.completions`."""
+
+    def __init__(self, completions):
+        self.completions = completions
+
+
+class MLCEngine:
+    """`MLCEngine(model, device)`: `engine.chat.completions.create(...)`, `engine.completions.create(...)`.
+
+    `model` is a compiled folder, or an embedded name / HF folder / .gguf compiled once into
+    ~/.cache/mlc_lora (with LoRA when `max_lora_rank` and `lora_pool_pages` are given). Requests
+    from several threads (or an AsyncMLCEngine's tasks) batch together; `adapter_id=NAME` picks a
+    LoRA adapter loaded with `load_adapter` per request (None: the base model). `params`: the
+    weights already on the device, in the config's `param_names` order (ModelRunner's `params`).
+    """
+
+    def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
+                 max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
+                 prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
+                 max_lora_rank: int = 0, lora_pool_pages: int = 0, params=None):
+        model_dir = compiled_folder(model, device, progress=progress, dtype=dtype,
+                                    max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
+        self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size, params)
+        self.model_name = self.engine.model_name or str(model)
+        self._loop = EngineLoop(self.engine)
+        self.chat = Chat(Completions(self, chat=True))
+        self.completions = Completions(self, chat=False)
+
+    @property
+    def tokenizer(self) -> Optional[Tokenizer]:
+        return self.engine.tokenizer
+
+    def is_alive(self) -> bool:
+        """The engine thread still runs (it stops only when closed)."""
+        return self._loop.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        return self._loop.call(self.engine.stats)
+
+    # --- LoRA adapters (between steps, on the engine thread) ----------------------------------
+
+    def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:
+        """Validate a PEFT folder (or an already read `lora.peft.LoraAdapter`) against the compiled
+        library and load it into the unified pool; `pin` keeps it resident (never evicted for KV).
+        Returns its list_adapters() entry."""
+        return self._loop.call(lambda: self.engine.adapters.load(name, path, pin))
+
+    def pin_adapter(self, name: str, pin: bool = True) -> dict[str, Any]:
+        """Pin a loaded adapter (paged back in now if it was evicted; never evicted for KV) or unpin
+        it (evictable again once idle). Returns its list_adapters() entry."""
+        return self._loop.call(lambda: self.engine.adapters.pin(name, pin))
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget `name` now; its pages go back to the pool when its running requests end."""
+        self._loop.call(lambda: self.engine.adapters.unload(name))
+
+    def list_adapters(self) -> list[dict[str, Any]]:
+        """name, path, rank, lora_alpha, use_rslora, scales, target_modules, pinned, resident, pages."""
+        return self._loop.call(self.engine.adapters.list)
+
+    def close(self) -> None:
+        self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,90 @@
+"""The one builder of OpenAI response objects (protocol.py) from a request's step outputs, used
+by MLCEngine, AsyncMLCEngine and the HTTP server alike."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Optional
+
+from ..tokenizer import Tokenizer
+from . import protocol as P
+from .core import StepOutput
+from .sampler import Sampled
+from .scheduler import Sequence
+
+
+class ResponseBuilder:  # pylint: disable=too-many-instance-attributes
+    """One request's OpenAI objects: choice i comes from the outputs of seqs[i].
+
+    Streaming: `chunk(i, out)` for each output as it arrives (the usage, prompt counted once and
+    every choice's tokens, rides on the chunk that finishes the last choice). Whole: `response(outs)`."""
+
+    def __init__(self, chat: bool, model: str, tokenizer: Optional[Tokenizer], seqs: list[Sequence]):
+        self.chat, self.model, self.tokenizer, self.seqs = chat, model, tokenizer, seqs
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self._first, self._offset = [True] * len(seqs), [0] * len(seqs)
+        self._done, self._completion = 0, 0
+
+    def _logprobs(self, tokens: list[Sampled], seq: Sequence, offset: int):
+        if not seq.params.logprobs:
+            return None
+        tok = self.tokenizer
+        name = (lambda i: tok.token_text(i)) if tok is not None else str  # noqa: E731
+        if self.chat:
+            return P.ChoiceLogprobs([P.ChatCompletionTokenLogprob(
+                name(s.token), s.logprob, top_logprobs=[P.TopLogprob(name(i), lp) for i, lp in (s.top or [])])
+                for s in tokens])
+        return P.CompletionLogprobs(
+            tokens=[name(s.token) for s in tokens], token_logprobs=[s.logprob for s in tokens],
+            top_logprobs=[{name(i): lp for i, lp in (s.top or [])} for s in tokens],
+            text_offset=[offset] * len(tokens))
+
+    def chunk(self, i: int, out: StepOutput):
+        """The chunk of choice `i` for its output `out`, or None when it carries nothing."""
+        seq, usage = self.seqs[i], None
+        if out.finish_reason is not None:
+            self._done += 1
+            self._completion += out.usage[1]
+            if self._done == len(self.seqs):
+                usage = P.CompletionUsage(out.usage[0], self._completion, out.usage[0] + self._completion)
+        if not (out.text or out.finish_reason is not None or (out.tokens and seq.params.logprobs)):
+            return None
+        lp = self._logprobs(out.tokens, seq, self._offset[i])
+        if self.chat:
+            delta = P.ChoiceDelta(content=out.text, role="assistant" if self._first[i] else None)
+            c = P.ChatCompletionChunk(self.id, self.created, self.model,
+                                      [P.ChatCompletionChunkChoice(i, delta, out.finish_reason, lp)], usage)
+        else:
+            c = P.Completion(self.id, self.created, self.model,
+                             [P.CompletionChoice(i, out.text, out.finish_reason, lp)], usage)
+        self._first[i], self._offset[i] = False, self._offset[i] + len(out.text)
+        return c
+
+    def response(self, outs: list[list[StepOutput]]):
+        """The whole response from every output of every choice (outs[i]: those of seqs[i])."""
+        choices, completion = [], 0
+        for i, (seq_outs, seq) in enumerate(zip(outs, self.seqs)):
+            text = "".join(o.text for o in seq_outs)
+            tokens = [s for o in seq_outs for s in o.tokens]
+            last = seq_outs[-1]
+            completion += last.usage[1]
+            lp = self._logprobs(tokens, seq, 0)
+            ids = [s.token for s in tokens]
+            if self.chat:
+                choices.append(P.ChatCompletionChoice(i, P.ChatCompletionMessage("assistant", text),
+                                                      last.finish_reason, lp, ids))
+                continue
+            if lp is not None:  # text offsets of each token in the returned text
+                pos, offs = 0, []
+                for o in seq_outs:
+                    offs += [pos] * len(o.tokens)
+                    pos += len(o.text)
+                lp.text_offset = offs
+            choices.append(P.CompletionChoice(i, text, last.finish_reason, lp, ids))
+        prompt = outs[0][-1].usage[0]
+        usage = P.CompletionUsage(prompt, completion, prompt + completion)
+        if self.chat:
+            return P.ChatCompletion(self.id, self.created, self.model, choices, usage)
+        return P.Completion(self.id, self.created, self.model, choices, usage)

@@ -1,0 +1,80 @@
+"""TVM's runtime in this process: its import, the CUDA device API, cuBLAS, device names.
+
+Needs only TVM's runtime (it works with the runtime-only bundle used on GPU machines).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import MLCLoraError
+
+
+def _tvm():
+    """TVM with its VM runtime imported."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    import tvm.runtime.vm  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+
+    return tvm
+
+
+def load_cuda_runtime() -> None:
+    """Runtime-only TVM does not autoload its CUDA device API; load it once."""
+    tvm = _tvm()
+    if tvm.get_global_func("ffi.Module.load_from_bytes.cuda", allow_missing=True) is not None:
+        return
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    tvm_ffi.libinfo.load_lib_ctypes("tvm", "tvm_runtime_cuda", "RTLD_GLOBAL",
+                                    extra_lib_paths=tvm.libinfo.package_lib_paths())
+
+
+def load_cublas(device) -> None:
+    """Ready the cuBLAS extern of models compiled with `--gemm cublas`: preload libcublas(Lt).so.13
+    from the nvidia-cublas wheel when the loader cannot find them, then make the device's handle and
+    workspace now, before any CUDA-graph capture (which cannot allocate)."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    tvm = _tvm()
+    init = tvm.get_global_func("mlc_lora.runtime.cublas_init", allow_missing=True)
+    if init is None:
+        raise MLCLoraError("this model runs its GEMMs through cuBLAS (--gemm cublas), but the mlc_lora "
+                           "runtime library with mlc_lora.runtime.cublas_gemm is not loaded")
+    for name in ("libcublasLt.so.13", "libcublas.so.13"):
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            continue
+        except OSError:
+            pass
+        for path in nvidia_lib_dirs(("cu13", "cublas")):
+            if (path / name).is_file():
+                ctypes.CDLL(str(path / name), mode=ctypes.RTLD_GLOBAL)
+                break
+        else:
+            raise MLCLoraError(f"{name} not found: pip install 'mlc-lora[cuda]' (the nvidia-cublas "
+                               "wheel), or compile with --gemm tvm")
+    init(device.index)
+
+
+def nvidia_lib_dirs(subdirs: tuple[str, ...]) -> list[Path]:
+    """The lib folders of the installed nvidia-* wheels (`nvidia/<sub>/lib`)."""
+    try:
+        import nvidia  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return []
+    return [Path(p) / sub / "lib" for p in nvidia.__path__ for sub in subdirs]
+
+
+def device_of(name: str):
+    """TVM's device for "cpu", "cuda" or "cuda:N"."""
+    tvm = _tvm()
+    if name == "cpu":
+        return tvm.cpu(0)
+    if name.startswith("cuda"):
+        load_cuda_runtime()
+        idx = int(name.split(":", 1)[1]) if ":" in name else 0
+        dev = tvm.cuda(idx)
+        if not dev.exist:
+            raise MLCLoraError(f"device {name!r} requested but no CUDA GPU is visible")
+        return dev
+    raise MLCLoraError(f"unknown device {name!r}; use 'cpu' or 'cuda'")

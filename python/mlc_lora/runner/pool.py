@@ -1,0 +1,273 @@
+"""The unified page pool of a runner, as one typed object.
+
+One arena of pages holds the paged KV cache of every sequence and the pages of every loaded LoRA
+adapter (src/runtime/unified_kv_cache.cc; docs/DESIGN.md). `Pool` names everything the engine,
+the server and the tests do with it; its two implementations differ only in where the runtime's
+functions run: `DevicePool` (this module) calls them on the runner's device, `ShardedPool`
+(runner/sharded.py) on every tensor-parallel shard's pool, in step.
+
+The names of the runtime functions live here (and in runner/sharded.py for the worker-side ones);
+nothing above the runner package calls them by name.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ..errors import LoraError, PoolExhaustedError
+from ..lora.layout import LoraSpec, PackedAdapter, pack_adapter
+from ..lora.peft import AdapterPlan, LoraAdapter, pack_peft_adapter
+from .config import CompiledConfig
+from .device import _tvm
+
+# TVM's KV-state builtins (any paged KV cache).
+KV_ADD = "vm.builtin.kv_state_add_sequence"
+KV_REMOVE = "vm.builtin.kv_state_remove_sequence"
+KV_FORK = "vm.builtin.kv_state_fork_sequence"
+KV_POPN = "vm.builtin.kv_state_popn"
+KV_BEGIN = "vm.builtin.kv_state_begin_forward"
+KV_END = "vm.builtin.kv_state_end_forward"
+KV_AVAILABLE_PAGES = "vm.builtin.attention_kv_cache_get_num_available_pages"
+KV_SEQUENCE_LENGTH = "vm.builtin.attention_kv_cache_get_sequence_length"
+# mlc-lora's pool (mlc_lora.runtime.*, listed in mlc_lora/_ffi_api.py).
+POOL_CONFIGURE_LORA = "mlc_lora.runtime.pool_configure_lora"
+POOL_LOAD_ADAPTER = "mlc_lora.runtime.pool_load_adapter"
+POOL_UNLOAD_ADAPTER = "mlc_lora.runtime.pool_unload_adapter"
+POOL_PIN_ADAPTER = "mlc_lora.runtime.pool_pin_adapter"
+POOL_SET_SEQUENCE_ADAPTER = "mlc_lora.runtime.pool_set_sequence_adapter"
+POOL_LORA_TABLES = "mlc_lora.runtime.pool_lora_tables"
+POOL_LORA_NUM_SLOTS = "mlc_lora.runtime.pool_lora_num_slots"
+POOL_STATS = "mlc_lora.runtime.pool_stats"
+POOL_ADAPTER_INFO = "mlc_lora.runtime.pool_adapter_info"
+POOL_SEQUENCE_PAGES = "mlc_lora.runtime.pool_sequence_pages"
+POOL_CHECK_INVARIANTS = "mlc_lora.runtime.pool_check_invariants"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:  # pylint: disable=too-many-instance-attributes
+    """Pages of the pool by use, and its adapter counters."""
+
+    total_pages: int
+    free_pages: int
+    kv_pages: int
+    adapter_pages: int  # resident adapters' pages
+    evictable_pages: int  # pages of idle, unpinned resident adapters (evicted LRU when needed)
+    resident_adapters: int
+    loaded_adapters: int  # resident or evicted (kept as host copies), or unloading
+    adapter_evictions: int
+    adapter_page_ins: int
+    page_elems: int  # elements of one page of one layer (of one shard)
+    kv_tokens: int  # tokens of every sequence
+
+    @classmethod
+    def from_runtime(cls, m) -> "PoolStats":
+        return cls(**{f.name: int(m[f.name]) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterInfo:
+    """One loaded adapter in the pool."""
+
+    num_pages: int
+    resident: bool  # its pages are in the arena (else evicted: a host copy waits)
+    pinned: bool  # never evicted
+    refs: int  # sequences bound to it
+    pages: tuple[int, ...]  # its page ids while resident
+
+    @classmethod
+    def from_runtime(cls, m) -> "AdapterInfo":
+        return cls(num_pages=int(m["num_pages"]), resident=bool(m["resident"]), pinned=bool(m["pinned"]),
+                   refs=int(m["refs"]), pages=tuple(int(p) for p in m["pages"]))
+
+
+class Pool(abc.ABC):
+    """The unified page pool (paged KV cache and adapter store) made by `Runner.create_pool`.
+
+    `handle` is the runtime object the compiled prefill/decode take. Sequence and adapter ids are
+    the caller's integers; an adapter's id is its "slot" (never reused by the engine)."""
+
+    def __init__(self, handle: Any, compiled: CompiledConfig):
+        self.handle = handle
+        self.compiled = compiled  # the model's config (adapters are checked and packed for it)
+
+    @property
+    def lora(self) -> Optional[LoraSpec]:
+        """The compiled LoRA spec; None: compiled without LoRA (no adapters)."""
+        return self.compiled.lora
+
+    # --- how the runtime's functions are called -------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def num_shards(self) -> int:
+        """Pools in step: 1, or one per tensor-parallel shard."""
+
+    @abc.abstractmethod
+    def _run(self, name: str, *args) -> None:
+        """`name(handle, *args)` on every shard."""
+
+    @abc.abstractmethod
+    def _values(self, name: str, *args) -> list:
+        """`name(handle, *args)` on every shard; every shard's result, in shard order."""
+
+    def _value(self, name: str, *args):
+        """`name(handle, *args)` on every shard; shard 0's result (the shards are in step)."""
+        return self._values(name, *args)[0]
+
+    # --- sequences ------------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int) -> None:
+        self._run(KV_ADD, seq_id)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Drop the sequence's KV (pages shared with forks stay theirs) and its adapter binding."""
+        self._run(KV_REMOVE, seq_id)
+
+    def fork_sequence(self, parent: int, child: int, fork_pos: int = -1) -> None:
+        """`child` shares `parent`'s first `fork_pos` tokens (-1: all) and its adapter."""
+        self._run(KV_FORK, parent, child, fork_pos)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        """Take the last `n` tokens off a sequence."""
+        self._run(KV_POPN, seq_id, n)
+
+    def sequence_length(self, seq_id: int) -> int:
+        return int(self._value(KV_SEQUENCE_LENGTH, seq_id))
+
+    def sequence_pages(self, seq_id: int) -> list[int]:
+        return [int(p) for p in self._value(POOL_SEQUENCE_PAGES, seq_id)]
+
+    def available_pages(self) -> int:
+        """Free pages (not counting those idle adapters would give back: see `stats`)."""
+        return int(self._value(KV_AVAILABLE_PAGES))
+
+    # --- one forward pass (the runner's prefill/decode) ------------------------------------------
+
+    def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
+        """Reserve the batch's KV (evicting idle adapters as needed) and build its LoRA tables."""
+        shape = _tvm().runtime.ShapeTuple
+        self._run(KV_BEGIN, shape(list(seq_ids)), shape(list(lengths)))
+
+    def end_forward(self) -> None:
+        self._run(KV_END)
+
+    @abc.abstractmethod
+    def lora_tables(self) -> list:
+        """The batch's LoRA inputs (LORA_TABLE_INPUTS order), between begin and end_forward."""
+
+    def lora_num_slots(self) -> int:
+        """The batch's distinct adapters, between begin and end_forward (0: base model only)."""
+        return int(self._value(POOL_LORA_NUM_SLOTS))
+
+    # --- adapters -------------------------------------------------------------------------------
+
+    def configure_lora(self, num_modules: Optional[int] = None, max_rank: Optional[int] = None) -> None:
+        """Size the per-batch tables (once, before loading adapters): by default for the compiled
+        LoRA modules and rank (create_pool does it for LoRA models)."""
+        self._run(POOL_CONFIGURE_LORA, len(self.lora.modules) if num_modules is None else num_modules,
+                  self.lora.max_rank if max_rank is None else max_rank)
+
+    @abc.abstractmethod
+    def load_adapter(self, slot: int, adapter: str | Path | LoraAdapter, pin: bool = False,
+                     name: Optional[str] = None) -> AdapterPlan:
+        """Check the PEFT folder `adapter` (or an adapter in memory) against the compiled model,
+        pack it and load it into this pool as `slot`; `pin` keeps it resident; `name` (default:
+        the folder's) names it in errors. Returns what was loaded (rank, modules, scales, pages
+        per shard...). LoraError when the model cannot serve it or it can never fit;
+        PoolExhaustedError when pinned or busy adapters hold the pages it needs now."""
+
+    def unload_adapter(self, slot: int) -> None:
+        """Forget the adapter; its pages come back when its last sequence is removed."""
+        self._run(POOL_UNLOAD_ADAPTER, slot)
+
+    def pin_adapter(self, slot: int, pin: bool) -> None:
+        """Pin (paged back in now if evicted; never evicted) or unpin (evictable once idle)."""
+        self._run(POOL_PIN_ADAPTER, slot, pin)
+
+    def set_sequence_adapter(self, seq_id: int, slot: Optional[int]) -> None:
+        """Bind a sequence to an adapter (None: the base model); the pool counts its users."""
+        self._run(POOL_SET_SEQUENCE_ADAPTER, seq_id, -1 if slot is None else slot)
+
+    def adapter_info(self, slot: int) -> AdapterInfo:
+        return AdapterInfo.from_runtime(self._value(POOL_ADAPTER_INFO, slot))
+
+    def stats(self) -> PoolStats:
+        return PoolStats.from_runtime(self._value(POOL_STATS))
+
+    def shard_adapter_info(self, slot: int) -> list[AdapterInfo]:
+        """adapter_info of every shard's pool (they are in step: all equal)."""
+        return [AdapterInfo.from_runtime(m) for m in self._values(POOL_ADAPTER_INFO, slot)]
+
+    def shard_stats(self) -> list[PoolStats]:
+        """stats of every shard's pool (they are in step: all equal)."""
+        return [PoolStats.from_runtime(m) for m in self._values(POOL_STATS)]
+
+    def check_invariants(self) -> None:
+        """Recount every page's owner in the runtime; raises when the bookkeeping is off."""
+        self._values(POOL_CHECK_INVARIANTS)
+
+    def _check_lora(self) -> None:
+        if self.lora is None:
+            raise LoraError(f"{self.compiled.model_dir} was compiled without LoRA: recompile it with "
+                            "--max-lora-rank R --lora-pool-pages P to load adapters")
+
+    def _check_fits(self, plan: AdapterPlan) -> None:
+        total = self.stats().total_pages
+        if plan.num_pages > total:
+            raise LoraError(f"adapter {plan.name} (rank {plan.rank}, {', '.join(plan.modules)}) needs "
+                            f"{plan.num_pages} pages, but the whole pool has {total}")
+
+    @staticmethod
+    def _exhausted(plan: AdapterPlan, e: Exception) -> PoolExhaustedError:
+        return PoolExhaustedError(f"cannot load adapter {plan.name!r} ({plan.num_pages} pages): {e}")
+
+
+class DevicePool(Pool):
+    """The pool of a single-device runner: the runtime's functions called here, on its device."""
+
+    def __init__(self, handle: Any, compiled: CompiledConfig):
+        super().__init__(handle, compiled)
+        self._funcs: dict[str, Any] = {}
+
+    @property
+    def num_shards(self) -> int:
+        return 1
+
+    def _f(self, name: str):
+        f = self._funcs.get(name)
+        if f is None:
+            f = self._funcs[name] = _tvm().get_global_func(name)
+        return f
+
+    def _run(self, name: str, *args) -> None:
+        self._f(name)(self.handle, *args)
+
+    def _values(self, name: str, *args) -> list:
+        return [self._f(name)(self.handle, *args)]
+
+    def lora_tables(self) -> list:
+        return list(self._f(POOL_LORA_TABLES)(self.handle))
+
+    def load_packed_adapter(self, slot: int, packed: PackedAdapter, pin: bool = False) -> None:
+        """Load pages packed already (`mlc_lora.lora.pack_adapter`) as `slot`."""
+        self._run(POOL_LOAD_ADAPTER, slot, *packed.ffi_args(), bool(pin))
+
+    def load_adapter(self, slot: int, adapter: str | Path | LoraAdapter, pin: bool = False,
+                     name: Optional[str] = None) -> AdapterPlan:
+        self._check_lora()
+        if isinstance(adapter, LoraAdapter):
+            packed = pack_adapter(self.lora, dataclasses.replace(adapter, name=name or adapter.name),
+                                  self.compiled.numpy_dtype)
+        else:
+            packed = pack_peft_adapter(adapter, self.compiled.raw, name)
+        plan = AdapterPlan(packed.name, packed.rank, list(packed.modules), dict(packed.scales),
+                           int(packed.pages.shape[1]), packed.lora_alpha, packed.use_rslora)
+        self._check_fits(plan)
+        try:
+            self.load_packed_adapter(slot, packed, pin)
+        except PoolExhaustedError as e:
+            raise self._exhausted(plan, e) from None
+        return plan

@@ -1,0 +1,230 @@
+"""`ModelRunner`: a compiled model folder on one device, its weights, VM functions and pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..contract import BASE_FUNCTION_SUFFIX, LORA_TABLE_INPUTS, PAGE_SIZE
+from ..errors import MLCLoraError
+from .base import LoraInputs, Runner
+from .config import CompiledConfig
+from .device import _tvm, device_of, load_cublas
+from .pool import DevicePool
+
+
+class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
+    """A compiled model on one device: weights, VM functions and its unified pool."""
+
+    def __init__(self, model_dir: str | Path, device: str = "cpu", params: Optional[Sequence] = None):
+        """`params`: the weights already on the device, in `param_names` order (e.g. made there by
+        a benchmark); by default they are read from the model folder."""
+        compiled = CompiledConfig.read(model_dir, device)
+        super().__init__(compiled)
+        if compiled.tensor_parallel_shards > 1:
+            raise MLCLoraError(f"{model_dir} was compiled with --tensor-parallel-shards "
+                               f"{compiled.tensor_parallel_shards}: open it with "
+                               "mlc_lora.runner.open_runner (one disco worker per shard)")
+        tvm = _tvm()
+        self._device = device_of(device)
+        if compiled.uses_cublas:
+            load_cublas(self._device)
+        lib = tvm.runtime.load_module(str(compiled.model_dir / compiled.library))
+        self._vm = tvm.runtime.vm.VirtualMachine(lib, self._device)
+        if params is not None:
+            if len(params) != len(compiled.param_names):
+                raise MLCLoraError(f"{len(params)} params given, the model has {len(compiled.param_names)}")
+            self.params = list(params)
+        else:
+            self.params = self._load_params(compiled.model_dir / compiled.params_file)
+        self._base_arena = None  # zero LoRA arena for all-base batches, made on first use
+        # decode captured in CUDA graphs reads the LoRA tables at fixed addresses (_graph_tables)
+        self.graph_tables = self.lora is not None and compiled.cuda_graph
+        self._fixed_tables = None
+        self._graph_arena = None
+        self._ids_buf = None  # token ids on the device (embed)
+        self._embed = self._vm["embed"]
+        self._prefill = self._vm["prefill"]
+        self._decode = self._vm["decode"]
+        # LoRA models: the same functions without the LoRA inputs, for batches without adapters
+        self._base_fns = None
+        if self.lora is not None:
+            try:
+                self._base_fns = (self._vm["prefill" + BASE_FUNCTION_SUFFIX], self._vm["decode" + BASE_FUNCTION_SUFFIX])
+            except (AttributeError, KeyError, RuntimeError):
+                self._base_fns = None  # compiled by an older mlc-lora: the LoRA functions with empty tables
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def vm(self):
+        return self._vm
+
+    def _load_params(self, path: Path):
+        from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+        tvm = _tvm()
+        out = []
+        with safe_open(str(path), framework="numpy") as st:
+            for name in self.compiled.param_names:
+                out.append(tvm.runtime.tensor(st.get_tensor(name), self._device))
+        return out
+
+    def create_pool(self, max_batch_size: int, max_total_seq_len: int,
+                    prefill_chunk_size: Optional[int] = None, page_size: int = PAGE_SIZE) -> DevicePool:
+        s = _tvm().runtime.ShapeTuple
+        chunk = prefill_chunk_size or self.compiled.prefill_chunk_size
+        handle = self._vm["create_paged_kv_cache"](
+            s([max_batch_size]), s([max_total_seq_len]), s([chunk]), s([page_size]), s([0])
+        )
+        pool = DevicePool(handle, self.compiled)
+        if self.lora is not None:
+            pool.configure_lora()
+        return pool
+
+    # --- forward passes -----------------------------------------------------------------------
+
+    def embed(self, token_ids: np.ndarray):
+        import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+        from .. import _ffi_api  # pylint: disable=import-outside-toplevel
+
+        tvm = _tvm()
+        ids = np.ascontiguousarray(token_ids, dtype=np.int32)
+        # One device buffer, refilled on the stream without a host sync (a fresh tensor per step
+        # costs a synchronous copy and a cudaFree, which stall the host behind the GPU).
+        if self._ids_buf is None or self._ids_buf.shape[0] < len(ids):
+            self._ids_buf = tvm.runtime.empty((max(len(ids), 256),), "int32", self._device)
+        dev_ids = self._ids_buf._create_view((len(ids),))  # pylint: disable=protected-access
+        _ffi_api.upload_async(dev_ids, tvm_ffi.from_dlpack(ids))
+        return self._embed(dev_ids, self.params)
+
+    def _lora_args(self, lora: Optional[dict], n_tok: int) -> list:
+        """The LoRA inputs (arrays or device tensors keyed by LORA_TABLE_INPUTS); None = all base model.
+        ("pool": the pool's own tables, fetched after begin_forward by `_begin`.)"""
+        spec = self.lora
+        if spec is None:
+            if lora is not None:
+                raise MLCLoraError(f"{self.model_dir} was compiled without LoRA; recompile with "
+                                   "--max-lora-rank and --lora-pool-pages")
+            return []
+        if lora is None:
+            M, R = len(spec.modules), spec.max_rank
+            if self._base_arena is None:  # one page: never read
+                self._base_arena = _tvm().runtime.tensor(
+                    np.zeros((spec.num_layers * spec.page_elems,), self.compiled.numpy_dtype), self._device)
+            lora = {"lora_arena": self._base_arena, "lora_token_slot": np.full((n_tok,), -1, np.int32),
+                    "lora_rank": np.zeros((0,), np.int32), "lora_scale": np.zeros((0, M), np.float32),
+                    "lora_a_off": np.zeros((0, M, R), np.int32), "lora_b_off": np.zeros((0, M, R), np.int32),
+                    "lora_token_order": np.arange(n_tok, dtype=np.int32),
+                    "lora_slot_start": np.zeros((1,), np.int32)}
+        self._check_slots(lora["lora_rank"].shape[0])
+        tvm = _tvm()
+        return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self._device)
+                if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_TABLE_INPUTS]
+
+    def _check_slots(self, num_slots: int) -> None:
+        if self.lora.kernel == "single" and num_slots > 1:
+            # Stage 1 applies slot 0 to every adapter token; a second slot would be silently wrong.
+            raise MLCLoraError(f"{self.model_dir} was compiled with --lora-kernel single: a batch may "
+                               f"use one adapter, got {num_slots}")
+
+    def _begin(self, pool: DevicePool, seq_ids, lengths, lora: LoraInputs, n_tok: int) -> Optional[list]:
+        """begin_forward, and the LoRA inputs of the batch (after it, for the pool's tables);
+        None where the batch runs the base functions (a LoRA model, no token on an adapter)."""
+        base = lora is None and self._base_fns is not None
+        extra = self._lora_args(lora, n_tok) if not (isinstance(lora, str) or base) else None
+        pool.begin_forward(seq_ids, lengths)
+        if base:
+            return None
+        if extra is None:
+            if lora != "pool" or self.lora is None:
+                pool.end_forward()
+                raise MLCLoraError(f"lora={lora!r}: pass a dict of tables, 'pool' (LoRA models), or None")
+            if self._base_fns is not None and pool.lora_num_slots() == 0:
+                return None  # no LoRA kernel runs for a batch without adapters
+            extra = pool.lora_tables()
+            try:
+                self._check_slots(extra[2].shape[0])
+            except MLCLoraError:
+                pool.end_forward()
+                raise
+        return extra
+
+    def prefill(self, pool: DevicePool, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]],
+                lora: LoraInputs = None):
+        """One ragged prefill over several sequences; returns last-token logits (b, V) on device.
+        `lora` (models compiled with LoRA): a dict of the LoRA inputs for the concatenated tokens,
+        "pool" for the tables the pool builds from each sequence's adapter, or None (base model)."""
+        tvm = _tvm()
+        lengths = [len(t) for t in tokens]
+        if min(lengths) < 1:
+            raise MLCLoraError("every sequence in a prefill needs at least one token")
+        flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
+        emb = self.embed(flat)
+        emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access
+        last = tvm.runtime.tensor(np.cumsum(lengths).astype(np.int32) - 1, self._device)
+        extra = self._begin(pool, seq_ids, lengths, lora, len(flat))
+        if extra is None:
+            logits, _ = self._base_fns[0](emb, last, pool.handle, self.params)
+        else:
+            logits, _ = self._prefill(emb, last, pool.handle, *extra, self.params)
+        pool.end_forward()
+        return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
+
+    def _graph_tables(self, extra: list) -> list:
+        """The LoRA inputs of a decode captured in CUDA graphs (the compiler counts them with the
+        weights, see compiler_passes/passes/lora_rewrite.py): a graph replays the addresses and the slot
+        count it was captured with, so this batch's tables are copied (on the device) into
+        buffers allocated once, passed at `max_batch_size` slots. Rows past the batch's slots are
+        never read: every token reads only its own slot. The arena must stay the same one."""
+        tvm = _tvm()
+        arena = extra[0]
+        if self._graph_arena is None:
+            self._graph_arena = arena.data_ptr()
+        elif arena.data_ptr() != self._graph_arena:
+            raise MLCLoraError("this model's decode runs in CUDA graphs bound to the LoRA arena of the "
+                               "first pool it ran with; use one pool per ModelRunner, or compile "
+                               "with --no-cuda-graph")
+        if self._fixed_tables is None:
+            M, R, S = len(self.lora.modules), self.lora.max_rank, self.compiled.max_batch_size
+            self._fixed_tables = [tvm.runtime.empty(shape, dt, self._device) for shape, dt in (
+                ((S,), "int32"), ((S,), "int32"), ((S, M), "float32"), ((S, M, R), "int32"), ((S, M, R), "int32"),
+                ((S,), "int32"), (tuple(extra[7].shape), "int32"))]
+        if tuple(extra[7].shape) != tuple(self._fixed_tables[6].shape):
+            raise MLCLoraError("this model's decode runs in CUDA graphs bound to the slot capacity of the first "
+                               "pool it ran with; use one pool per ModelRunner")
+        out = [arena]
+        for i, (src, buf) in enumerate(zip(extra[1:], self._fixed_tables)):
+            view = buf._create_view(tuple(src.shape))  # pylint: disable=protected-access
+            view.copyfrom(src)
+            # token_slot and token_order are (batch,); the slot tables full size; slot_start has
+            # every entry of the pool's slot capacity already
+            out.append(view if i in (0, 5) else buf)
+        return out
+
+    def decode(self, pool: DevicePool, seq_ids: Sequence[int], tokens: Sequence[int], lora: LoraInputs = None):
+        """One decode step, one token per sequence; returns logits (b, V) on device."""
+        b = len(seq_ids)
+        emb = self.embed(np.asarray(tokens, dtype=np.int32))
+        emb = emb._create_view((b, 1, emb.shape[-1]))  # pylint: disable=protected-access
+        extra = self._begin(pool, seq_ids, [1] * b, lora, b)
+        if extra is None:
+            logits, _ = self._base_fns[1](emb, pool.handle, self.params)
+            pool.end_forward()
+            return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access
+        if self.graph_tables:
+            try:
+                extra = self._graph_tables(extra)
+            except MLCLoraError:
+                pool.end_forward()
+                for s in seq_ids:  # begin_forward appended the step's token: take it back
+                    pool.popn(s, 1)
+                raise
+        logits, _ = self._decode(emb, pool.handle, *extra, self.params)
+        pool.end_forward()
+        return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access
