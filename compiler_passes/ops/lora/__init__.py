@@ -11,6 +11,8 @@ per backend ("tir", "cuda", ...), each in its own file here beside its kernels:
     sgmv_cuda.py    stage 3: one shrink + one in-place expand per fused linear (sgmv.cu; CUDA
                     fp16/bf16, rank <= 128, <= 3 parts)
     sgmv_tir.py     stage 3: a shrink + expand pair per module (TIR, any target)
+    linear_triton.py  not a stage: the base linear and the delta in ONE kernel, for decode_fused
+                    (LoraRewrite(fused_decode=True); small decode batches over a few low-rank adapters)
     reference.py    the numpy reference of every kernel above, and the semantics they share
 
 The interface (stage.py), called by passes/lora_rewrite.py once per target linear:
@@ -42,45 +44,60 @@ with its kernels and a LoraStage, one entry in STAGES, and its tests
 
 from __future__ import annotations
 
-import tvm
+import functools
 
 from mlc_lora.contract import LORA_KERNELS
 
-from . import gather_tir, sgmv_cuda, sgmv_tir, sgmv_triton, single_tir
-from .stage import LoraContext, LoraStage, Part
+# The registry and the interface import TVM's compiler; they load on first use, so that the Triton
+# kernels here import with TVM's runtime alone (the GPU benchmarks run them there).
+_LAZY = {"LoraContext": "stage", "LoraStage": "stage", "Part": "stage"}
 
-# (stage, backend) -> implementation; per stage in the order "auto" tries them.
-STAGES: dict[tuple[str, str], LoraStage] = {
-    (impl.stage, impl.backend): impl
+
+@functools.lru_cache(maxsize=None)
+def _stages() -> dict:
+    """(stage, backend) -> implementation; per stage in the order "auto" tries them."""
+    from . import gather_tir, sgmv_cuda, sgmv_tir, sgmv_triton, single_tir  # pylint: disable=import-outside-toplevel
+
     # sgmv: the CUDA C++ kernels first; the Triton ones measured faster at >= 1024 tokens but slower in
     # the end-to-end decode batches (docs/SGMV.md), so they run only when asked for
-    for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_cuda.STAGE, sgmv_triton.STAGE, sgmv_tir.STAGE)
-}
-BACKENDS = ("auto", *sorted({backend for _, backend in STAGES}))
+    return {(impl.stage, impl.backend): impl
+            for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_cuda.STAGE, sgmv_triton.STAGE, sgmv_tir.STAGE)}
 
 
-def implementations(stage: str) -> list[LoraStage]:
+def __getattr__(name: str):
+    if name == "STAGES":
+        return _stages()
+    if name == "BACKENDS":
+        return ("auto", *sorted({backend for _, backend in _stages()}))
+    if name in _LAZY:
+        from . import stage  # pylint: disable=import-outside-toplevel
+
+        return getattr(stage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def implementations(stage: str) -> list:
     """The registered implementations of `stage`, in the order "auto" tries them."""
-    return [impl for (s, _), impl in STAGES.items() if s == stage]
+    return [impl for (s, _), impl in _stages().items() if s == stage]
 
 
 def check(stage: str, backend: str) -> None:
     """A ValueError unless `stage` is a LoRA stage and `backend` "auto" or one it is registered for."""
+    backends = __getattr__("BACKENDS")
     if stage not in LORA_KERNELS:
         raise ValueError(f"unknown LoRA kernel {stage!r}; choose from {', '.join(LORA_KERNELS)}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown LoRA kernel backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    if backend != "auto" and (stage, backend) not in STAGES:
+    if backend not in backends:
+        raise ValueError(f"unknown LoRA kernel backend {backend!r}; choose from {', '.join(backends)}")
+    if backend != "auto" and (stage, backend) not in _stages():
         have = ", ".join(impl.backend for impl in implementations(stage))
         raise ValueError(f"LoRA kernel {stage!r} has no {backend!r} implementation (it has: {have})")
 
 
-def select(stage: str, backend: str, target: tvm.target.Target, dtype: str, max_rank: int,
-           num_parts: int) -> LoraStage:
+def select(stage: str, backend: str, target, dtype: str, max_rank: int, num_parts: int):
     """The implementation that updates a linear of `num_parts` parts (see the module docstring)."""
     check(stage, backend)
     if backend != "auto":
-        impl = STAGES[(stage, backend)]
+        impl = _stages()[(stage, backend)]
         why = impl.supported(target, dtype, max_rank, num_parts)
         if why is not None:
             raise ValueError(f"LoRA kernel {stage!r} on backend {backend!r} cannot run {why}")

@@ -26,16 +26,13 @@ Blocks past the last tile leave at once. Two tile sizes are built: BM = 16 for n
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 from tvm import relax
 
-from mlc_lora.contract import cache_dir
-
+from .. import triton_build
 from ..kernel_attrs import kernel_attrs
 from .reference import sort_tokens_ref  # noqa: F401  (the pool's token order)
 from .stage import LoraContext, LoraStage, Part, layer_arg, tokens
@@ -117,15 +114,7 @@ def expand_ref(y, v, arena, base, order, slot_start, rank, scale, b_off, mods, w
 # the kernels
 
 def _kernel_name(kind: str):
-    """Triton names a kernel after its Python function; every built variant needs its own name,
-    which names every compile-time constant (a library links many variants; one looked up by
-    another's name would run with the wrong constants)."""
-
-    def name(proxy) -> str:
-        c, dtype = proxy.constants, proxy.signature["arena_ptr"].lstrip("*")
-        return f"mlc_lora_triton_{kind}_{dtype}_" + "_".join(f"{k}{v}".replace("-", "n") for k, v in sorted(c.items()))
-
-    return name
+    return triton_build.kernel_namer(f"mlc_lora_triton_{kind}", "arena_ptr")
 
 
 if triton is not None:
@@ -231,75 +220,26 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------
 # building the kernels (cubin for the target's arch, no GPU needed) and launching them from TIR
 
-_PTR = {"float16": "*fp16", "bfloat16": "*bf16"}
-_SCRATCH = 2  # Triton appends the global and profile scratch pointers (unused here: null)
-
-
 def _signature(kind: str, dtype: str) -> dict:
-    e = _PTR[dtype]
+    e = triton_build.PTR[dtype]
     if kind == "shrink":
         ptrs = dict(x_ptr=e, arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32")
-        ints = ["n", "S", "base"]
         consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "CHUNK", "BK", "BR", "SP", "ALIGN"]
     else:
         ptrs = dict(v_ptr="*fp32", arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", boff_ptr="*i32", y_ptr=e)
-        ints = ["n", "S", "base"]
         consts = ["C", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R", "BM", "BN", "BR", "CP", "SP", "ALIGN"]
     sig = dict(ptrs)
-    sig.update({k: ("i64" if k == "base" else "i32") for k in ints})
+    sig.update({"n": "i32", "S": "i32", "base": "i64"})
     sig.update({k: "constexpr" for k in consts})
     return sig
 
 
-def _compile(kind: str, dtype: str, consts: dict, num_warps: int, arch: str):
-    """(kernel name, cubin, metadata) of one kernel variant; cached on disk by content."""
-    from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
-    from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
-
-    fn = lora_shrink_kernel if kind == "shrink" else lora_expand_kernel
-    sig = _signature(kind, dtype)
-    names = list(sig)
-    # pointers are 16-byte aligned (TVM's allocations) and so is the layer base: 16-byte loads
-    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names) if sig[k].startswith("*") or k == "base"}
-    cap = int(arch.removeprefix("sm_").rstrip("a"))
-    key = hashlib.sha256(json.dumps([Path(__file__).read_text(), kind, dtype, consts, num_warps, arch,
-                                     triton.__version__]).encode()).hexdigest()[:24]
-    out = cache_dir() / "triton" / f"{kind}-{key}"
-    if (out.with_suffix(".json")).exists():
-        meta = json.loads(out.with_suffix(".json").read_text())
-        return meta["name"], out.with_suffix(".cubin").read_bytes(), meta
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps))
-    md = k.metadata
-    if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
-        raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
-    meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".cubin").write_bytes(k.asm["cubin"])
-    out.with_suffix(".json").write_text(json.dumps(meta))
-    return md.name, k.asm["cubin"], meta
-
-
-_LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "threadIdx.x", "tirx.use_dyn_shared_memory"]
-
-
 def _module(kind: str, dtype: str, consts: dict, num_warps: int, arch: str):
     """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant."""
-    import tvm  # pylint: disable=import-outside-toplevel
-
-    name, cubin, meta = _compile(kind, dtype, consts, num_warps, arch)
-    sig = _signature(kind, dtype)
-    types = ["handle" if t.startswith("*") else ("int64" if t == "i64" else "int32")
-             for t in sig.values() if t != "constexpr"] + ["int64"] * _SCRATCH
-    info = {"tvm_version": tvm.__version__, "func_info": {name: {
-        "name": "", "arg_types": types, "launch_param_tags": _LAUNCH_TAGS}}}
-    fmap = tvm.get_global_func("runtime.LoadMetaDataFromJSON")(json.dumps(info))
-    create = tvm.get_global_func("ffi.Module.create.cuda", allow_missing=True)
-    if create is None:
-        raise RuntimeError("TVM's CUDA runtime is not loaded (mlc_lora.compile.prepare_cuda_build)")
-    return name, meta["num_warps"] * 32, meta["shared"], create(cubin, "cubin", fmap, {})
+    fn = lora_shrink_kernel if kind == "shrink" else lora_expand_kernel
+    return triton_build.cuda_module(fn, _signature(kind, dtype), consts, num_warps, arch, Path(__file__))
 
 
 def _slot_pad(max_slots: int) -> int:

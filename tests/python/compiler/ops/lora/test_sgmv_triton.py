@@ -18,6 +18,12 @@ from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST  # noqa: E402
 
 def _interpret(tmp_path, **inp):
     """The kernels' outputs under Triton's interpreter, in a process of its own (triton_interp.py)."""
+    out = _interpret_raw(tmp_path, **inp)
+    return out["v"], out["y"]
+
+
+def _interpret_raw(tmp_path, **inp) -> dict:
+    """triton_interp.py's outputs for `inp`, run in a process with TRITON_INTERPRET=1."""
     np.savez(tmp_path / "in.npz", **inp)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = Path(__file__).resolve().parents[5]
@@ -26,7 +32,7 @@ def _interpret(tmp_path, **inp):
                           cwd=root, env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(tmp_path / "out.npz") as f:
-        return f["v"], f["y"]
+        return dict(f)
 
 
 def _case(rng, dtype, n, S, K, widths, mods, R, M=4):
@@ -94,4 +100,4 @@ def test_kernels_build_to_cubin_for_sm90(tmp_path, monkeypatch):
     assert len(list((tmp_path / "triton").glob("*.cubin"))) == 2 * len(ST.VARIANTS)
     script = sh.script() + ex.script()
     for var in ST.VARIANTS:
-        assert f"bm{ST.VARIANTS[var]['BM']}" in script
+        assert f"_BM{ST.VARIANTS[var]['BM']}_" in script  # each variant's kernel, by its constants

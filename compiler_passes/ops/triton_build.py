@@ -1,0 +1,83 @@
+"""Triton kernels in a model library: compile a @triton.jit function to cubin for the target's arch
+(Triton compiles sm_90a without a GPU), cache it on disk, and wrap it as a TVM CUDA module that TIR
+launches with `T.call_packed(name, *args, 0, 0, grid..., threads, shared_bytes)`.
+
+A kernel's signature maps each argument to a Triton type ("*fp16", "i32", "i64", "constexpr");
+pointers and the `base` offset are declared 16-byte divisible (TVM's allocations are; the layer base
+of the LoRA arena too) so loads vectorize. Triton appends two scratch pointers (global and profile
+scratch, unused: the launch passes null) and the grid/launch arguments follow them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from mlc_lora.contract import cache_dir
+
+try:  # compiling these kernels needs Triton; nothing else in mlc-lora does
+    import triton
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = None
+
+PTR = {"float16": "*fp16", "bfloat16": "*bf16"}
+SCRATCH = 2  # the scratch pointers Triton appends
+_LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "threadIdx.x", "tirx.use_dyn_shared_memory"]
+_DIVISIBLE = ("base",)  # integer arguments that are multiples of 16 bytes' worth of elements
+
+
+def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path):
+    """(kernel name, cubin, metadata) of `fn` built with `consts`; cached on disk by the content of
+    `source` (the file holding fn), the signature, the constants, the arch and Triton's version."""
+    from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+    from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
+
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
+             if sig[k].startswith("*") or k in _DIVISIBLE}
+    cap = int(arch.removeprefix("sm_").rstrip("a"))
+    key = hashlib.sha256(json.dumps([Path(source).read_text(), Path(__file__).read_text(), fn.__name__, sig,
+                                     consts, num_warps, arch, triton.__version__]).encode()).hexdigest()[:24]
+    out = cache_dir() / "triton" / f"{fn.__name__}-{key}"
+    if out.with_suffix(".json").exists():
+        meta = json.loads(out.with_suffix(".json").read_text())
+        return meta["name"], out.with_suffix(".cubin").read_bytes(), meta
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps))
+    md = k.metadata
+    if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
+        raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
+    meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".cubin").write_bytes(k.asm["cubin"])
+    out.with_suffix(".json").write_text(json.dumps(meta))
+    return md.name, k.asm["cubin"], meta
+
+
+def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path):
+    """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source)
+    types = ["handle" if t.startswith("*") else ("int64" if t == "i64" else "int32")
+             for t in sig.values() if t != "constexpr"] + ["int64"] * SCRATCH
+    info = {"tvm_version": tvm.__version__, "func_info": {name: {
+        "name": "", "arg_types": types, "launch_param_tags": _LAUNCH_TAGS}}}
+    fmap = tvm.get_global_func("runtime.LoadMetaDataFromJSON")(json.dumps(info))
+    create = tvm.get_global_func("ffi.Module.create.cuda", allow_missing=True)
+    if create is None:
+        raise RuntimeError("TVM's CUDA runtime is not loaded (mlc_lora.compile.prepare_cuda_build)")
+    return name, meta["num_warps"] * 32, meta["shared"], create(cubin, "cubin", fmap, {})
+
+
+def kernel_namer(prefix: str, ptr_arg: str):
+    """A `repr` for @triton.jit naming each built variant by all its compile-time constants and the
+    dtype of `ptr_arg` (a library links many variants; one looked up by another's name would run
+    with the wrong constants)."""
+
+    def name(proxy) -> str:
+        c, dtype = proxy.constants, proxy.signature[ptr_arg].lstrip("*")
+        return f"{prefix}_{dtype}_" + "_".join(f"{k}{v}".replace("-", "n") for k, v in sorted(c.items()))
+
+    return name
