@@ -12,11 +12,12 @@ from typing import Sequence
 import tvm
 from tvm import relax
 
-from mlc_lora.contract import BASE_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
+from mlc_lora.contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 
 from ..ops import cuda_build
 from ..ops import lora as lora_stages
 from ..ops.lora import LoraContext, Part
+from ..ops.lora.linear_triton import FUSED
 
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
@@ -41,6 +42,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         backend: str = "auto",
         max_slots: int = 256,
         base_functions: bool = True,
+        fused_decode: bool = False,
     ):
         """`param_names`: the packed params in export order. `modules`: the compiled target modules
         (name, in, out); their order is module index m. `linears`: weight kind (e.g. "qkv_proj") ->
@@ -51,7 +53,10 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         sgmv: sgmv.cu on CUDA fp16/bf16, else the TIR kernels). `max_slots`: the most
         adapter slots a batch's tables hold (the model's max batch size). `base_functions`: keep
         each rewritten function, unchanged, as `<name>_base` too (contract.BASE_FUNCTION_SUFFIX), for
-        batches without adapters."""
+        batches without adapters. `fused_decode`: also build `decode_fused`
+        (contract.FUSED_FUNCTION_SUFFIX), in which every linear that ops/lora/linear_triton.py
+        supports is one kernel computing the base GEMM and the delta together; the runner takes it
+        for the batches that kernel covers."""
         lora_stages.check(kernel, backend)
         self.param_names = list(param_names)
         self.module_index = {name: i for i, (name, _, _) in enumerate(modules)}
@@ -66,6 +71,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         self.backend = backend
         self.max_slots = max_slots
         self.base_functions = base_functions
+        self.fused_decode = fused_decode
         # the rows' element offsets are multiples of this when every row length is (16-byte loads)
         self.row_align = 8 if all(i % 8 == 0 and o % 8 == 0 for _, i, o in modules) else 1
         kinds = "|".join(map(re.escape, self.linears))
@@ -81,8 +87,19 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
                     base = name + BASE_FUNCTION_SUFFIX
                     copy = relax.utils.copy_with_new_vars(mod[name])
                     rewriter.builder_.add_func(copy.with_attr("global_symbol", base), base)
+                if self.fused_decode and name == "decode":
+                    fused = name + FUSED_FUNCTION_SUFFIX
+                    copy = relax.utils.copy_with_new_vars(mod[name])
+                    gv = rewriter.builder_.add_func(copy.with_attr("global_symbol", fused), fused)
+                    rewriter.fused = True
+                    rewriter.rewrite(gv)
+                    rewriter.fused = False
                 rewriter.rewrite(mod.get_global_var(name))
         out = rewriter.builder_.get()
+        for gv, func in list(out.functions.items()):
+            if gv.name_hint.endswith(FUSED_FUNCTION_SUFFIX) and isinstance(func, relax.Function):
+                # the replaced permute_dims + matmul bindings are dead
+                out[gv] = relax.analysis.remove_all_unused(func)
         for ext in rewriter.ctx.external_mods.values():
             out = cuda_build.attach(out, ext)
         return out
@@ -100,9 +117,10 @@ class _Rewriter(relax.PyExprMutator):
         self.packed: relax.Var | None = None
         self.n_tok = None
         self.rewritten = 0
+        self.fused = False  # rewriting decode_fused: linears the fused kernel supports become one call
 
     def rewrite(self, gv: relax.GlobalVar) -> None:
-        func = self.mod_[gv]
+        func = self.builder_.get()[gv] if self.fused else self.mod_[gv]
         num_input = int(func.attrs["num_input"])
         params = list(func.params)
         x_shape = params[0].ty.shape.values
@@ -138,29 +156,30 @@ class _Rewriter(relax.PyExprMutator):
 
     # --- matching ---------------------------------------------------------------------------
 
-    def _weight_name(self, rhs: relax.Expr) -> str | None:
+    def _weight(self, rhs: relax.Expr) -> tuple[str | None, relax.Expr | None]:
+        """(name, W) of a linear's `permute_dims(W)` operand; (None, None) if it is not one."""
         if not isinstance(rhs, relax.Var):
-            return None
+            return None, None
         perm = self.lookup_binding(rhs)
         if not (isinstance(perm, relax.Call) and perm.op == _PERMUTE):
-            return None
+            return None, None
         axes = perm.attrs.axes
         if axes is not None and [int(a) for a in axes] != [1, 0]:
-            return None
+            return None, None
         w = perm.args[0]
         if isinstance(w, relax.Var):
             bound = self.lookup_binding(w)
             if isinstance(bound, relax.TupleGetItem) and bound.tuple_value.same_as(self.packed):
-                return self.opts.param_names[bound.index]
+                return self.opts.param_names[bound.index], w
             if bound is None:
-                return w.name
-        return None
+                return w.name, w
+        return None, None
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = self.visit_expr_post_order(call)
         if call.op != _MATMUL:
             return call
-        name = self._weight_name(call.args[1])
+        name, w = self._weight(call.args[1])
         m = self.opts._name_re.search(name or "")  # pylint: disable=protected-access
         if m is None:
             return call
@@ -168,17 +187,22 @@ class _Rewriter(relax.PyExprMutator):
         parts = self.opts.linears[kind]
         if not any(p[0] in self.opts.module_index for p in parts):
             return call
-        return self._add_delta(call, layer, parts)
+        return self._add_delta(call, layer, parts, w)
 
     # --- emission: the registered implementation of the stage ---------------------------------
 
-    def _add_delta(self, call: relax.Call, layer: int, parts) -> relax.Expr:
+    def _add_delta(self, call: relax.Call, layer: int, parts, w: relax.Expr) -> relax.Expr:
         bb, o = self.builder_, self.opts
-        y = bb.emit(call)
         x = call.args[0]
         in_f = int(x.ty.shape.values[-1])
-        x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
         parts = [Part(name, o.module_index.get(name, -1), lo, hi) for name, lo, hi in parts]
+        if self.fused and parts[0].lo == 0 and FUSED.supported(
+                self.ctx.target, str(x.ty.dtype), str(w.ty.dtype), in_f, [p.width for p in parts]) is None:
+            x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
+            self.rewritten += 1
+            return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, call.ty.shape)
+        y = bb.emit(call)
+        x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
         impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(y.ty.dtype), o.max_rank, len(parts))
         self.rewritten += 1
         return impl.emit(self.ctx, y, x2, layer, parts, self.inputs)

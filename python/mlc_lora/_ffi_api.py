@@ -12,6 +12,7 @@ pool_pin_adapter(kv, id, pin)
 pool_set_sequence_adapter(kv, seq, id)     -1: base model
 pool_lora_tables(kv)                       the batch's tables, contract.LORA_TABLE_INPUTS order
 pool_lora_num_slots(kv)                    distinct adapters of the batch (0: base model only)
+pool_lora_rank_total(kv)                   the sum of their ranks
 pool_stats(kv)                             {total,free,kv,adapter,evictable}_pages, adapter counts
 pool_adapter_info(kv, id), pool_sequence_pages(kv, seq), pool_check_invariants(kv)   (tests)
 upload_async(dst, host_array)              host -> device without a stream synchronization

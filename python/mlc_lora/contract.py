@@ -42,6 +42,9 @@ LORA_TABLE_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale",
 # A model compiled with LoRA also exports its prefill and decode without the LoRA inputs under these
 # suffixed names: batches in which no token has an adapter run them (no LoRA kernels at all).
 BASE_FUNCTION_SUFFIX = "_base"
+# ... and, on CUDA, its decode with every linear fused with its LoRA delta in one kernel under this
+# name: decode batches within the kernel's limits (the config's lora "fused_decode") run it.
+FUSED_FUNCTION_SUFFIX = "_fused"
 # Kernel stages: "single" (one adapter per batch), "gather" (per token), "sgmv" (token tiles).
 LORA_KERNELS = ("single", "gather", "sgmv")
 
@@ -77,6 +80,7 @@ def compiled_contract() -> dict:
         "column_parallel_modules": list(COLUMN_PARALLEL_MODULES),
         "lora_table_inputs": list(LORA_TABLE_INPUTS),
         "base_function_suffix": BASE_FUNCTION_SUFFIX,
+        "fused_function_suffix": FUSED_FUNCTION_SUFFIX,
         "lora_kernels": list(LORA_KERNELS),
         "sampler_functions": list(SAMPLER_FUNCTIONS),
         "top_logprobs_max": TOP_LOGPROBS_MAX,

@@ -241,6 +241,8 @@ void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vect
     order[s >= 0 ? next[s]++ : base_pos++] = static_cast<int32_t>(t);
   }
   num_slots_ = static_cast<int64_t>(slots.size());
+  rank_total_ = 0;
+  for (int64_t s = 0; s < num_slots_; ++s) rank_total_ += rank[s];
   auto upload = [](const Tensor& dev, const void* src, std::vector<int64_t> shape,
                    DLDataType dtype) {
     int64_t n = 1;

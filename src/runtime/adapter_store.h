@@ -66,6 +66,8 @@ class AdapterStore {
   const tvm::ffi::Array<tvm::runtime::Tensor>& tables() const { return tables_; }
   /*! \brief Distinct adapters of the last BuildTables (0: every token is on the base model). */
   int64_t num_slots() const { return num_slots_; }
+  /*! \brief The sum of the ranks of those adapters. */
+  int64_t rank_total() const { return rank_total_; }
 
   tvm::ffi::Map<tvm::ffi::String, tvm::ffi::Any> Info(int64_t id) const;
   /*! \brief Every host copy belongs to an adapter the pool has; throws InternalError if not. */
@@ -91,7 +93,7 @@ class AdapterStore {
   // token_order (max_tokens,) and slot_start (max_batch + 1,) sort the batch's tokens by slot;
   // slot_start always has every entry (slots past the batch's own no tokens).
   tvm::runtime::Tensor slot_, rank_, scale_, a_, b_, order_, start_;
-  int64_t num_slots_ = 0;
+  int64_t num_slots_ = 0, rank_total_ = 0;
   tvm::ffi::Array<tvm::runtime::Tensor> tables_;
   std::unordered_map<int64_t, HostAdapter> host_;
 };

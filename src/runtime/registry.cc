@@ -238,6 +238,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
            })
       .def("mlc_lora.runtime.pool_lora_tables", [](Ref kv) { return Pool(kv)->LoraTables(); })
       .def("mlc_lora.runtime.pool_lora_num_slots", [](Ref kv) { return Pool(kv)->LoraNumSlots(); })
+      .def("mlc_lora.runtime.pool_lora_rank_total", [](Ref kv) { return Pool(kv)->LoraRankTotal(); })
       .def("mlc_lora.runtime.pool_stats", [](Ref kv) { return Pool(kv)->Stats(); })
       .def("mlc_lora.runtime.pool_adapter_info",
            [](Ref kv, int64_t id) { return Pool(kv)->adapters().Info(id); })

@@ -218,6 +218,12 @@ int64_t UnifiedKVCacheObj::LoraNumSlots() const {
   return adapters_.num_slots();
 }
 
+int64_t UnifiedKVCacheObj::LoraRankTotal() const {
+  adapters_.CheckConfigured();
+  CheckInForward();
+  return adapters_.rank_total();
+}
+
 ffi::Map<ffi::String, int64_t> UnifiedKVCacheObj::Stats() const {
   PoolStats s = pool_.Stats();
   return {{"total_pages", s.total},

@@ -123,6 +123,8 @@ class UnifiedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   tvm::ffi::Array<Tensor> LoraTables() const;
   /*! \brief Distinct adapters of the batch begun last (0: no token has one). */
   int64_t LoraNumSlots() const;
+  /*! \brief The sum of the ranks of those adapters. */
+  int64_t LoraRankTotal() const;
   tvm::ffi::Map<tvm::ffi::String, int64_t> Stats() const;
   tvm::ffi::Array<int64_t> SequencePages(int64_t seq) const;
   /*! \brief The pool's bookkeeping and the adapters' host copies agree; throws InternalError. */

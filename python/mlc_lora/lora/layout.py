@@ -43,6 +43,16 @@ class LoraSpec:
     # slices of each adapter (column-parallel modules: all of A, B split by output; row-parallel
     # ones: A split by input, all of B). See docs/TP.md.
     tensor_parallel_shards: int = 1
+    # The limits of decode_fused (contract.FUSED_FUNCTION_SUFFIX) where the library has it: a decode
+    # batch of <= max_tokens tokens over <= slot_columns adapters whose ranks sum to <= rank_columns
+    # runs it. None: no fused decode.
+    fused_decode: dict[str, int] | None = None
+
+    def fused_decode_fits(self, tokens: int, num_slots: int, rank_total: int) -> bool:
+        """Whether decode_fused covers a batch of `tokens` tokens over `num_slots` adapters."""
+        f = self.fused_decode
+        return (f is not None and 0 < num_slots <= f["slot_columns"] and tokens <= f["max_tokens"]
+                and rank_total <= f["rank_columns"])
 
     @property
     def module_names(self) -> list[str]:
@@ -61,6 +71,7 @@ class LoraSpec:
             "max_rank": self.max_rank, "kernel": self.kernel, "pool_pages": self.pool_pages,
             "page_elems": self.page_elems, "num_layers": self.num_layers,
             "tensor_parallel_shards": self.tensor_parallel_shards,
+            "fused_decode": self.fused_decode,
         }
 
     @classmethod
@@ -68,7 +79,8 @@ class LoraSpec:
         return cls(num_layers=d["num_layers"], page_elems=d["page_elems"],
                    modules=tuple(LoraModule(**m) for m in d["modules"]), max_rank=d["max_rank"],
                    pool_pages=d["pool_pages"], kernel=d["kernel"],
-                   tensor_parallel_shards=d.get("tensor_parallel_shards", 1))
+                   tensor_parallel_shards=d.get("tensor_parallel_shards", 1),
+                   fused_decode=d.get("fused_decode"))
 
 
 def _shards(cfg) -> int:

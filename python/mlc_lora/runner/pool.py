@@ -40,6 +40,7 @@ POOL_PIN_ADAPTER = "mlc_lora.runtime.pool_pin_adapter"
 POOL_SET_SEQUENCE_ADAPTER = "mlc_lora.runtime.pool_set_sequence_adapter"
 POOL_LORA_TABLES = "mlc_lora.runtime.pool_lora_tables"
 POOL_LORA_NUM_SLOTS = "mlc_lora.runtime.pool_lora_num_slots"
+POOL_LORA_RANK_TOTAL = "mlc_lora.runtime.pool_lora_rank_total"
 POOL_STATS = "mlc_lora.runtime.pool_stats"
 POOL_ADAPTER_INFO = "mlc_lora.runtime.pool_adapter_info"
 POOL_SEQUENCE_PAGES = "mlc_lora.runtime.pool_sequence_pages"
@@ -161,6 +162,10 @@ class Pool(abc.ABC):
     def lora_num_slots(self) -> int:
         """The batch's distinct adapters, between begin and end_forward (0: base model only)."""
         return int(self._value(POOL_LORA_NUM_SLOTS))
+
+    def lora_rank_total(self) -> int:
+        """The sum of the ranks of the batch's adapters, between begin and end_forward."""
+        return int(self._value(POOL_LORA_RANK_TOTAL))
 
     # --- adapters -------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..contract import BASE_FUNCTION_SUFFIX, LORA_TABLE_INPUTS, PAGE_SIZE
+from ..contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS, PAGE_SIZE
 from ..errors import MLCLoraError
 from .base import LoraInputs, Runner
 from .config import CompiledConfig
@@ -55,6 +55,10 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                 self._base_fns = (self._vm["prefill" + BASE_FUNCTION_SUFFIX], self._vm["decode" + BASE_FUNCTION_SUFFIX])
             except (AttributeError, KeyError, RuntimeError):
                 self._base_fns = None  # compiled by an older mlc-lora: the LoRA functions with empty tables
+        # ... and decode with each linear fused with its LoRA delta, for the batches within its limits
+        self._fused_decode = None
+        if self.lora is not None and self.lora.fused_decode is not None:
+            self._fused_decode = self._vm["decode" + FUSED_FUNCTION_SUFFIX]
 
     @property
     def device(self):
@@ -225,6 +229,10 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                 for s in seq_ids:  # begin_forward appended the step's token: take it back
                     pool.popn(s, 1)
                 raise
-        logits, _ = self._decode(emb, pool.handle, *extra, self.params)
+        fn = self._decode
+        if (self._fused_decode is not None and lora == "pool"
+                and self.lora.fused_decode_fits(b, pool.lora_num_slots(), pool.lora_rank_total())):
+            fn = self._fused_decode
+        logits, _ = fn(emb, pool.handle, *extra, self.params)
         pool.end_forward()
         return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access

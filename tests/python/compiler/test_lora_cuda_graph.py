@@ -5,6 +5,8 @@ Read from the lowered IR (RewriteCUDAGraph's output), like test_dispatch_cublas'
 runner's side (fixed-address tables at a fixed slot count) is tests/python/lora/test_graph_tables.py.
 """
 
+import dataclasses
+
 import pytest
 import tvm
 from tvm import relax
@@ -12,7 +14,7 @@ from tvm import relax
 from mlc_lora.compile import _decode_graph_attrs, export_model, lora_pass_options, prepare_cuda_build
 from mlc_lora.compiler_passes import get_pipeline
 from mlc_lora.compiler_passes.passes import LoraRewrite
-from mlc_lora.contract import BASE_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
+from mlc_lora.contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 from mlc_lora.lora.layout import make_spec
 from mlc_lora.models import llama
 
@@ -23,14 +25,17 @@ pytestmark = needs_nvcc  # the CUDA sgmv and gemv kernels are built at compile t
 TABLES = LORA_TABLE_INPUTS
 
 
-def _lowered(layers=2):
+def _lowered(layers=2, fused=False):
     prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                             num_key_value_heads=2, num_hidden_layers=layers, vocab_size=80,
                             prefill_chunk_size=64, max_batch_size=4)
     mod, names = export_model(llama, cfg, "float16", cuda)
-    lora = lora_pass_options(make_spec(cfg, 8, 64, None, "sgmv"), cfg, llama, names)
+    spec = make_spec(cfg, 8, 64, None, "sgmv")
+    if fused:
+        spec = dataclasses.replace(spec, fused_decode={"max_tokens": 4, "rank_columns": 32, "slot_columns": 16})
+    lora = lora_pass_options(spec, cfg, llama, names)
     mod = _decode_graph_attrs(mod, 4)
     with cuda, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
         return cfg, get_pipeline(cuda, lora=lora)(mod)
@@ -111,3 +116,22 @@ def test_prefill_keeps_the_tables_as_inputs():
     out = LoraRewrite(target=cuda, **lora)(mod)
     assert int(out["prefill"].attrs["num_input"]) == 3 + len(TABLES)
     assert int(out["decode"].attrs["num_input"]) == 2
+
+
+def test_fused_decode_is_one_kernel_per_linear_captured_in_graphs():
+    """decode_fused: every target linear is one fused kernel (base GEMM + delta), inside the
+    graphs; no cuBLAS/gemv call and no sgmv kernel is left for them (the lm_head keeps its GEMM)."""
+    pytest.importorskip("triton")
+    cfg, lowered = _lowered(fused=True)
+    fused = "decode" + FUSED_FUNCTION_SUFFIX
+    captures = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith(fused + "_cuda_graph_capture")]
+    assert captures, "decode_fused was not captured"
+    inside = [c for f in captures for c in _calls(f, "lora_linear_triton_")]
+    assert len(inside) == 4 * cfg.num_hidden_layers
+    assert not [c for f in captures for c in _calls(f, "lora_sgmv_")]
+    assert sum(len(_calls(f, "mlc_lora_linear_")) for f in captures) == 1  # lm_head
+    # same inputs as decode, so the runner passes the same (fixed-address) tables
+    assert [p.name for p in lowered[fused].params] == [p.name for p in lowered["decode"].params]
+    # decode itself is unchanged: cuBLAS/gemv + the sgmv kernels
+    dec = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_cuda_graph_capture")]
+    assert sum(len(_calls(f, "lora_sgmv_")) for f in dec) == 2 * 4 * cfg.num_hidden_layers

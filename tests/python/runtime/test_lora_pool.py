@@ -54,6 +54,7 @@ def check_tables(pool, slot_adapters, token_slot, L, E):
     """Tables of the current batch against the host buffers (independent arithmetic)."""
     arena, slot, rank, scale, a_off, b_off, order, start = [t.numpy() for t in pool.lora_tables()]
     assert pool.lora_num_slots() == len(slot_adapters)
+    assert pool.lora_rank_total() == sum(h.rank for _, h in slot_adapters)  # decode_fused's batch test
     # the tokens sorted by slot (stable, base-model tokens last), every slot of the capacity described
     token_slot = np.asarray(token_slot)
     key = np.where(token_slot >= 0, token_slot, len(token_slot) + 1)

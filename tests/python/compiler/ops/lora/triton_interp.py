@@ -21,8 +21,31 @@ def _interpreter_scalars():
     interp._patch_lang_tensor = patched  # pylint: disable=protected-access
 
 
+def run_linear(inp: dict) -> dict:
+    """The fused linear (linear_triton.py), launched as its TIR wrapper launches it."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
+
+    _interpreter_scalars()
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    x, w = inp["x"], inp["w"]
+    mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
+    n, K = x.shape
+    scale = inp["scale"]
+    consts, warps = LT.constants(K, widths, mods, scale.shape[1], int(inp["R"]), int(inp["bm"]), 8)
+    y = torch.full((n, sum(widths)), float("nan"), dtype=t(x).dtype)
+    grid = (-(-n // consts["BM"]), sum(widths) // consts["BN"])
+    LT.lora_linear_kernel[grid](t(x), t(w), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale),
+                                t(inp["a_off"]), t(inp["b_off"]), y, n, len(inp["rank"]), int(inp["base"]),
+                                **consts, num_warps=warps)
+    return {"y": y.numpy()}
+
+
 def run(inp: dict) -> dict:
     """The shrink then the in-place expand, launched as the TIR wrappers launch them."""
+    if "w" in inp:
+        return run_linear(inp)
     import torch
 
     from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST

@@ -1,0 +1,106 @@
+"""The fused linear of decode_fused (ops/lora/linear_triton.py): the Triton kernel runs on the CPU
+under Triton's interpreter against the numpy reference and builds to cubin for sm_90a here; its
+tile choice fits every linear it accepts; LoraSpec decides which batches it covers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # noqa: E402
+from mlc_lora.lora.layout import LoraSpec, LoraModule  # noqa: E402
+
+from .test_sgmv_triton import _interpret_raw  # noqa: E402
+
+
+def _case(rng, dtype, n, K, widths, ranks, R, M=4):
+    layer_size, L = 60000, 3
+    arena = (rng.standard_normal(L * layer_size) * 0.5).astype(dtype)
+    base = layer_size
+    S = len(ranks)
+    rank = np.array(ranks, np.int32)
+    scale = rng.uniform(0.5, 2, (S, M)).astype(np.float32)
+    scale[1, 2] = 0  # an adapter that leaves a module alone
+    a_off = (rng.integers(0, (layer_size - K) // 8, (S, M, R)) * 8).astype(np.int32)
+    b_off = (rng.integers(0, (layer_size - max(widths)) // 8, (S, M, R)) * 8).astype(np.int32)
+    a_off[np.broadcast_to(rank[:, None, None] <= np.arange(R)[None, None, :], a_off.shape)] = -1  # unused rows
+    slot = rng.integers(-1, S, n).astype(np.int32)
+    slot[:S] = np.arange(S)
+    rng.shuffle(slot)
+    x = rng.standard_normal((n, K)).astype(dtype)
+    w = (rng.standard_normal((sum(widths), K)) / np.sqrt(K)).astype(dtype)
+    return dict(x=x, w=w, arena=arena, base=base, slot=slot, rank=rank, scale=scale, a_off=a_off, b_off=b_off)
+
+
+@pytest.mark.parametrize("bm,n", [(16, 21), (64, 70)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_kernel_matches_reference(tmp_path, bm, n, dtype):
+    rng = np.random.default_rng(3)
+    widths, mods, R = (64, 32, 32), (0, -1, 2), 16  # q|k|v with k untargeted
+    c = _case(rng, dtype, n, 192, widths, [8, 16, 0, 4], R)  # ranks sum to 28 <= RANK_COLUMNS
+    out = _interpret_raw(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, bm=bm)
+    ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
+                        c["b_off"], mods, widths)
+    base_only = c["x"].astype(np.float64) @ c["w"].astype(np.float64).T
+    tol = 1e-5 if dtype == np.float32 else 4e-3
+    got = out["y"].astype(np.float64)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
+    delta, delta_ref = got - base_only, ref - base_only
+    assert np.linalg.norm(delta_ref) > 0.1 * np.linalg.norm(base_only)  # the deltas are not negligible
+    assert np.linalg.norm(delta - delta_ref) / np.linalg.norm(delta_ref) < 3 * tol
+    # base-model tokens and the untargeted part get the base output only
+    rows = c["slot"] < 0
+    np.testing.assert_allclose(got[rows], base_only[rows], rtol=tol, atol=tol * np.abs(base_only).max())
+    np.testing.assert_allclose(got[:, 64:96], base_only[:, 64:96], rtol=tol, atol=tol * np.abs(base_only).max())
+
+
+@pytest.mark.parametrize("in_f,widths", [(4096, (4096, 4096, 4096)), (4096, (4096,)), (4096, (11008, 11008)),
+                                         (11008, (4096,)), (576, (576, 192, 192)), (1536, (576,)),
+                                         (576, (1536, 1536)), (64, (64, 32, 32)), (96, (64,))])
+@pytest.mark.parametrize("bm", [16, 64])
+def test_tile_config_fits_the_linear(in_f, widths, bm):
+    cfg = LT.tile_config(in_f, widths, bm)
+    assert all(w % cfg["BN"] == 0 for w in widths) and in_f % cfg["BK"] == 0
+    assert cfg["BM"] == bm
+
+
+def test_supported_names_what_it_cannot_run():
+    assert LT.supported("float16", "float16", 4096, (4096,)) is None
+    assert "float32" in LT.supported("float32", "float32", 4096, (4096,))
+    assert "weights" in LT.supported("float16", "int8", 4096, (4096,))
+    assert "multiples of 16" in LT.supported("float16", "float16", 4096, (4100,))
+
+
+def test_spec_decides_which_batches_run_fused():
+    spec = LoraSpec(num_layers=1, page_elems=64, modules=(LoraModule("q_proj", 64, 64),), max_rank=16,
+                    pool_pages=8, kernel="sgmv")
+    assert not spec.fused_decode_fits(4, 1, 8)  # no decode_fused built
+    lim = {"max_tokens": 128, "rank_columns": 32, "slot_columns": 16}
+    spec = dataclasses.replace(spec, fused_decode=lim)
+    assert spec.fused_decode_fits(128, 4, 32)
+    assert not spec.fused_decode_fits(129, 4, 32)  # too many tokens
+    assert not spec.fused_decode_fits(64, 2, 33)  # ranks sum past the rank columns
+    assert not spec.fused_decode_fits(64, 17, 17)  # too many adapters
+    assert not spec.fused_decode_fits(64, 0, 0)  # no adapter: the base decode runs
+    assert LoraSpec.from_json(spec.to_json()) == spec
+
+
+def test_kernel_builds_to_cubin_for_sm90(tmp_path, monkeypatch):
+    """Both block heights compile here (no GPU) and become TVM CUDA modules."""
+    from mlc_lora.compile import prepare_cuda_build
+    from mlc_lora.errors import CompileError
+
+    monkeypatch.setenv("MLC_LORA_CACHE", str(tmp_path))
+    try:
+        prepare_cuda_build()
+    except CompileError as e:
+        pytest.skip(str(e))
+    fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "bfloat16", 8, "sm_90a")
+    assert len(mods) == 2 and len(list((tmp_path / "triton").glob("*.cubin"))) == 2
+    script = fn.script()
+    assert "_BM16_" in script and "_BM64_" in script
