@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import cli, plot as charts
+from harness import cli, peers as peers_mod, plot as charts
 from harness.timing import compare, copies_for
 from harness.workload import arena_tables, lora_weights, mixed_ranks, token_slots
 
@@ -68,7 +68,7 @@ SCALE = 0.5  # every adapter's LoRA scale (not 1: the check sees scaling)
 TOL = 2e-2  # relative error of the delta against float64 (fp16 ~1e-3, bf16 ~4e-3 expected)
 ELT = 2  # bytes per fp16 / bf16 element
 DT = {"float16": "f16", "bfloat16": "bf16"}
-PEERS_DIR = cli.ROOT / ".dev" / "peers"
+PEERS_DIR = peers_mod.PEERS_DIR
 
 
 # --- sweep ----------------------------------------------------------------------------------------
@@ -685,24 +685,6 @@ def line(row: dict) -> str:
 # --- run / layer / plan / plot ----------------------------------------------------------------------
 
 
-def load_peers(path: Path, dry: bool):
-    """(the peers' module bench_peers_sgl, None) or (None, why not)."""
-    if not (path / "bench_peers_sgl.py").is_file():
-        return None, (f"no peer kernels in {path}: run get-peer-kernels.sh from the repository root (it fetches "
-                      "them into .dev/peers), or pass --peers DIR; --no-peers runs ours alone")
-    if dry:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    sys.path.insert(0, str(path))
-    try:
-        import bench_peers_sgl as peers  # pylint: disable=import-outside-toplevel,import-error
-    except ImportError as e:
-        return None, f"the peer kernels do not import here: {e}"
-    peers.sglang_lora.set_max_lora_chunk_size(16)  # SGLang's default --max-lora-chunk-size
-    if dry:
-        peers._cpu_drop_pin_memory()  # pylint: disable=protected-access  (its CPU test mode)
-    return peers, None
-
-
 def open_env(a, log) -> Env:
     import torch  # pylint: disable=import-outside-toplevel  (before TVM: its libcublas first)
 
@@ -713,7 +695,7 @@ def open_env(a, log) -> Env:
     else:
         tvm = cli.gpu_runtime()
         device, lib = "cuda", tvm.runtime.load_module(str(a.lib))
-    peers, why = (None, "--no-peers") if a.no_peers else load_peers(Path(a.peers), a.dry_run)
+    peers, why = (None, "--no-peers") if a.no_peers else peers_mod.load_peers(Path(a.peers), a.dry_run)
     log.say(f"peers: {'vLLM ' + peers.VLLM_SOURCE['version'] + ', SGLang ' + peers.SGLANG_SOURCE['version'] if peers else why}")
     if peers is None and not a.no_peers and not a.dry_run:
         raise SystemExit(why)

@@ -42,7 +42,10 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     "base": ("base", []),
     "lora4": ("lora", [(8, 4)]),
     "lora64": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
-    "lora0": ("lora", []),  # the LoRA library with no adapter: batches run its functions without LoRA
+    "lora0": ("lora", []),
+    # the same 4 x r8 on the library without decode_fused (--no-lora-fused-decode): every decode
+    # runs cuBLAS + the sgmv kernels
+    "lora4-nofused": ("lora-nofused", [(8, 4)]),  # the LoRA library with no adapter: batches run its functions without LoRA
     # the same 4 x r8 and 64 mixed through the Triton tensor-core stage 3 (--lora-sgmv-backend
     # triton) instead of the default library's CUDA C++ kernels (sgmv.cu)
     "lora4-triton": ("lora-triton", [(8, 4)]),
@@ -90,6 +93,7 @@ def compile_libs(a) -> int:
     lora = dict(common, lora_pool_pages=pages, lora_kernel="sgmv")
     libs = {"base": CompileOptions(**common),
             "lora": CompileOptions(**lora, max_lora_rank=MAX_RANK),
+            "lora-nofused": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_fused_decode=False),
             "lora-triton": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="triton"),
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir")}
@@ -157,10 +161,12 @@ def run_config(name, lib_dir, device, requests, params, torch, a, size):
                 peak_batch=stats["max_running"], preemptions=stats["num_preemptions"], **steps)
 
 
-def check_parity(lib_dir, device, tdev, weights, params, torch, seed) -> float:
+def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 64)) -> float:
     """The LoRA library's prefill and (graph-captured) decode with the pool's tables, a mixed
-    batch (rank-8 adapter, base model, rank-64 adapter), against harness.torch_llama in float32;
-    returns the largest relative error ||ours - ref|| / ||ref|| over the rows."""
+    batch (an adapter of ranks[0], base model, an adapter of ranks[1]), against
+    harness.torch_llama in float32; returns the largest relative error ||ours - ref|| / ||ref||
+    over the rows. Ranks summing to at most the library's fused-decode rank columns decode through
+    decode_fused, others through decode."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
@@ -175,7 +181,9 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed) -> float:
     spec = r.lora
     kv = r.create_pool(4, 128 * 16)
     ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
-           for i, rank in enumerate((8, 64))}
+           for i, rank in enumerate(ranks)}
+    fused = spec.fused_decode_fits(3, 2, sum(ranks))
+    print(f"check: adapters of ranks {ranks}: decode runs {'decode_fused' if fused else 'decode'}")
     for i, ad in ads.items():
         p = pack_adapter(spec, ad, r.compiled.numpy_dtype)
         kv.load_packed_adapter(i, p, True)
@@ -242,7 +250,8 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     print(f"weights: {sum(v.numel() for v in weights.values()) / 1e9:.2f} B params on {tdev} in {time.time() - t0:.1f} s")
     params = {n: tvm_ffi.from_dlpack(v) for n, v in weights.items()}
     if a.smoke and not a.no_check:
-        err = check_parity(lib_dir, a.device, tdev, weights, params, torch, a.seed)
+        err = max(check_parity(lib_dir, a.device, tdev, weights, params, torch, a.seed, ranks)
+                  for ranks in ((8, 64), (8, 16)))
         tol = 1e-4 if cfg["dtype"] == "float32" else 2e-2
         print(f"check: LoRA library vs torch reference, worst rel err {err:.2e} (tolerance {tol:g})", flush=True)
         if not err < tol:
@@ -313,7 +322,7 @@ def main(argv=None) -> int:
     c = cli.add_compile(sub, "build the base and LoRA (sgmv) libraries into one folder (here)")
     c.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
     c.add_argument("--smoke", action="store_true", help="the 2-layer model")
-    c.add_argument("--libs", default=None, help="comma-separated libraries to build, of base, lora, lora-triton, "
+    c.add_argument("--libs", default=None, help="comma-separated libraries to build, of base, lora, lora-nofused, lora-triton, "
                    "lora-r16, lora-tir (default: all the target can build; a config runs on its library)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True)

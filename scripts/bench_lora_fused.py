@@ -1,0 +1,194 @@
+"""The fused LoRA linear of decode_fused against the base GEMM alone and the base GEMM + each peer's
+LoRA kernels, on the GPU, in one process, with one timing method (harness/timing.py: a CUDA graph of
+n calls over rotated copies of every input, the median replay / n).
+
+  python scripts/bench_lora_fused.py run [--tokens 1,16,64,128] [--adapters 4x8,2x16] \
+      [--dtypes bfloat16,float16] [--out bench_lora_fused.json]          # the GPU
+  python scripts/bench_lora_fused.py plot bench_lora_fused.json          # here
+
+Ours is compiler_passes/ops/lora/linear_triton.py's kernel with the constants the compiler builds it
+with (Triton JIT here, the same source and constants as the cubin in a library). The linears of one
+Llama-2-7B layer: qkv (4096 -> 3 x 4096), o (4096 -> 4096), gate_up (4096 -> 2 x 11008) and down
+(11008 -> 4096), every part with its own adapter module (ours); the peers get ONE module of the
+fused width per linear (one A instead of two or three: in their favour). Candidates per point:
+`cublas` (torch.matmul), `fused` (ours: base + delta in one kernel), `cublas+vllm`, `cublas+sgl`
+(the base GEMM, then the peer's shrink + expand adding into its output). Every output is checked
+against float64. Ratios: fused / (cublas + the faster peer) and the LoRA cost fused / cublas - 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from harness import cli, peers as peers_mod, plot as charts
+from harness.timing import compare, copies_for
+from harness.workload import arena_tables, lora_weights, token_slots
+
+LINEARS = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "gate_up": (4096, (11008, 11008)),
+           "down": (11008, (4096,))}
+SCALE = 0.5
+TOL = 2e-2  # relative error of the output's LoRA delta against float64
+CANDIDATES = ("cublas", "fused", "cublas+vllm", "cublas+sgl")
+
+
+def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: disable=too-many-locals
+    """us per call of every candidate, and the fused kernel's error, for one linear and batch."""
+    dev, dtype = "cuda", getattr(torch, dtype_name)
+    in_f, widths = LINEARS[name]
+    out_f, P = sum(widths), len(widths)
+    ranks = [r] * N
+    nbytes = out_f * in_f * 2 + N * r * (in_f + out_f) * 2 * P
+    copies = copies_for(nbytes, max_copies=64)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    w = [(torch.randn((out_f, in_f), generator=g, device=dev) * in_f ** -0.5).to(dtype) for _ in range(copies)]
+    x = [torch.randn((T, in_f), generator=g, device=dev).to(dtype) for _ in range(copies)]
+    mods = [lora_weights(torch, copies, ranks, in_f, wp, dtype, dev, seed + 1 + p) for p, wp in enumerate(widths)]
+    arena, a_off, b_off = arena_tables(torch, mods, dev)
+    slot = torch.from_numpy(token_slots(T, N, seed)).to(dev)
+    rank = torch.full((N,), r, dtype=torch.int32, device=dev)
+    scale = torch.full((N, P), SCALE, dtype=torch.float32, device=dev)
+    y = [torch.empty((T, out_f), device=dev, dtype=dtype) for _ in range(2)]
+    bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
+    consts, warps = LT.constants(in_f, widths, list(range(P)), P, r, bm, 8)
+    grid = (-(-T // consts["BM"]), out_f // consts["BN"])
+
+    def fused(c):
+        LT.lora_linear_kernel[grid](x[c], w[c], arena, slot, rank, scale, a_off[c], b_off[c], y[c % 2], T, N, 0,
+                                    **consts, num_warps=warps)
+
+    # float64 check of copy 0
+    fused(0)
+    ref = x[0].double() @ w[0].double().t()
+    base = ref.clone()
+    o = 0
+    for p, wp in enumerate(widths):
+        a, b = mods[p][0][0].double(), mods[p][1][0].double()  # (N, r, in), (N, out, r)
+        for s in range(N):
+            rows = (slot == s).nonzero().flatten()
+            ref[rows, o:o + wp] += SCALE * (x[0][rows].double() @ a[s].t()) @ b[s].t()
+        o += wp
+    err = ((y[0].double() - ref).norm() / (ref - base).norm()).item()
+    cands = {"cublas": (lambda c: torch.matmul(x[c], w[c].t(), out=y[c % 2]), copies),
+             "fused": (fused, copies)}
+    if peers is not None:
+        pa = mods[0][0]  # peers: one module of the fused width
+        pb = torch.cat([m[1] for m in mods], dim=2)  # (copies, N, out_f, r)
+        a4, b4 = pa.unsqueeze(2), pb.unsqueeze(2)  # vLLM's stacked layout (slice axis)
+        meta = peers.LoRAKernelMeta.make(N, T, dev)
+        meta.prepare_tensors(slot.long())
+        peers.clear_vllm_ptr_caches()
+        sgl = peers.ChunkedSgmvLoRABackend(N, dev, None)
+        peers.sgl_prepare(sgl, T, N, r, SCALE, slot.long().tolist())
+        offs = torch.tensor([0, out_f], dtype=torch.int32, device=dev)
+        offs_cpu = torch.tensor([0, out_f], dtype=torch.int32)
+
+        def vllm(c):
+            torch.matmul(x[c], w[c].t(), out=y[c % 2])
+            peers.vllm_lora_linear(y[c % 2], x[c], a4[c], b4[c], meta, SCALE)
+
+        def sglang(c):
+            torch.matmul(x[c], w[c].t(), out=y[c % 2])
+            peers.sgl_lora_linear(y[c % 2], x[c], pa[c], pb[c], sgl, offs, offs_cpu)
+
+        cands.update({"cublas+vllm": (vllm, copies), "cublas+sgl": (sglang, copies)})
+    us = compare(cands)
+    return dict(linear=name, T=T, N=N, r=r, dtype=dtype_name, err=err, config=consts, num_warps=warps,
+                copies=copies, **us)
+
+
+def summarize(rows, log=print):
+    """Per point and per layer (the four linears summed): fused vs cuBLAS + the faster peer."""
+    log("| dtype | adapters | T | linear | cublas us | fused us | cublas+vllm | cublas+sgl | fused / (cublas+peer) "
+        "| LoRA cost fused | LoRA cost peer | err |")
+    log("|" + "---|" * 12)
+    layers = {}
+    for r in rows:
+        peer = min((r[k] for k in ("cublas+vllm", "cublas+sgl") if k in r), default=float("nan"))
+        log(f"| {r['dtype']} | {r['N']} x r{r['r']} | {r['T']} | {r['linear']} | {r['cublas']:.1f} | {r['fused']:.1f} "
+            f"| {r.get('cublas+vllm', float('nan')):.1f} | {r.get('cublas+sgl', float('nan')):.1f} "
+            f"| {r['fused'] / peer:.2f} | {r['fused'] / r['cublas'] - 1:+.2f} | {peer / r['cublas'] - 1:+.2f} "
+            f"| {r['err']:.1e} |")
+        key = (r["dtype"], r["N"], r["r"], r["T"])
+        acc = layers.setdefault(key, {k: 0.0 for k in CANDIDATES})
+        for k in CANDIDATES:
+            acc[k] += r.get(k, float("nan"))
+    log("\nOne layer (qkv + o + gate_up + down):")
+    log("| dtype | adapters | T | cublas us | fused us | min(cublas+peer) us | fused / (cublas+peer) | LoRA cost fused "
+        "| LoRA cost peer |")
+    log("|" + "---|" * 9)
+    out = []
+    for (dt, N, rk, T), s in layers.items():
+        peer = min(s["cublas+vllm"], s["cublas+sgl"])
+        log(f"| {dt} | {N} x r{rk} | {T} | {s['cublas']:.1f} | {s['fused']:.1f} | {peer:.1f} | {s['fused'] / peer:.2f} "
+            f"| {s['fused'] / s['cublas'] - 1:+.3f} | {peer / s['cublas'] - 1:+.3f} |")
+        out.append(dict(dtype=dt, N=N, r=rk, T=T, **s))
+    return out
+
+
+def draw(layers, path):
+    panels = {}
+    for lay in layers:
+        key = f"{lay['dtype']} {lay['N']} x r{lay['r']}"
+        series = panels.setdefault(key, {"fused / cuBLAS": ([], []), "(cuBLAS + faster peer) / cuBLAS": ([], [])})
+        series["fused / cuBLAS"][0].append(lay["T"])
+        series["fused / cuBLAS"][1].append(lay["fused"] / lay["cublas"])
+        series["(cuBLAS + faster peer) / cuBLAS"][0].append(lay["T"])
+        series["(cuBLAS + faster peer) / cuBLAS"][1].append(min(lay["cublas+vllm"], lay["cublas+sgl"]) / lay["cublas"])
+    return charts.lines(panels, path, title="One Llama-2-7B layer's linears with LoRA, time / the base GEMMs (H200)",
+                        xlabel="tokens", ylabel="x base GEMMs", hline=1.0)
+
+
+def run(a) -> int:
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
+
+    peers, why = peers_mod.load_peers(Path(a.peers), False)
+    if peers is None:
+        print(f"peers: {why}")
+    rows = []
+    for dt in a.dtypes.split(","):
+        for ad in a.adapters.split(","):
+            N, r = map(int, ad.split("x"))
+            if N * r > LT.RANK_COLUMNS:
+                raise SystemExit(f"{ad}: ranks sum to {N * r} > {LT.RANK_COLUMNS}, the fused kernel's rank columns")
+            for T in map(int, a.tokens.split(",")):
+                for name in a.linears.split(","):
+                    row = run_point(torch, peers, LT, name, T, N, r, dt, seed=T * 131 + N * 7 + r)
+                    print(f"{dt} {N}x r{r} T={T} {name}: " + " ".join(
+                        f"{k} {row[k]:.1f}" for k in CANDIDATES if k in row) + f" err {row['err']:.1e}", flush=True)
+                    if not row["err"] < TOL:
+                        raise SystemExit(f"the fused kernel's output is off: {row['err']:.2e}")
+                    rows.append(row)
+    layers = summarize(rows)
+    out = cli.write_results(Path(a.out), {"rows": rows, "layers": layers})
+    draw(layers, out.with_suffix(".png"))
+    print(f"results: {out}")
+    return 0
+
+
+def plot(a) -> int:
+    doc = cli.read_results([a.results])[0]
+    layers = summarize(doc["rows"])
+    draw(layers, Path(a.results).with_suffix(".png"))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap, sub = cli.parser(__doc__, __file__)
+    r = sub.add_parser("run", help="time the candidates (the GPU)")
+    r.add_argument("--tokens", default="1,16,64,128")
+    r.add_argument("--adapters", default="4x8,2x16", help="NxR, comma-separated (ranks summing to <= 32)")
+    r.add_argument("--dtypes", default="bfloat16,float16")
+    r.add_argument("--linears", default=",".join(LINEARS))
+    r.add_argument("--peers", default=str(peers_mod.PEERS_DIR), help="the peer kernels' folder")
+    r.add_argument("--out", default="bench_lora_fused.json")
+    p = sub.add_parser("plot", help="tables and chart of a results file (here)")
+    p.add_argument("results")
+    a = cli.parse(ap, argv)
+    return run(a) if a.cmd == "run" else plot(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
