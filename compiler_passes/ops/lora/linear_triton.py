@@ -135,8 +135,12 @@ if triton is not None:
         ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
         keep = (ts[:, None] == jc[None, :]) & valid[None, :]
         xa16 = tl.where(keep, xa * scale_c[None, :], 0.0).to(x_ptr.dtype.element_ty)
-        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
-        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=valid[:, None], other=0.0)
+        # B rows only of the slots this tile's tokens use: rows of other slots (a captured graph's
+        # tables keep stale slots past the batch's) may point at pages holding anything, and
+        # 0 * NaN would reach y through the dot
+        used = tl.max(keep.to(tl.int32), axis=0) > 0
+        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=used, other=0).to(tl.int64) + base, ALIGN)
+        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=used[:, None], other=0.0)
         acc = tl.dot(xa16, bt, acc)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None])

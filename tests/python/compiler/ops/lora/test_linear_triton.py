@@ -25,8 +25,8 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
     rank = np.array(ranks, np.int32)
     scale = rng.uniform(0.5, 2, (S, M)).astype(np.float32)
     scale[1, 2] = 0  # an adapter that leaves a module alone
-    a_off = (rng.integers(0, (layer_size - K) // 8, (S, M, R)) * 8).astype(np.int32)
-    b_off = (rng.integers(0, (layer_size - max(widths)) // 8, (S, M, R)) * 8).astype(np.int32)
+    a_off = (rng.integers(0, (40000 - K) // 8, (S, M, R)) * 8).astype(np.int32)
+    b_off = (rng.integers(0, (40000 - max(widths)) // 8, (S, M, R)) * 8).astype(np.int32)
     a_off[np.broadcast_to(rank[:, None, None] <= np.arange(R)[None, None, :], a_off.shape)] = -1  # unused rows
     slot = rng.integers(-1, S, n).astype(np.int32)
     slot[:S] = np.arange(S)
@@ -42,6 +42,15 @@ def test_kernel_matches_reference(tmp_path, bm, n, dtype):
     rng = np.random.default_rng(3)
     widths, mods, R = (64, 32, 32), (0, -1, 2), 16  # q|k|v with k untargeted
     c = _case(rng, dtype, n, 192, widths, [8, 16, 0, 4], R)  # ranks sum to 28 <= RANK_COLUMNS
+    # a stale slot past the batch's (as a captured graph's fixed tables keep): no token uses it, its
+    # rows point at NaN; it must not reach any output
+    stale = 4
+    c["arena"][c["base"] + 50000: c["base"] + 51000] = np.nan
+    c["rank"] = np.append(c["rank"], 4).astype(np.int32)
+    c["scale"] = np.concatenate([c["scale"], np.ones((1, c["scale"].shape[1]), np.float32)])
+    c["a_off"] = np.concatenate([c["a_off"], np.full((1,) + c["a_off"].shape[1:], 50000, np.int32)])
+    c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
+    assert not (c["slot"] == stale).any()
     out = _interpret_raw(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, bm=bm)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)
