@@ -110,7 +110,8 @@ if triton is not None:
         o_p = in1 * W0 + in2 * W1
         # rank columns: slot j owns start_j .. start_j + rank[j]
         jj = tl.arange(0, SC)
-        rk = tl.load(rank_ptr + jj, mask=jj < S, other=0)
+        # clamped: a captured graph's fixed tables hold whatever rows past the batch's slots
+        rk = tl.minimum(tl.maximum(tl.load(rank_ptr + jj, mask=jj < S, other=0), 0), R)
         end = tl.cumsum(rk, axis=0)
         start = end - rk
         c = tl.arange(0, RS)

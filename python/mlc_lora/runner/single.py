@@ -196,7 +196,9 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                                "with --no-cuda-graph")
         if self._fixed_tables is None:
             M, R, S = len(self.lora.modules), self.lora.max_rank, self.compiled.max_batch_size
-            self._fixed_tables = [tvm.runtime.empty(shape, dt, self._device) for shape, dt in (
+            # zeros: rows past a batch's slots are read by no sgmv kernel, and decode_fused's kernel
+            # reads them as rank-0, scale-0 slots until a batch writes them
+            self._fixed_tables = [tvm.runtime.tensor(np.zeros(shape, dt), self._device) for shape, dt in (
                 ((S,), "int32"), ((S,), "int32"), ((S, M), "float32"), ((S, M, R), "int32"), ((S, M, R), "int32"),
                 ((S,), "int32"), (tuple(extra[7].shape), "int32"))]
         if tuple(extra[7].shape) != tuple(self._fixed_tables[6].shape):
