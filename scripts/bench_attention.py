@@ -28,7 +28,6 @@ SHAPES = {  # name: (h_q, h_kv, d, dtype)
     "llama3-8b-bf16": (32, 8, 128, "bfloat16"),
     "smollm2": (9, 3, 64, "float16"),
 }
-PAGE = 16
 
 
 def compile_libs(out: Path) -> None:
@@ -51,6 +50,8 @@ def compile_libs(out: Path) -> None:
 def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-locals,too-many-statements
     import torch  # pylint: disable=import-outside-toplevel
     import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.contract import PAGE_SIZE as PAGE  # pylint: disable=import-outside-toplevel
 
     tvm = cli.gpu_runtime()
     log = cli.Log(log_dir, "bench_attention")

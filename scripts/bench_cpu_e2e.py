@@ -53,11 +53,12 @@ def main() -> None:
     args = p.parse_args()
 
     from mlc_lora.compile import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
+    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
 
     results = {}
     for gemm in args.gemm:
         out = Path(args.workdir) / gemm
-        if not (out / "mlc-lora-config.json").exists():
+        if not (out / CONFIG_FILE).exists():
             compile_model("smollm2-135m", out, CompileOptions(target="llvm", gemm=gemm, max_batch_size=4,
                                                               prefill_chunk_size=args.prompt_len))
         results[gemm] = run(out, args.prompt_len, args.steps)

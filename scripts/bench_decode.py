@@ -20,6 +20,7 @@ from pathlib import Path
 from harness import cli
 from harness.timing import compare, wall_time
 from harness.torch_llama import TorchLlama
+from mlc_lora.contract import CONFIG_FILE
 from mlc_lora.models.random_model import LLAMA2_7B, build, make_params
 
 PROMPT = 512  # tokens per prompt (prefill) and context before the timed decode steps
@@ -82,7 +83,7 @@ def run(args) -> int:
     out_dir, say, sync = log.dir, log.say, torch.cuda.synchronize
 
     model = Path(args.model)
-    cfg_json = json.loads((model / "graph" / "mlc-lora-config.json").read_text())
+    cfg_json = json.loads((model / "graph" / CONFIG_FILE).read_text())
     mc = cfg_json["model_config"]
     t0 = time.time()
     p = make_params(cfg_json, torch, "cuda")

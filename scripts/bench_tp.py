@@ -25,11 +25,12 @@ from harness.workload import sample_requests
 
 def compile_variants(model: str, work: Path, shards: int, a) -> dict[int, Path]:
     from mlc_lora.compile import CompileOptions, compile_model  # pylint: disable=import-outside-toplevel
+    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
 
     out = {}
     for k in (1, shards):
         folder = work / f"tp{k}"
-        if not (folder / "mlc-lora-config.json").is_file():
+        if not (folder / CONFIG_FILE).is_file():
             cpu = a.device == "cpu"
             compile_model(model, folder, CompileOptions(
                 target="llvm" if cpu else "cuda", dtype="float32" if cpu else a.dtype,

@@ -47,14 +47,15 @@ def run(runner, prompts: list[list[int]], forced: np.ndarray | None, steps: int)
 
 def reference(args) -> int:
     from mlc_lora.compile import CompileOptions, compile_model
+    from mlc_lora.contract import CONFIG_FILE, TOKENIZER_FILE
     from mlc_lora.runner import ModelRunner
     from tokenizers import Tokenizer
 
     folder = Path(args.work) / "ref-llvm"
-    if not (folder / "mlc-lora-config.json").exists():
+    if not (folder / CONFIG_FILE).exists():
         compile_model(args.model, folder, CompileOptions(target="llvm", dtype="float32",
                                                          prefill_chunk_size=256, max_batch_size=8))
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
     prompts = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
     runner = ModelRunner(folder, "cpu")
     logits, greedy = run(runner, prompts, None, STEPS)
@@ -66,6 +67,7 @@ def reference(args) -> int:
 
 
 def device(args) -> int:
+    from mlc_lora.contract import CONFIG_FILE
     from mlc_lora.runner import ModelRunner
 
     ref = np.load(args.ref)
@@ -74,7 +76,7 @@ def device(args) -> int:
     rows = []
     for lib_dir in args.lib_dir:
         lib_dir = Path(lib_dir)
-        cfg = json.loads((lib_dir / "mlc-lora-config.json").read_text())
+        cfg = json.loads((lib_dir / CONFIG_FILE).read_text())
         if not (lib_dir / cfg["params_file"]).exists():
             convert(args.weights, lib_dir, cfg)
         runner = ModelRunner(lib_dir, args.device)

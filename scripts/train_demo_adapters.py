@@ -29,10 +29,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from mlc_lora.contract import LORA_MODULES
+
 ADAPTERS = {
     "all-caps": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "pirate": dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                         "gate_proj", "up_proj", "down_proj"]),
+    "pirate": dict(r=16, lora_alpha=32, target_modules=list(LORA_MODULES)),  # all seven linears
 }
 
 _PIRATE_WORDS = [(r"\byou\b", "ye"), (r"\bYou\b", "Ye"), (r"\byour\b", "yer"), (r"\bYour\b", "Yer"),

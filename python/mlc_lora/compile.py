@@ -327,7 +327,7 @@ def prepare_cuda_build() -> None:
 
 
 def _cuda_stub() -> Path:
-    """Build (once) the stand-in libcuda.so.1 from src/cuda_stub/cuda_stub.c."""
+    """Build (once, in the cache) the stand-in libcuda.so.1 from _CUDA_STUB_C below."""
     cache = cache_dir()
     out = cache / "cuda_stub" / "libcuda.so.1"
     if out.exists():

@@ -22,8 +22,9 @@
  * the one compiled kernels run on, so collectives are ordered with them and CUDA-graph capture
  * records them.
  *
- * Processes that use NCCL on H200 machines must run with NCCL_NVLS_ENABLE=0 (docs/TP.md):
+ * Processes that use NCCL run with contract.NCCL_ENV (NVLink multicast off, docs/TP.md):
  * init_ccl_per_worker sets it (without overriding a user's value) before the communicator exists.
+ * MLC_LORA_NCCL_ENV is that dict as "KEY=VALUE ...", read from python/mlc_lora/contract.py by CMake.
  *
  * `mlc_lora.runtime.disco_set_ccl(name)` names the ccl of the calling disco worker; the CPU tests
  * use it to run disco's collectives through a numpy reference registered from Python.
@@ -43,6 +44,10 @@
 #include <string>
 
 #include "dl.h"
+
+#ifndef MLC_LORA_NCCL_ENV
+#error "MLC_LORA_NCCL_ENV (contract.py NCCL_ENV) must be defined by the build"
+#endif
 
 namespace mlc_lora {
 namespace {
@@ -186,6 +191,18 @@ size_t Numel(const ffi::Tensor& t) {
 size_t ElemBytes(DLDataType t) { return (t.bits * t.lanes + 7) / 8; }
 void* Data(const ffi::Tensor& t) { return static_cast<char*>(t.data_ptr()) + t.byte_offset(); }
 
+/*! \brief Sets each KEY=VALUE of contract.NCCL_ENV that the environment does not set yet. */
+void SetNcclEnv() {
+  std::string pairs = MLC_LORA_NCCL_ENV;
+  for (size_t start = 0, end; start < pairs.size(); start = end + 1) {
+    end = pairs.find(' ', start);
+    if (end == std::string::npos) end = pairs.size();
+    std::string pair = pairs.substr(start, end - start);
+    size_t eq = pair.find('=');
+    if (eq != std::string::npos) setenv(pair.substr(0, eq).c_str(), pair.substr(eq + 1).c_str(), /*overwrite=*/0);
+  }
+}
+
 void InitCCL(Session sess, ffi::Shape device_ids) {
   NcclUniqueId id;
   MLC_NCCL_CHECK(Nccl().GetUniqueId(&id));
@@ -202,8 +219,7 @@ void InitCCLPerWorker(ffi::Shape device_ids, ffi::Bytes unique_id) {
       << "init_ccl('nccl', ...) needs one device id per worker";
   Ctx& ctx = Ctx::Get();
   TVM_FFI_CHECK(ctx.worker == nullptr, RuntimeError) << "NCCL is already initialised on this worker";
-  // NVLink SHARP (NVLS) multicast stays off on the lent H200 machines (docs/TP.md).
-  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+  SetNcclEnv();  // NVLink SHARP (NVLS) multicast stays off (docs/TP.md)
   const NcclApi& api = Nccl();
   int device_id = static_cast<int>(device_ids[worker->local_worker_id]);
   if (int err = api.SetDevice(device_id)) {

@@ -21,11 +21,14 @@
 #ifndef MLC_HEAD_DIM
 #error "define MLC_HEAD_DIM"
 #endif
+#ifndef MLC_PAGE_SIZE
+#error "define MLC_PAGE_SIZE (contract.PAGE_SIZE)"
+#endif
 
 namespace {
 
 constexpr int D = MLC_HEAD_DIM;
-constexpr int PAGE = 16;
+constexpr int PAGE = MLC_PAGE_SIZE;  // tokens per KV page
 
 __device__ __forceinline__ uint32_t pack2(float x, float y) {
   T2 v = from_f2(x, y);  // x in the low half: the lower column of an mma fragment pair

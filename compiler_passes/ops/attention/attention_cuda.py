@@ -54,7 +54,7 @@ def build(dtype: str, head_dim: int, num_qo_heads: int, num_kv_heads: int, arch:
     why = supported(dtype, head_dim, num_qo_heads, num_kv_heads)
     if why is not None:
         raise ValueError(f"no CUDA attention kernels for {why}")
-    defines = {"MLC_HEAD_DIM": head_dim}
+    defines = {"MLC_HEAD_DIM": head_dim, "MLC_PAGE_SIZE": PAGE_SIZE}
     if dtype == "bfloat16":
         defines["MLC_BF16"] = None
     cubin = cuda_build.build_cubin(SOURCE, arch, defines)

@@ -379,7 +379,7 @@ Tokenizer Tokenizer::FromFile(const std::string& path) {
 
 Tokenizer Tokenizer::FromJSON(const std::string& text) {
   auto t = std::make_shared<Impl>();
-  JSON root = JSON::Parse(text, "tokenizer.json");
+  JSON root = JSON::Parse(text, "tokenizer");
   JSON model = root["model"];
   std::string type = model.get("type").str_or("BPE");
   if (type != "BPE") model.Fail("unsupported model type '" + type + "' (only BPE)");

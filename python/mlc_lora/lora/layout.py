@@ -242,7 +242,7 @@ def pack_adapter(spec: LoraSpec, adapter, dtype, shard: int = 0) -> PackedAdapte
 
 
 # ---------------------------------------------------------------------------------------------
-# The tables of research/kv-cache-facts.md §8 for two real models (fp16).
+# The page tables of docs/POOL.md for two real models (fp16).
 
 REFERENCE_MODELS = {
     # name: (layers, h_kv, head_dim, hidden, intermediate, heads)

@@ -27,7 +27,7 @@ def test_llama2_7b_page_table_by_hand():
     # rows of 4096 take 2 more pages. 5 pages = ceil(78080 * 8 / 131072), the lower bound.
     assert rows[8]["all_pages"] == 5 and rows[8]["all_lower_bound"] == 5
     assert rows[8]["all_waste_elems"] == 5 * 131072 - 78080 * 8
-    # Every rank reaches ceil(78080 r / 131072): 10, 20, 39 (research §8 grouping gives 11, 20, 40).
+    # Every rank reaches ceil(78080 r / 131072): 10, 20, 39 (one row length per page would give 11, 20, 40).
     assert [rows[r]["all_pages"] for r in (16, 32, 64)] == [10, 20, 39]
     assert rows[8]["all_mib"] == 40 and rows[64]["attn_mib"] == 128  # 8 MiB per page id
 
