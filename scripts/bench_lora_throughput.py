@@ -114,12 +114,13 @@ def compile_libs(a) -> int:
 def run_config(name, lib_dir, device, requests, params, torch, a, size):
     """One config through AsyncMLCEngine; adapters are made and loaded before the clock starts."""
     from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
+    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
     lib, ranks_counts = CONFIGS[name]
     adapters = adapter_set(ranks_counts, a.seed)
     folder = lib_dir / lib
-    cfg = json.loads((folder / "mlc-lora-config.json").read_text())
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
     spec_pages = 0
     if adapters:
         from mlc_lora.lora.layout import LoraSpec, layout_adapter  # pylint: disable=import-outside-toplevel
@@ -170,12 +171,13 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
+    from mlc_lora.contract import CONFIG_FILE, FUSED_FUNCTION_SUFFIX  # pylint: disable=import-outside-toplevel
     from mlc_lora.lora.layout import pack_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.models.random_model import random_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
     folder = lib_dir / "lora"
-    cfg = json.loads((folder / "mlc-lora-config.json").read_text())
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
     mc = cfg["model_config"]
     r = ModelRunner(folder, device, params=[params[n] for n in cfg["param_names"]])
     spec = r.lora
@@ -183,7 +185,7 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 
     ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
            for i, rank in enumerate(ranks)}
     fused = spec.fused_decode_fits(3, 2, sum(ranks))
-    print(f"check: adapters of ranks {ranks}: decode runs {'decode_fused' if fused else 'decode'}")
+    print(f"check: adapters of ranks {ranks}: decode runs {'decode' + FUSED_FUNCTION_SUFFIX if fused else 'decode'}")
     for i, ad in ads.items():
         p = pack_adapter(spec, ad, r.compiled.numpy_dtype)
         kv.load_packed_adapter(i, p, True)
@@ -226,6 +228,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     import torch  # pylint: disable=import-outside-toplevel  (before TVM: loads libcublas first)
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
+    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
     size = SIZES["smoke" if a.smoke else "7b"]
@@ -239,8 +242,8 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     note = requests_note(a.requests)
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, "
           f"{sum(n for _, n in requests)} output tokens; {note}")
-    cfg = json.loads((lib_dir / "base" / "mlc-lora-config.json").read_text())
-    lcfg = json.loads((lib_dir / "lora" / "mlc-lora-config.json").read_text())
+    cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
+    lcfg = json.loads((lib_dir / "lora" / CONFIG_FILE).read_text())
     if cfg["param_names"] != lcfg["param_names"]:
         raise SystemExit("the base and LoRA libraries were compiled from different models")
     t0 = time.time()

@@ -88,6 +88,8 @@ def exists(path: str, doc: Path, repo_files: list[str]) -> bool:
     for p in _expand(path.rstrip("/")):
         found = False
         for base in (ROOT, doc.parent):
+            if not (base / p).resolve().is_relative_to(ROOT.resolve()):
+                continue  # outside the repository: not a path of the repo, even where it exists here
             if list(base.glob(p)) if "*" in p else (base / p).exists():
                 found = True
         if not found and not p.startswith("../"):
