@@ -23,9 +23,11 @@ layer's four base GEMMs (each candidate runs the GEMMs, then its LoRA; its cost 
 
 SELECTION: --shapes 4096x4096,... --tokens 1,16,... --adapters 1,4,... --ranks 8,16,64,mixed
 --dtypes float16,bfloat16 [--grouped] (the default: all of SHAPES x TOKENS x ADAPTERS x RANKS x
-DTYPES; the mixed ranks 8/16/32/64 run ours only). The peers: `.dev/peers` of this repository
-(fetched there by get-peer-kernels.sh, run from the repository root; carry the folder to the GPU
-machine), or --peers DIR; --no-peers runs ours alone. They run fp16 and bf16, as ours.
+DTYPES; the mixed ranks 8/16/32/64 run ours only). The peers (harness/peers.py): vLLM 0.34's and
+SGLang 0.5.23's LoRA Triton kernels as their PyPI wheels ship them, imports patched to run alone,
+with the call wrappers of `bench_peers_sgl.py`, in `.dev/peers` or --peers DIR (not part of this
+repository; carry the folder to the GPU machine); --no-peers runs ours alone. They run fp16 and
+bf16, as ours.
 """
 
 from __future__ import annotations

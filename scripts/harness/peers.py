@@ -1,6 +1,7 @@
-"""The peers' LoRA kernels (vLLM's and SGLang's, from their PyPI wheels; `.dev/peers` of this
-repository after its get-peer-kernels script, or a folder given with --peers), loaded for timing
-beside ours in the same process."""
+"""The peers' LoRA kernels (vLLM 0.34's and SGLang 0.5.23's Triton kernels as their PyPI wheels ship
+them, imports patched to run alone, with the call wrappers of `bench_peers_sgl.py`; not part of this
+repository: `.dev/peers`, or a folder given with --peers), loaded for timing beside ours in the same
+process."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ PEERS_DIR = cli.ROOT / ".dev" / "peers"
 def load_peers(path: Path, dry: bool):
     """(the peers' module bench_peers_sgl, None) or (None, why not)."""
     if not (path / "bench_peers_sgl.py").is_file():
-        return None, (f"no peer kernels in {path}: run get-peer-kernels.sh from the repository root (it fetches "
-                      "them into .dev/peers), or pass --peers DIR; --no-peers runs ours alone")
+        return None, (f"no peer kernels in {path} (bench_peers_sgl.py, vllm_lora/, sglang_lora/): put them in "
+                      ".dev/peers or pass --peers DIR; --no-peers runs ours alone")
     if dry:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     sys.path.insert(0, str(path))
