@@ -158,6 +158,9 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
         for i, s in zip(rows, sampled):
+            if isinstance(s, Exception):  # this row's sampling failed; the others go on
+                self._fail(batch.seqs[i], MLCLoraError(f"sampling failed: {s}"))
+                continue
             try:
                 self._append(batch.seqs[i], s)
             except Exception as e:  # pylint: disable=broad-except
