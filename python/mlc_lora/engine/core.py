@@ -90,7 +90,9 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             raise RequestError("the prompt is empty")
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
         n = len(prompt_ids)
         if n >= self.max_seq_len:
             raise RequestError(f"the prompt has {n} tokens; this model's context holds {self.max_seq_len} "

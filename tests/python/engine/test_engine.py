@@ -210,6 +210,12 @@ def test_bad_requests_error_and_engine_keeps_serving(engine):
         dict(messages=MSG, temperature=-1),
         dict(messages=MSG, top_p=0),
         dict(messages=MSG, top_logprobs=21),
+        # wrong types and out-of-bound values: a RequestError naming the field, never a raw TypeError
+        dict(messages=MSG, temperature="a"), dict(messages=MSG, seed="x"), dict(messages=MSG, stop=5),
+        dict(messages=MSG, max_tokens=True), dict(messages=MSG, top_k=1.5), dict(messages=MSG, top_k=2**40),
+        dict(messages=MSG, stop_token_ids=[-1]), dict(messages=MSG, stop_token_ids=[10**6]),
+        dict(messages=MSG, temperature=float("inf")), dict(messages=MSG, seed=-1),
+        dict(messages=[{"role": "user", "content": "lone \ud800 surrogate"}]),
     ]
     for kw in bad:
         with pytest.raises(RequestError):
