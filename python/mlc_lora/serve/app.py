@@ -33,6 +33,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  code: Optional[str] = None, param: Optional[str] = None):
+        # a lone surrogate from the request (an unknown model's name) would make the body unencodable
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
@@ -46,7 +48,9 @@ def api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, errors.UnknownAdapterError):  # a request for an adapter that is not loaded
         return APIError(404, str(e), "not_found_error", "model_not_found")
-    if isinstance(e, (errors.RequestError, errors.LoraError)):
+    if isinstance(e, errors.RequestError):
+        return APIError(400, str(e), param=e.param)
+    if isinstance(e, errors.LoraError):
         return APIError(400, str(e))
     if isinstance(e, errors.PoolExhaustedError):
         return APIError(503, str(e), "server_error", "pool_exhausted")
@@ -55,32 +59,9 @@ def api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
-# Types of the sampling fields (the engine checks their values); int fields refuse booleans.
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "max_tokens": (int,), "max_completion_tokens": (int,), "n": (int,), "seed": (int,), "top_k": (int,),
-    "top_logprobs": (int,), "temperature": (int, float), "top_p": (int, float), "ignore_eos": (bool,),
-    "logprobs": (bool, int), "stream": (bool,), "stop": (str, list), "stop_token_ids": (list,),
-}
-
-
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "a list"}
-
-
-def _check_types(body: dict[str, Any]) -> None:
-    for k, types in _FIELD_TYPES.items():
-        v = body.get(k)
-        if v is None:
-            continue
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            names = " or ".join(_TYPE_NAMES[t] for t in types if t is not int or float not in types)
-            raise APIError(400, f"{k} must be {names}, got {json.dumps(v)}", param=k)
-    ids = body.get("stop_token_ids")
-    if ids is not None and any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-        raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
-
-
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    # allow_nan=False: a NaN would be invalid JSON; it raises here and becomes an error event
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 class _EventStream(StreamingResponse):
@@ -174,8 +155,7 @@ class Server:  # pylint: disable=too-many-instance-attributes
         """Check `body`; returns (the model name it answers as, its create(...) and its arguments)."""
         body = dict(body)
         model = body.pop("model", None)
-        adapter = self.adapter_of(model)
-        _check_types(body)
+        adapter = self.adapter_of(model)  # every other field is checked by engine/requests.py
         for k in ("stream", "stream_options", "user"):
             body.pop(k, None)
         creator = self.engine.chat.completions if chat else self.engine.completions
@@ -199,7 +179,8 @@ class Server:  # pylint: disable=too-many-instance-attributes
                             "choices": [], "usage": usage.to_dict()})
             yield "data: [DONE]\n\n"
             outcome = "ok"
-        except errors.MLCLoraError as e:  # the response has started: report in-band, as vLLM does
+        except Exception as e:  # pylint: disable=broad-except
+            # the response has started: report in-band, as vLLM does, and end the stream properly
             outcome = "error"
             yield _sse(api_error(e).body())
             yield "data: [DONE]\n\n"
@@ -241,6 +222,8 @@ async def _json_body(request: Request) -> dict[str, Any]:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
@@ -277,6 +260,11 @@ def create_app(server: Server) -> FastAPI:
     async def _http_error(_request, e: StarletteHTTPException):
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, e: Exception):  # anything else: a 500, still OpenAI JSON
+        err = api_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
+
     async def check_key(request: Request) -> None:
         if server.api_key is None:
             return
@@ -292,7 +280,11 @@ def create_app(server: Server) -> FastAPI:
         t0 = time.monotonic()
         body = await _json_body(request)
         endpoint = "chat" if chat else "completions"
-        stream = body.get("stream") is True
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise APIError(400, f"stream must be a boolean, got {json.dumps(stream)}", param="stream")
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise APIError(400, "stream_options must be an object", param="stream_options")
