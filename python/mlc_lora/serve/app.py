@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
+from ..engine.adapters import check_adapter_name
 from .adapters import AdapterRoots
 from .metrics import Metrics
 
@@ -92,16 +93,34 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+# Routes the API key guards: /v1/* always; with guard_all also these (never /health, for probes).
+GUARDED_WITH_ALL = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+def check_api_key(api_key: Optional[str]) -> Optional[str]:
+    """`api_key` itself (None: no authentication); an empty or blank key is refused, never taken
+    to mean the key ""."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise errors.MLCLoraError("the API key is empty (--api-key or MLC_LORA_API_KEY): give a "
+                                  "non-empty key, or leave both unset to serve without authentication")
+    return api_key
+
+
 class Server:  # pylint: disable=too-many-instance-attributes
-    """State shared by the routes: the engine, the names it answers to, adapter roots, metrics."""
+    """State shared by the routes: the engine, the names it answers to, adapter roots, metrics.
+    `api_key` guards /v1/*; `guard_all` also /metrics, /docs, /redoc and /openapi.json."""
 
     def __init__(self, engine, model_name: str, model_dir: str | Path = "",
-                 adapter_roots: Optional[AdapterRoots] = None, api_key: Optional[str] = None):
+                 adapter_roots: Optional[AdapterRoots] = None, api_key: Optional[str] = None,
+                 guard_all: bool = False):
         self.engine = engine
         self.model_name = model_name
         self.model_dir = str(model_dir)
         self.roots = adapter_roots or AdapterRoots([])
-        self.api_key = api_key
+        self.api_key = check_api_key(api_key)
+        if guard_all and api_key is None:
+            raise errors.MLCLoraError("guarding every route (--api-key-all-routes) needs an API key")
+        self.guard_all = guard_all
         self.metrics = Metrics()
         self.adapters: dict[str, str] = {}  # name -> real path, as loaded through this server
         self.created = int(time.time())
@@ -109,6 +128,7 @@ class Server:  # pylint: disable=too-many-instance-attributes
     # --- adapters ---------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> None:
+        check_adapter_name(name)  # LoraError: a 400
         if name == self.model_name:
             raise APIError(400, f"adapter name {name!r} is the base model's name", param="lora_name")
         if name in self.adapters:
@@ -230,7 +250,8 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 
 def create_app(server: Server) -> FastAPI:
-    """The FastAPI app: /v1 routes (behind the API key, if any), /health and /metrics."""
+    """The FastAPI app: /v1 routes (behind the API key, if any), /health and /metrics (behind the
+    key too with `server.guard_all`, as are the docs)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -265,14 +286,26 @@ def create_app(server: Server) -> FastAPI:
         err = api_error(e)
         return JSONResponse(err.body(), status_code=err.status)
 
-    async def check_key(request: Request) -> None:
+    unauthorized = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            "invalid_request_error", "invalid_api_key")
+
+    def authorized(request: Request) -> bool:
         if server.api_key is None:
-            return
+            return True
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), server.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "invalid_request_error", "invalid_api_key")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), server.api_key.encode())
+
+    async def check_key(request: Request) -> None:
+        if not authorized(request):
+            raise unauthorized
+
+    if server.guard_all:
+        @app.middleware("http")
+        async def _guard_the_rest(request: Request, call_next):  # FastAPI's docs routes take no dependencies
+            if request.url.path in GUARDED_WITH_ALL and not authorized(request):
+                return JSONResponse(unauthorized.body(), status_code=unauthorized.status)
+            return await call_next(request)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
@@ -333,8 +366,11 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
         if not isinstance(path, str):
             raise APIError(400, "lora_path must be a string", param="lora_path")
+        pin = body.get("pin", False)
+        if not isinstance(pin, bool):  # "false" is not False
+            raise APIError(400, f"pin must be true or false, got {json.dumps(pin)}", param="pin")
         real = server.roots.resolve(path)
-        await server.load_adapter(name, real, pin=bool(body.get("pin", False)))
+        await server.load_adapter(name, real, pin=pin)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @v1.post("/unload_lora_adapter")

@@ -51,6 +51,30 @@ def test_api_key_required(server):
     assert httpx.get(f"{server}/metrics").status_code == 200
 
 
+def test_api_key_all_routes_guards_metrics_and_docs(tiny_chat):
+    with run_server(tiny_chat[1], "--api-key", API_KEY, "--api-key-all-routes") as url:
+        h = {"Authorization": f"Bearer {API_KEY}"}
+        for route in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models"):
+            r = httpx.get(f"{url}{route}")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", route
+            assert httpx.get(f"{url}{route}", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401, route
+            assert httpx.get(f"{url}{route}", headers=h).status_code == 200, route
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "blank"])
+def test_an_empty_api_key_is_refused_at_startup(tiny_chat, how):
+    import os
+    import subprocess
+    import sys
+
+    args = {"flag": ["--api-key", ""], "env": [], "blank": ["--api-key", "  "]}[how]
+    env = {**os.environ, "MLC_LORA_API_KEY": ""}
+    r = subprocess.run([sys.executable, "-m", "mlc_lora.cli.main", "serve", str(tiny_chat[1]), "--port", "1", *args],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1 and "the API key is empty" in r.stderr, r.stderr
+
+
 def test_models_lists_the_base_model(client, tiny_chat):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
