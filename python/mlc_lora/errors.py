@@ -1,5 +1,7 @@
 """Errors that name the problem; every user-facing failure of mlc-lora raises one of these."""
 
+from __future__ import annotations
+
 
 class MLCLoraError(Exception):
     """Base class of mlc-lora's errors."""
@@ -26,7 +28,12 @@ class PoolExhaustedError(MLCLoraError, RuntimeError):
 
 
 class RequestError(MLCLoraError, ValueError):
-    """A request is malformed: messages, sampling parameters, lengths or an unknown adapter."""
+    """A request is malformed: messages, sampling parameters, lengths or an unknown adapter.
+    `param` names the request field at fault (OpenAI's error "param"), when there is one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class UnknownAdapterError(RequestError):

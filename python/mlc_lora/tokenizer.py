@@ -62,27 +62,6 @@ class Tokenizer:
         )
 
 
-def check_messages(messages) -> list[dict]:
-    """Validate OpenAI-style chat messages; returns them as plain dicts."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise RequestError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        if m["role"] not in ROLES:
-            raise RequestError(f"messages[{i}] has unknown role {m['role']!r}; use one of {', '.join(ROLES)}")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: only text is supported
-            if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-                raise RequestError(f"messages[{i}].content: only text parts are supported")
-            content = "".join(p.get("text", "") for p in content)
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string")
-        out.append({**m, "content": content})
-    return out
-
-
 _TEMPLATES: dict[str, Any] = {}
 
 

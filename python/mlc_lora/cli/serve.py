@@ -1,5 +1,5 @@
 """`mlc_lora serve MODEL_DIR [--adapter NAME=PATH ...] [--adapter-dir DIR ...] [--host H] [--port P]
-[--api-key KEY]`: an OpenAI-compatible server (chat, completions, models, LoRA load/unload, metrics)."""
+[--api-key KEY [--api-key-all-routes]]`: an OpenAI-compatible server (chat, completions, models, LoRA load/unload, metrics)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("MLC_LORA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MLC_LORA_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MLC_LORA_API_KEY; "
+                        "an empty key is refused)")
+    p.add_argument("--api-key-all-routes", action="store_true",
+                   help="with --api-key, also guard /metrics, /docs, /redoc and /openapi.json "
+                        "(/health stays open)")
     p.add_argument("--served-model-name", default=None, help="the base model's name in the API")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -44,5 +48,5 @@ def main(argv: list[str]) -> int:
 
     serve(a.model, adapters=adapters, adapter_dirs=a.adapter_dir, host=a.host, port=a.port, api_key=a.api_key,
           device=a.device, served_model_name=a.served_model_name, max_num_seqs=a.max_num_seqs,
-          max_total_tokens=a.max_total_tokens, log_level=a.log_level)
+          max_total_tokens=a.max_total_tokens, log_level=a.log_level, guard_all=a.api_key_all_routes)
     return 0

@@ -19,6 +19,23 @@ from ..runner import Pool, Runner
 from .scheduler import Sequence
 
 
+MAX_NAME_LEN = 256
+
+
+def check_adapter_name(name) -> str:
+    """`name` itself: a non-empty string of at most 256 characters, valid Unicode, with no control
+    character and no '/' (it is the `model` of requests, and appears in logs and metrics)."""
+    if not isinstance(name, str) or not name.strip():
+        raise LoraError(f"an adapter name must be a non-empty string, got {name!r}")
+    if len(name) > MAX_NAME_LEN:
+        raise LoraError(f"an adapter name has at most {MAX_NAME_LEN} characters; this one has {len(name)}")
+    bad = next((c for c in name if c == "/" or ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) < 0xE000), None)
+    if bad is not None:
+        raise LoraError(f"adapter name {name!r} holds {bad!r}; control characters, lone surrogates and '/' "
+                        "are not allowed")
+    return name
+
+
 @dataclasses.dataclass
 class Adapter:  # pylint: disable=too-many-instance-attributes
     name: str
@@ -52,8 +69,7 @@ class AdapterTable:
         if self.runner.lora is None:
             raise LoraError(f"{self.runner.model_dir} was compiled without LoRA: recompile it with "
                             "--max-lora-rank R --lora-pool-pages P to load adapters")
-        if not isinstance(name, str) or not name:
-            raise LoraError(f"an adapter name must be a non-empty string, got {name!r}")
+        check_adapter_name(name)
         if name in self.by_name:
             raise LoraError(f"adapter {name!r} is already loaded (from {self.by_name[name].path}); "
                             "unload it first")

@@ -90,7 +90,9 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             raise RequestError("the prompt is empty")
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
-            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
         n = len(prompt_ids)
         if n >= self.max_seq_len:
             raise RequestError(f"the prompt has {n} tokens; this model's context holds {self.max_seq_len} "
@@ -158,6 +160,9 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
         for i, s in zip(rows, sampled):
+            if isinstance(s, Exception):  # this row's sampling failed; the others go on
+                self._fail(batch.seqs[i], MLCLoraError(f"sampling failed: {s}"))
+                continue
             try:
                 self._append(batch.seqs[i], s)
             except Exception as e:  # pylint: disable=broad-except

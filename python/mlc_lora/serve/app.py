@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
+from ..engine.adapters import check_adapter_name
 from .adapters import AdapterRoots
 from .metrics import Metrics
 
@@ -33,6 +34,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  code: Optional[str] = None, param: Optional[str] = None):
+        # a lone surrogate from the request (an unknown model's name) would make the body unencodable
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
@@ -46,7 +49,9 @@ def api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, errors.UnknownAdapterError):  # a request for an adapter that is not loaded
         return APIError(404, str(e), "not_found_error", "model_not_found")
-    if isinstance(e, (errors.RequestError, errors.LoraError)):
+    if isinstance(e, errors.RequestError):
+        return APIError(400, str(e), param=e.param)
+    if isinstance(e, errors.LoraError):
         return APIError(400, str(e))
     if isinstance(e, errors.PoolExhaustedError):
         return APIError(503, str(e), "server_error", "pool_exhausted")
@@ -55,32 +60,9 @@ def api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
-# Types of the sampling fields (the engine checks their values); int fields refuse booleans.
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "max_tokens": (int,), "max_completion_tokens": (int,), "n": (int,), "seed": (int,), "top_k": (int,),
-    "top_logprobs": (int,), "temperature": (int, float), "top_p": (int, float), "ignore_eos": (bool,),
-    "logprobs": (bool, int), "stream": (bool,), "stop": (str, list), "stop_token_ids": (list,),
-}
-
-
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "a list"}
-
-
-def _check_types(body: dict[str, Any]) -> None:
-    for k, types in _FIELD_TYPES.items():
-        v = body.get(k)
-        if v is None:
-            continue
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            names = " or ".join(_TYPE_NAMES[t] for t in types if t is not int or float not in types)
-            raise APIError(400, f"{k} must be {names}, got {json.dumps(v)}", param=k)
-    ids = body.get("stop_token_ids")
-    if ids is not None and any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-        raise APIError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
-
-
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    # allow_nan=False: a NaN would be invalid JSON; it raises here and becomes an error event
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 class _EventStream(StreamingResponse):
@@ -111,16 +93,34 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+# Routes the API key guards: /v1/* always; with guard_all also these (never /health, for probes).
+GUARDED_WITH_ALL = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+def check_api_key(api_key: Optional[str]) -> Optional[str]:
+    """`api_key` itself (None: no authentication); an empty or blank key is refused, never taken
+    to mean the key ""."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise errors.MLCLoraError("the API key is empty (--api-key or MLC_LORA_API_KEY): give a "
+                                  "non-empty key, or leave both unset to serve without authentication")
+    return api_key
+
+
 class Server:  # pylint: disable=too-many-instance-attributes
-    """State shared by the routes: the engine, the names it answers to, adapter roots, metrics."""
+    """State shared by the routes: the engine, the names it answers to, adapter roots, metrics.
+    `api_key` guards /v1/*; `guard_all` also /metrics, /docs, /redoc and /openapi.json."""
 
     def __init__(self, engine, model_name: str, model_dir: str | Path = "",
-                 adapter_roots: Optional[AdapterRoots] = None, api_key: Optional[str] = None):
+                 adapter_roots: Optional[AdapterRoots] = None, api_key: Optional[str] = None,
+                 guard_all: bool = False):
         self.engine = engine
         self.model_name = model_name
         self.model_dir = str(model_dir)
         self.roots = adapter_roots or AdapterRoots([])
-        self.api_key = api_key
+        self.api_key = check_api_key(api_key)
+        if guard_all and api_key is None:
+            raise errors.MLCLoraError("guarding every route (--api-key-all-routes) needs an API key")
+        self.guard_all = guard_all
         self.metrics = Metrics()
         self.adapters: dict[str, str] = {}  # name -> real path, as loaded through this server
         self.created = int(time.time())
@@ -128,6 +128,7 @@ class Server:  # pylint: disable=too-many-instance-attributes
     # --- adapters ---------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> None:
+        check_adapter_name(name)  # LoraError: a 400
         if name == self.model_name:
             raise APIError(400, f"adapter name {name!r} is the base model's name", param="lora_name")
         if name in self.adapters:
@@ -174,8 +175,7 @@ class Server:  # pylint: disable=too-many-instance-attributes
         """Check `body`; returns (the model name it answers as, its create(...) and its arguments)."""
         body = dict(body)
         model = body.pop("model", None)
-        adapter = self.adapter_of(model)
-        _check_types(body)
+        adapter = self.adapter_of(model)  # every other field is checked by engine/requests.py
         for k in ("stream", "stream_options", "user"):
             body.pop(k, None)
         creator = self.engine.chat.completions if chat else self.engine.completions
@@ -199,7 +199,8 @@ class Server:  # pylint: disable=too-many-instance-attributes
                             "choices": [], "usage": usage.to_dict()})
             yield "data: [DONE]\n\n"
             outcome = "ok"
-        except errors.MLCLoraError as e:  # the response has started: report in-band, as vLLM does
+        except Exception as e:  # pylint: disable=broad-except
+            # the response has started: report in-band, as vLLM does, and end the stream properly
             outcome = "error"
             yield _sse(api_error(e).body())
             yield "data: [DONE]\n\n"
@@ -241,13 +242,16 @@ async def _json_body(request: Request) -> dict[str, Any]:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
 
 
 def create_app(server: Server) -> FastAPI:
-    """The FastAPI app: /v1 routes (behind the API key, if any), /health and /metrics."""
+    """The FastAPI app: /v1 routes (behind the API key, if any), /health and /metrics (behind the
+    key too with `server.guard_all`, as are the docs)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -277,14 +281,31 @@ def create_app(server: Server) -> FastAPI:
     async def _http_error(_request, e: StarletteHTTPException):
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    async def check_key(request: Request) -> None:
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, e: Exception):  # anything else: a 500, still OpenAI JSON
+        err = api_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    unauthorized = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                            "invalid_request_error", "invalid_api_key")
+
+    def authorized(request: Request) -> bool:
         if server.api_key is None:
-            return
+            return True
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), server.api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           "invalid_request_error", "invalid_api_key")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), server.api_key.encode())
+
+    async def check_key(request: Request) -> None:
+        if not authorized(request):
+            raise unauthorized
+
+    if server.guard_all:
+        @app.middleware("http")
+        async def _guard_the_rest(request: Request, call_next):  # FastAPI's docs routes take no dependencies
+            if request.url.path in GUARDED_WITH_ALL and not authorized(request):
+                return JSONResponse(unauthorized.body(), status_code=unauthorized.status)
+            return await call_next(request)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
@@ -292,7 +313,11 @@ def create_app(server: Server) -> FastAPI:
         t0 = time.monotonic()
         body = await _json_body(request)
         endpoint = "chat" if chat else "completions"
-        stream = body.get("stream") is True
+        stream = body.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise APIError(400, f"stream must be a boolean, got {json.dumps(stream)}", param="stream")
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise APIError(400, "stream_options must be an object", param="stream_options")
@@ -341,8 +366,11 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
         if not isinstance(path, str):
             raise APIError(400, "lora_path must be a string", param="lora_path")
+        pin = body.get("pin", False)
+        if not isinstance(pin, bool):  # "false" is not False
+            raise APIError(400, f"pin must be true or false, got {json.dumps(pin)}", param="pin")
         real = server.roots.resolve(path)
-        await server.load_adapter(name, real, pin=bool(body.get("pin", False)))
+        await server.load_adapter(name, real, pin=pin)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @v1.post("/unload_lora_adapter")

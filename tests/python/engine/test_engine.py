@@ -210,6 +210,12 @@ def test_bad_requests_error_and_engine_keeps_serving(engine):
         dict(messages=MSG, temperature=-1),
         dict(messages=MSG, top_p=0),
         dict(messages=MSG, top_logprobs=21),
+        # wrong types and out-of-bound values: a RequestError naming the field, never a raw TypeError
+        dict(messages=MSG, temperature="a"), dict(messages=MSG, seed="x"), dict(messages=MSG, stop=5),
+        dict(messages=MSG, max_tokens=True), dict(messages=MSG, top_k=1.5), dict(messages=MSG, top_k=2**40),
+        dict(messages=MSG, stop_token_ids=[-1]), dict(messages=MSG, stop_token_ids=[10**6]),
+        dict(messages=MSG, temperature=float("inf")), dict(messages=MSG, seed=-1),
+        dict(messages=[{"role": "user", "content": "lone \ud800 surrogate"}]),
     ]
     for kw in bad:
         with pytest.raises(RequestError):
@@ -238,3 +244,41 @@ def test_chat_template_like_transformers(tiny_chat, engine):
     for m in (msgs, msgs[1:]):
         want = ref.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
         assert engine.tokenizer.apply_chat_template(m) == want
+
+
+def test_top_k_above_the_vocabulary_is_top_k_off(engine):
+    kw = dict(prompt="The quick brown", max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    off = engine.completions.create(top_k=0, **kw).choices[0].token_ids
+    assert engine.completions.create(top_k=2**31 - 1, **kw).choices[0].token_ids == off
+
+
+def test_a_row_whose_sampling_fails_fails_alone(tiny_chat):
+    """A sequence whose sampling raises (here parameters that bypassed the request checks, as a
+    sampler bug would) gets its own error; the rest of its batch goes on as if it were alone."""
+    from mlc_lora.engine.core import LLMEngine
+    from mlc_lora.engine.scheduler import SamplingParams
+    from mlc_lora.errors import MLCLoraError
+
+    def run(param_list):
+        core = LLMEngine(tiny_chat[1], "cpu")
+        outs = {i: [] for i in range(len(param_list))}
+        seqs = [core.make_sequence([5, 6, 7, 8 + p.seed if p.seed else 8], p, sink=outs[i].append)
+                for i, p in enumerate(param_list)]
+        for s in seqs:
+            core.add(s)
+        while core.has_work():
+            core.step()
+        assert core.pool.available_pages() == core.kv_pages_total
+        return outs
+
+    good = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
+    bad = SamplingParams(max_tokens=6, temperature=1.0, top_k=2**40, seed=9, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    alone = run(good + [greedy])
+    mixed = run([good[0], bad, good[1], greedy])
+    err = [o.error for o in mixed[1] if o.error is not None]
+    assert len(err) == 1 and isinstance(err[0], MLCLoraError) and "sampling failed" in str(err[0])
+    for a, m in ((0, 0), (1, 2), (2, 3)):
+        assert all(o.error is None for o in mixed[m])
+        assert [t.token for o in mixed[m] for t in o.tokens] == [t.token for o in alone[a] for t in o.tokens]
+        assert mixed[m][-1].finish_reason == "length"

@@ -29,7 +29,7 @@ def test_request_options_defaults_and_aliases():
     (dict(top_p=0), "top_p must be in \\(0, 1\\]"),
     (dict(top_k=-2), "top_k must be >= 0"),
     (dict(stop=["ok", ""]), "stop must be a non-empty string"),
-    (dict(top_logprobs=21), "top_logprobs must be in \\[0, 20\\]"),
+    (dict(top_logprobs=21), "top_logprobs must be an integer in \\[0, 20\\]"),
 ])
 def test_request_options_refuse_bad_arguments(kw, needle):
     with pytest.raises(RequestError, match=needle):
@@ -96,3 +96,55 @@ def test_an_output_with_nothing_to_say_makes_no_chunk():
     assert b.chunk(0, StepOutput("a", [Sampled(6)])).choices[0].text == "a"
     last = b.chunk(0, StepOutput("", [Sampled(7)], "length", usage=(1, 3)))
     assert (last.choices[0].finish_reason, last.usage.total_tokens) == ("length", 4)
+
+
+@pytest.mark.parametrize("kw, param, needle", [
+    (dict(temperature="a"), "temperature", "temperature must be a number"),
+    (dict(temperature=float("inf")), "temperature", "temperature must be a finite number"),
+    (dict(temperature=float("nan")), "temperature", "temperature must be a finite number"),
+    (dict(temperature=True), "temperature", "temperature must be a number"),
+    (dict(top_p=float("nan")), "top_p", "top_p must be a finite number"),
+    (dict(seed="x"), "seed", "seed must be an integer"),
+    (dict(seed=-1), "seed", "seed must be an integer in \\[0, "),
+    (dict(seed=2**64), "seed", "seed must be an integer in \\[0, "),
+    (dict(stop=5), "stop", "stop must be a non-empty string or a list of them"),
+    (dict(stop=["ok", 5]), "stop", "stop must be a non-empty string"),
+    (dict(stop="\ud800"), "stop", "stop.*not valid Unicode"),
+    (dict(max_tokens=True), "max_tokens", "max_tokens must be an integer"),
+    (dict(max_tokens=2.0), "max_tokens", "max_tokens must be an integer"),
+    (dict(max_completion_tokens=0), "max_completion_tokens", "max_completion_tokens must be an integer in \\[1, "),
+    (dict(top_k=1.5), "top_k", "top_k must be an integer"),
+    (dict(top_k=2**40), "top_k", "top_k must be an integer in \\[0, 2147483647\\]"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids", "stop_token_ids must be a list of integers >= 0"),
+    (dict(stop_token_ids=[True]), "stop_token_ids", "stop_token_ids must be a list of integers"),
+    (dict(stop_token_ids=5), "stop_token_ids", "stop_token_ids must be a list of integers"),
+    (dict(ignore_eos="yes"), "ignore_eos", "ignore_eos must be a boolean"),
+    (dict(logprobs="yes"), "logprobs", "logprobs must be a boolean"),
+    (dict(top_logprobs=1.0), "top_logprobs", "top_logprobs must be an integer"),
+])
+def test_every_parameter_is_checked_with_bounds_and_named(kw, param, needle):
+    with pytest.raises(RequestError, match=needle) as e:
+        request_options(**kw)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize("kw, param, needle", [
+    (dict(chat=False, prompt="bad \ud800 text"), "prompt", "prompt is not valid Unicode"),
+    (dict(chat=False, prompt=[1, True]), "prompt", "prompt must be a string or a list of token ids"),
+    (dict(chat=True, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]), "messages",
+     "messages\\[0\\].content\\[0\\].text must be a string"),
+    (dict(chat=True, messages=[{"role": "user", "content": "hi \udfff"}]), "messages",
+     "messages\\[0\\].content is not valid Unicode"),
+    (dict(chat=True, messages=[{"role": ["user"], "content": "hi"}]), "messages", "unknown role"),
+])
+def test_prompts_and_messages_are_checked_before_the_tokenizer(kw, param, needle):
+    with pytest.raises(RequestError, match=needle) as e:
+        prompt_ids(object(), **kw)  # refused before the (here unusable) tokenizer is touched
+    assert e.value.param == param
+
+
+def test_bounds_that_pass():
+    params, _ = request_options(top_k=2**31 - 1, seed=2**63 - 1, temperature=100, stop_token_ids=[0, 5],
+                                ignore_eos=True, logprobs=False, max_completion_tokens=3)
+    assert (params.top_k, params.seed, params.temperature, params.stop_token_ids, params.max_tokens) == \
+        (2**31 - 1, 2**63 - 1, 100.0, (0, 5), 3)

@@ -116,6 +116,21 @@ def test_bad_loads_are_refused(server, setup, tmp_path):
     r = _load(server, "evil", adapter_dir / "escape")
     assert r.status_code == 400 and "outside the allowed" in r.json()["error"]["message"]
     assert "evil" not in {m["id"] for m in httpx.get(f"{server}/v1/models", headers=H).json()["data"]}
+    for name in ("a\x00b", "a\nb", "a/b", "x" * 257):  # names that could forge logs, paths or metrics
+        r = _load(server, name, adapter_dir / "a1")
+        assert r.status_code == 400 and "adapter name" in r.json()["error"]["message"], repr(name)
+    from mlc_lora.engine.adapters import check_adapter_name
+
+    assert check_adapter_name("y" * 256) == "y" * 256  # the longest allowed
+
+
+def test_pin_in_load_is_a_strict_boolean(server, client, setup):
+    _, _, _, adapter_dir = setup
+    for pin in ("false", "true", 0, 1, None, [False]):
+        r = httpx.post(f"{server}/v1/load_lora_adapter", headers=H, timeout=60,
+                       json={"lora_name": "strict", "lora_path": str(adapter_dir / "a1"), "pin": pin})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "pin", pin
+    assert "strict" not in {m.id for m in client.models.list().data}
 
 
 def test_64_concurrent_streams_over_8_adapters_then_pool_is_idle(server, client):

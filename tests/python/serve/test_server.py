@@ -51,6 +51,30 @@ def test_api_key_required(server):
     assert httpx.get(f"{server}/metrics").status_code == 200
 
 
+def test_api_key_all_routes_guards_metrics_and_docs(tiny_chat):
+    with run_server(tiny_chat[1], "--api-key", API_KEY, "--api-key-all-routes") as url:
+        h = {"Authorization": f"Bearer {API_KEY}"}
+        for route in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models"):
+            r = httpx.get(f"{url}{route}")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", route
+            assert httpx.get(f"{url}{route}", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401, route
+            assert httpx.get(f"{url}{route}", headers=h).status_code == 200, route
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "blank"])
+def test_an_empty_api_key_is_refused_at_startup(tiny_chat, how):
+    import os
+    import subprocess
+    import sys
+
+    args = {"flag": ["--api-key", ""], "env": [], "blank": ["--api-key", "  "]}[how]
+    env = {**os.environ, "MLC_LORA_API_KEY": ""}
+    r = subprocess.run([sys.executable, "-m", "mlc_lora.cli.main", "serve", str(tiny_chat[1]), "--port", "1", *args],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1 and "the API key is empty" in r.stderr, r.stderr
+
+
 def test_models_lists_the_base_model(client, tiny_chat):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
@@ -173,6 +197,85 @@ def test_bad_bodies_and_unknown_model(server, client):
     assert r.status_code == 400
     r = httpx.post(f"{server}/v1/nothing-here", json={}, headers=h)
     assert r.status_code == 404 and "error" in r.json()
+
+
+def _openai_error(r: httpx.Response, status: int) -> dict:
+    """The OpenAI error object of `r`, checked to be one (JSON, with every field)."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.mark.parametrize("raw, param, needle", [
+    (b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', "temperature", "finite"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": Infinity}', "temperature", "finite"),
+    (b'{"model": "tiny", "prompt": "hi", "seed": -1}', "seed", "seed must be an integer in [0, "),
+    (b'{"model": "tiny", "prompt": "hi", "top_k": 1099511627776}', "top_k", "top_k must be an integer in"),
+    (b'{"model": "tiny", "prompt": "hi", "stop": 5}', "stop", "stop must be"),
+    (b'{"model": "tiny", "prompt": "bad \\ud800 text"}', "prompt", "not valid Unicode"),
+    (b'{"model": "tiny", "prompt": "hi", "stream": "yes"}', "stream", "stream must be a boolean"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+     "messages", "text must be a string"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "x \\udfff"}]}', "messages",
+     "not valid Unicode"),
+    (b'{"model": "\\ud800", "prompt": "hi"}', "model", "does not exist"),
+])
+def test_bad_fields_get_openai_400s_naming_them(server, raw, param, needle):
+    h = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    route = "chat/completions" if b"messages" in raw else "completions"
+    r = httpx.post(f"{server}/v1/{route}", content=raw, headers=h, timeout=30)
+    err = _openai_error(r, 404 if param == "model" else 400)
+    assert err["param"] == param and needle in err["message"]
+
+
+def test_every_error_is_openai_json(server):
+    h = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    deep = b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    assert "nested too deeply" in _openai_error(httpx.post(f"{server}/v1/completions", content=deep, headers=h),
+                                                400)["message"]
+    _openai_error(httpx.get(f"{server}/v1/completions", headers=h), 405)
+    _openai_error(httpx.post(f"{server}/v1/completions", content=b"\xff\xfe", headers=h), 400)
+    # the server still serves
+    r = httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, headers=h)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_unexpected_exception_is_a_json_500_and_in_band_in_streams():
+    """Errors no check foresaw (the engine raising a plain exception) are answered in OpenAI's
+    shape too: a JSON 500, and in a stream an error event then [DONE]."""
+    from fastapi.testclient import TestClient
+
+    from mlc_lora.serve.app import Server, create_app
+
+    class Broken:  # an engine whose calls fail the way a bug would
+        def __init__(self):
+            self.chat = type("Chat", (), {"completions": self})()
+            self.completions = self
+
+        async def create(self, stream=False, **_):
+            if not stream:
+                raise RuntimeError("boom")
+
+            async def gen():
+                raise KeyError("half way")
+                yield  # pylint: disable=unreachable
+
+            return gen()
+
+        async def stats(self):
+            return {}
+
+        def is_alive(self):
+            return True
+
+    with TestClient(create_app(Server(Broken(), "tiny")), raise_server_exceptions=False) as c:
+        err = _openai_error(c.post("/v1/completions", json={"prompt": "hi"}), 500)
+        assert err["type"] == "server_error" and "RuntimeError: boom" in err["message"]
+        r = c.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        events = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "half way" in json.loads(events[-2])["error"]["message"]
 
 
 def test_adapter_endpoints_without_adapter_dir(server):
