@@ -240,6 +240,9 @@ float Element(const SafeTensorsFile::Entry& e, int64_t i) {
   return x;
 }
 
+/*! \brief The largest LoRA scale accepted: the largest finite float16. */
+constexpr double kMaxLoraScale = 65504.0;
+
 /*! \brief The rows of a read PEFT adapter: A as stored, B transposed and scaled by its ratio. */
 class PeftRows : public AdapterRows {
  public:
@@ -255,13 +258,25 @@ class PeftRows : public AdapterRows {
       return;
     }
     if (!b) {
-      for (int64_t i = 0; i < in; ++i) out[i] = Element(*p.a, k * in + i);
+      for (int64_t i = 0; i < in; ++i) out[i] = Finite(p.a_name, Element(*p.a, k * in + i), k * in + i);
       return;
     }
     // numpy's float32 array * Python float: the scalar is cast to float32 (NEP 50).
     const float ratio = static_cast<float>(p.ratio);
-    for (int64_t o = 0; o < outf; ++o) out[o] = Element(*p.b, o * p.r + k) * ratio;
+    for (int64_t o = 0; o < outf; ++o) out[o] = Finite(p.b_name, Element(*p.b, o * p.r + k), o * p.r + k) * ratio;
   }
+
+ private:
+  /*! \brief x, or InvalidArgument naming the tensor and the flat index of a NaN or infinity. */
+  static float Finite(const std::string& tensor, float x, int64_t index) {
+    if (!std::isfinite(x)) {
+      throw InvalidArgument("tensor '" + tensor + "' holds a value that is not finite (" + std::to_string(x) +
+                            ") at flat index " + std::to_string(index));
+    }
+    return x;
+  }
+
+ public:
 
  private:
   const PeftAdapter& a_;
@@ -309,6 +324,9 @@ PeftAdapter ReadPeftAdapter(const std::string& folder, const LoraSpec& spec, std
                             contract.LoraModuleList() + "); such modules are not supported");
     }
     const std::string module = m[3].str();
+    if (m[2].length() > 9) {
+      throw InvalidArgument(fw + ": tensor '" + key + "' has layer number " + m[2].str() + ", out of range");
+    }
     const int64_t layer = std::stoll(m[2].str());
     if (!contract.IsLoraModule(module)) {
       throw InvalidArgument(fw + ": tensor '" + key + "' targets '" + module + "'; supported LoRA modules are " +
@@ -320,6 +338,7 @@ PeftAdapter ReadPeftAdapter(const std::string& folder, const LoraSpec& spec, std
     }
     PeftAdapter::Pair& p = out.pairs[{layer, module}];
     (m[4].str() == "A" ? p.a : p.b) = &entry;
+    (m[4].str() == "A" ? p.a_name : p.b_name) = key;
     module_keys[{layer, module}] = m[1].str();
   }
   if (out.pairs.empty()) throw InvalidArgument(fw + " holds no LoRA weights");
@@ -372,6 +391,11 @@ PeftAdapter ReadPeftAdapter(const std::string& folder, const LoraSpec& spec, std
     const double alpha = av.is_null() ? alpha_default : av.f64();
     const double r = static_cast<double>(p.r);
     scale_of[lm] = out.use_rslora ? alpha / std::sqrt(r) : alpha / r;
+    // A scale past half precision's range overflows every delta of a fp16/bf16 model (NaN logits).
+    if (!std::isfinite(scale_of[lm]) || scale_of[lm] > kMaxLoraScale) {
+      throw InvalidArgument(fcfg + ": the LoRA scale of " + mk + " (" + (out.use_rslora ? "alpha / sqrt(r)" : "alpha / r") +
+                            " = " + std::to_string(scale_of[lm]) + ") is out of range (at most 65504)");
+    }
     out.rank = std::max(out.rank, p.r);
   }
   for (const std::string& m : contract.lora_modules) {  // canonical order

@@ -47,6 +47,7 @@ struct PeftAdapter {
   struct Pair {
     const SafeTensorsFile::Entry* a = nullptr;
     const SafeTensorsFile::Entry* b = nullptr;
+    std::string a_name, b_name;  // the tensors' names in the file (for errors)
     int64_t r = 0;
     double ratio = 1.0;
   };

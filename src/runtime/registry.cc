@@ -64,6 +64,8 @@ auto LoraGuard(F&& f) -> decltype(f()) {
     return f();
   } catch (const Error& e) {
     TVM_FFI_THROW(LoraError) << e.what();
+  } catch (const std::exception& e) {  // a case no check foresaw: still the caller's adapter
+    TVM_FFI_THROW(LoraError) << "malformed adapter: " << e.what();
   }
 }
 

@@ -62,8 +62,12 @@ SafeTensorsFile::SafeTensorsFile(const std::string& path) : path_(path) {
       e.dtype = kv.second["dtype"].str();
       int64_t numel = 1;
       for (const JSON& d : kv.second["shape"].items()) {
-        e.shape.push_back(d.i64());
-        numel *= d.i64();
+        const int64_t n = d.i64();
+        if (n < 0 || (n > 0 && numel > static_cast<int64_t>(data_size) / n)) {
+          kv.second.Fail("shape has a negative dimension or more elements than the file holds");
+        }
+        e.shape.push_back(n);
+        numel *= n;
       }
       auto offs = kv.second["data_offsets"].items();
       if (offs.size() != 2) kv.second.Fail("data_offsets must have two entries");

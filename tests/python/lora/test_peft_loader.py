@@ -200,3 +200,48 @@ def test_tensor_parallel_shards_pack_their_slices_with_the_planned_pages(tmp_pat
             np.testing.assert_array_equal(got.weights[(layer, "down_proj")][1], bt)
     with pytest.raises(LoraError, match="shard 2 out of range for 2 shards"):
         pack_peft_adapter(f, compiled_config(spec), shard=2)
+
+
+def _raw_safetensors(path, header: dict, nbytes: int) -> None:
+    """A safetensors file with this header as written (no checks) and `nbytes` zero bytes of data."""
+    import struct
+
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + bytes(nbytes))
+
+
+def test_non_finite_weights_and_overflowing_scales_are_refused(tmp_path):
+    rng = np.random.default_rng(2)
+    for i, bad in enumerate((np.nan, np.inf, -np.inf)):
+        t = {}
+        for l in (0, 1):
+            for m, (shape_a, shape_b) in {"q_proj": ((4, 64), (64, 4)), "v_proj": ((4, 64), (32, 4))}.items():
+                t[f"{PREFIX}.{l}.self_attn.{m}.lora_A.weight"] = rng.standard_normal(shape_a).astype(np.float32)
+                t[f"{PREFIX}.{l}.self_attn.{m}.lora_B.weight"] = rng.standard_normal(shape_b).astype(np.float32)
+        name = f"{PREFIX}.1.self_attn.v_proj.lora_{'AB'[i % 2]}.weight"
+        t[name].flat[5] = bad
+        with pytest.raises(LoraError, match=rf"{name}.*not finite"):
+            _load_packed(_write(tmp_path / f"w{i}", tensors=t), CFG)
+    # a scale alpha / r that overflows half precision: NaN logits, not an adapter
+    with pytest.raises(LoraError, match=r"scale .* out of range"):
+        _load_packed(_write(tmp_path / "alpha", config={"lora_alpha": 1e38}), CFG)
+    with pytest.raises(LoraError, match=r"scale .* out of range"):
+        _load_packed(_write(tmp_path / "alpha_pat", config={"alpha_pattern": {"v_proj": 1e30}}), CFG)
+    _load_packed(_write(tmp_path / "alpha_ok", config={"lora_alpha": 4096}), CFG)  # large but finite: fine
+
+
+@pytest.mark.parametrize("header, nbytes, match", [
+    ({f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": {"dtype": "F32", "shape": [-4, -64], "data_offsets": [0, 1024]}},
+     1024, "shape"),
+    ({f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": {"dtype": "F32", "shape": [2 ** 40, 2 ** 40],
+                                                      "data_offsets": [0, 0]}}, 0, "shape"),
+    ({f"{PREFIX}.99999999999999999999999.self_attn.q_proj.lora_A.weight":
+      {"dtype": "F32", "shape": [4, 64], "data_offsets": [0, 1024]}}, 1024, "layer"),
+])
+def test_malformed_safetensors_are_lora_errors(tmp_path, header, nbytes, match):
+    f = _write(tmp_path / "st")
+    _raw_safetensors(f / "adapter_model.safetensors", header, nbytes)
+    with pytest.raises(LoraError, match=match):
+        _load_packed(f, CFG)
+    with pytest.raises(LoraError, match=match):
+        peft_adapter_plan(f, compiled_config(make_spec(CFG, 64, 16)))
