@@ -245,3 +245,30 @@ def test_malformed_safetensors_are_lora_errors(tmp_path, header, nbytes, match):
         _load_packed(f, CFG)
     with pytest.raises(LoraError, match=match):
         peft_adapter_plan(f, compiled_config(make_spec(CFG, 64, 16)))
+
+
+_A = f"{PREFIX}.0.self_attn.q_proj.lora_A.weight"
+
+
+@pytest.mark.parametrize("header, nbytes", [
+    ([1, 2], 0),  # the header a list
+    ({_A: [1, 2]}, 0),  # an entry not a dict
+    ({_A: {"dtype": "F32", "shape": [4, 64]}}, 1024),  # no data_offsets
+    ({_A: {"dtype": "F32", "shape": [4, 64], "data_offsets": [0, 1023]}}, 1023),  # a byte count that does not match
+    ({_A: {"dtype": "F32", "shape": ["4", 64], "data_offsets": [0, 1024]}}, 1024),  # a string in the shape
+    ({_A: {"dtype": "F32", "shape": [4, 64], "data_offsets": [0, 1024], "x": {"y": {"z": 1}}}, "n": {"m": {}}}, 1024),
+])
+def test_every_malformed_header_is_a_lora_error(tmp_path, header, nbytes):
+    f = _write(tmp_path / "hdr")
+    _raw_safetensors(f / "adapter_model.safetensors", header, nbytes)
+    with pytest.raises(LoraError):
+        _load_packed(f, CFG)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"rank_pattern": {"q_proj(": 2}}, "not a valid regex"),
+    ({"alpha_pattern": {"q_proj": "big"}}, "alpha_pattern"),
+])
+def test_bad_patterns_are_lora_errors(tmp_path, config, match):
+    with pytest.raises(LoraError, match=match):
+        _load_packed(_write(tmp_path / "pat", config=config), CFG)
