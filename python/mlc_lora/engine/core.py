@@ -8,6 +8,7 @@ The front ends (frontend.py) own the thread that steps it (loop.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,6 +18,8 @@ from ..runner import open_runner
 from ..tokenizer import Detokenizer, Tokenizer
 from .adapters import AdapterTable
 from .sampler import Sampled, Sampler
+
+log = logging.getLogger(__name__)
 from .scheduler import Batch, SamplingParams, Scheduler, Sequence, Status
 
 
@@ -74,6 +77,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                                    one_adapter_per_batch=lora is not None and lora.kernel == "single")
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
+        self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
 
     @property
     def model_name(self) -> Optional[str]:
@@ -137,6 +141,14 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> None:
+        try:
+            self._step()
+        finally:
+            orphans, self._orphans = self._orphans, []
+            for seq in orphans:
+                self.abort(seq)
+
+    def _step(self) -> None:
         batch = self.scheduler.schedule()
         for seq in self.scheduler.rejected:
             self._emit(seq, StepOutput("", [], "error", error=self.adapters.exhausted(seq)))
@@ -213,7 +225,15 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         usage = (len(seq.prompt_ids), len(seq.output_ids)) if finish else None
         self._emit(seq, StepOutput(delta, [s], finish, usage=usage))
 
-    @staticmethod
-    def _emit(seq: Sequence, out: StepOutput) -> None:
-        if seq.sink is not None:
+    def _emit(self, seq: Sequence, out: StepOutput) -> None:
+        """Hand `out` to the request's sink. A sink that raises (its caller gone, e.g. its event
+        loop closed) ends that request alone: it is aborted after the step, the others go on."""
+        if seq.sink is None:
+            return
+        try:
             seq.sink(out)
+        except Exception as e:  # pylint: disable=broad-except
+            seq.sink = None
+            log.warning("dropping a request whose output callback raised: %s: %s", type(e).__name__, e)
+            if out.finish_reason is None:
+                self._orphans.append(seq)

@@ -282,3 +282,34 @@ def test_a_row_whose_sampling_fails_fails_alone(tiny_chat):
         assert all(o.error is None for o in mixed[m])
         assert [t.token for o in mixed[m] for t in o.tokens] == [t.token for o in alone[a] for t in o.tokens]
         assert mixed[m][-1].finish_reason == "length"
+
+
+def test_a_raising_output_callback_ends_its_request_alone(engine):
+    """A request whose output callback raises (as a closed asyncio loop's would) is aborted; the
+    engine thread keeps serving the others and the pool returns to idle."""
+    from mlc_lora.engine.scheduler import SamplingParams
+
+    before = engine.completions.create(prompt="Hello", max_tokens=8, temperature=0).choices[0].text
+    calls = []
+
+    def sink(out):
+        calls.append(out)
+        raise RuntimeError("Event loop is closed")
+
+    core = engine.engine
+    seq = core.make_sequence(engine.tokenizer.encode("Hi there"), SamplingParams(max_tokens=40, temperature=0),
+                             None, sink)
+    engine._loop.submit(seq)  # pylint: disable=protected-access
+    import time
+
+    deadline = time.monotonic() + 60
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the step that called the sink has ended
+    # checked before the next request: a dead engine thread would never answer it
+    assert calls and engine._loop.is_alive()  # pylint: disable=protected-access
+    assert engine.completions.create(prompt="Hello", max_tokens=8, temperature=0).choices[0].text == before
+    assert len(calls) == 1 and seq.finish_reason == "abort"
+    stats = engine._loop.call(core.stats)  # pylint: disable=protected-access
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
