@@ -120,7 +120,7 @@ class _Rewriter(relax.PyExprMutator):
         self.fused = False  # rewriting decode_fused: linears the fused kernel supports become one call
 
     def rewrite(self, gv: relax.GlobalVar) -> None:
-        func = self.builder_.get()[gv] if self.fused else self.mod_[gv]
+        func = self.builder_.get()[gv]  # as the builder holds it (decode_fused: the copy just added)
         num_input = int(func.attrs["num_input"])
         params = list(func.params)
         x_shape = params[0].ty.shape.values

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # noqa: E402
 from mlc_lora.lora.layout import LoraSpec, LoraModule  # noqa: E402
 
-from .test_sgmv_triton import _interpret_raw  # noqa: E402
+from .conftest import interpret  # noqa: E402
 
 
 def _case(rng, dtype, n, K, widths, ranks, R, M=4):
@@ -51,7 +51,7 @@ def test_kernel_matches_reference(tmp_path, bm, n, dtype):
     c["a_off"] = np.concatenate([c["a_off"], np.full((1,) + c["a_off"].shape[1:], 50000, np.int32)])
     c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
     assert not (c["slot"] == stale).any()
-    out = _interpret_raw(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, bm=bm)
+    out = interpret(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, bm=bm)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)
     base_only = c["x"].astype(np.float64) @ c["w"].astype(np.float64).T
@@ -99,17 +99,9 @@ def test_spec_decides_which_batches_run_fused():
     assert LoraSpec.from_json(spec.to_json()) == spec
 
 
-def test_kernel_builds_to_cubin_for_sm90(tmp_path, monkeypatch):
+def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
     """Both block heights compile here (no GPU) and become TVM CUDA modules."""
-    from mlc_lora.compile import prepare_cuda_build
-    from mlc_lora.errors import CompileError
-
-    monkeypatch.setenv("MLC_LORA_CACHE", str(tmp_path))
-    try:
-        prepare_cuda_build()
-    except CompileError as e:
-        pytest.skip(str(e))
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "bfloat16", 8, "sm_90a")
-    assert len(mods) == 2 and len(list((tmp_path / "triton").glob("*.cubin"))) == 2
+    assert len(mods) == 2 and len(list(cubin_cache.glob("*.cubin"))) == 2
     script = fn.script()
     assert "_BM16_" in script and "_BM64_" in script

@@ -3,11 +3,6 @@ Triton's interpreter against the numpy references, and build to cubin for sm_90a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -15,24 +10,13 @@ triton = pytest.importorskip("triton")
 
 from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST  # noqa: E402
 
+from .conftest import interpret  # noqa: E402
+
 
 def _interpret(tmp_path, **inp):
     """The kernels' outputs under Triton's interpreter, in a process of its own (triton_interp.py)."""
-    out = _interpret_raw(tmp_path, **inp)
+    out = interpret(tmp_path, **inp)
     return out["v"], out["y"]
-
-
-def _interpret_raw(tmp_path, **inp) -> dict:
-    """triton_interp.py's outputs for `inp`, run in a process with TRITON_INTERPRET=1."""
-    np.savez(tmp_path / "in.npz", **inp)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[5]
-    proc = subprocess.run([sys.executable, "-m", "tests.python.compiler.ops.lora.triton_interp",
-                           str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                          cwd=root, env=env, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(tmp_path / "out.npz") as f:
-        return dict(f)
 
 
 def _case(rng, dtype, n, S, K, widths, mods, R, M=4):
@@ -84,20 +68,12 @@ def test_kernels_match_references(tmp_path, variant, dtype):
     assert np.array_equal(got[:, 72:96], y[:, 72:96])  # the untargeted part untouched
 
 
-def test_kernels_build_to_cubin_for_sm90(tmp_path, monkeypatch):
+def test_kernels_build_to_cubin_for_sm90(cubin_cache):
     """Both tile variants of both kernels compile here (no GPU) and become TVM CUDA modules."""
-    from mlc_lora.compile import prepare_cuda_build
-    from mlc_lora.errors import CompileError
-
-    monkeypatch.setenv("MLC_LORA_CACHE", str(tmp_path))
-    try:
-        prepare_cuda_build()
-    except CompileError as e:
-        pytest.skip(str(e))
     sh, smods = ST.shrink_wrapper(4096, (0, 1, 2), 2, 16, 7, "float16", 64, 8, "sm_90a")
     ex, emods = ST.expand_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 64, 8, "sm_90a")
     assert len(smods) == len(emods) == len(ST.VARIANTS)
-    assert len(list((tmp_path / "triton").glob("*.cubin"))) == 2 * len(ST.VARIANTS)
+    assert len(list(cubin_cache.glob("*.cubin"))) == 2 * len(ST.VARIANTS)
     script = sh.script() + ex.script()
     for var in ST.VARIANTS:
         assert f"_BM{ST.VARIANTS[var]['BM']}_" in script  # each variant's kernel, by its constants
