@@ -153,13 +153,18 @@ def run_config(name, lib_dir, device, requests, params, torch, a, size):
     if alive() is not None:
         print(f"warning: the {name} engine is still referenced; its pool was not freed", flush=True)
     steps = {k: stats[k] - base_stats[k] for k in ("num_steps", "num_prefill_steps", "num_decode_steps")}
+    before = base_stats.get("step_times", {})
+    step_times = {k: dict(steps=v["steps"] - before.get(k, {}).get("steps", 0),
+                          seconds=round(v["seconds"] - before.get(k, {}).get("seconds", 0.0), 4))
+                  for k, v in sorted(stats.get("step_times", {}).items())}
     return dict(config=name, library=lib, adapters=len(adapters),
                 ranks=sorted({r for _, r in adapters}), assign=a.assign if adapters else None,
                 adapter_load_s=round(load_s, 2), elapsed_s=elapsed, requests=len(requests),
                 prompt_tokens=sum(len(p) for p, _ in requests), output_tokens=sum(n for _, n in requests),
                 **offline.rates(elapsed, requests),
                 kv_pages=a.kv_pages or size["kv_pages"], adapter_pages=spec_pages,
-                peak_batch=stats["max_running"], preemptions=stats["num_preemptions"], **steps)
+                peak_batch=stats["max_running"], preemptions=stats["num_preemptions"], **steps,
+                step_times={k: v for k, v in step_times.items() if v["steps"]})
 
 
 def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 64)) -> float:

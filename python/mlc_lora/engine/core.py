@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -78,6 +79,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
+        self.step_times: dict[str, list] = {}  # "decode_<=64" -> [steps, seconds]
 
     @property
     def model_name(self) -> Optional[str]:
@@ -136,6 +138,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
                     num_preemptions=self.scheduler.num_preemptions, **self.counters,
+                    step_times={k: dict(steps=n, seconds=round(t, 6)) for k, (n, t) in self.step_times.items()},
                     **self.adapters.stats())
 
     # --- one step ---------------------------------------------------------------------------
@@ -159,6 +162,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         c = self.counters
         c["num_steps"] += 1
         c["max_running"] = max(c["max_running"], len(batch.seqs))
+        t0 = time.perf_counter()
         try:
             rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
             logits = self._forward(batch)
@@ -169,6 +173,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             for seq in batch.seqs:
                 self._fail(seq, cls(f"engine step failed: {e}"))
             return
+        self._time_step(batch, time.perf_counter() - t0)
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
         for i, s in zip(rows, sampled):
@@ -179,6 +184,15 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                 self._append(batch.seqs[i], s)
             except Exception as e:  # pylint: disable=broad-except
                 self._fail(batch.seqs[i], MLCLoraError(f"request failed: {e}"))
+
+    def _time_step(self, batch: Batch, seconds: float) -> None:
+        """Steps and seconds (forward + sampling, which waits for the device) per kind and size:
+        `decode_<=N` by sequences, `prefill_<=N` by tokens, N the next power of two."""
+        n = len(batch.seqs) if batch.is_decode else sum(len(c) for c in batch.chunks)
+        key = f"{'decode' if batch.is_decode else 'prefill'}_<={1 << max(0, n - 1).bit_length()}"
+        entry = self.step_times.setdefault(key, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
 
     def _fail(self, seq: Sequence, error: MLCLoraError) -> None:
         self.scheduler.finish(seq)

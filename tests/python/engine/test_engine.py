@@ -43,6 +43,12 @@ def test_sixteen_requests_batch_and_match_alone_and_hf(tiny_chat):
     assert stats["num_prefill_steps"] >= sum(len(p) for p in prompts) / 64
     assert stats["num_steps"] < sum(lens) // 4  # far fewer steps than one request at a time
     assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["running"] == stats["waiting"] == 0
+    # every step is timed once, under its kind and size bucket
+    times = stats["step_times"]
+    assert sum(t["steps"] for t in times.values()) == stats["num_steps"]
+    assert sum(t["steps"] for k, t in times.items() if k.startswith("decode_")) == stats["num_decode_steps"]
+    assert times["decode_<=16"]["steps"] >= 1 and all(t["seconds"] > 0 for t in times.values())
+    assert all(int(k.split("<=")[1]) <= 64 for k in times if k.startswith("prefill_"))  # chunks of <= 64
     with MLCEngine(compiled, "cpu") as eng:
         for i, (p, n, r) in enumerate(zip(prompts, lens, batched)):
             alone = eng.completions.create(prompt=p, max_tokens=n, temperature=0, ignore_eos=True)
