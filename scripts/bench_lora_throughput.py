@@ -43,7 +43,7 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     "lora4": ("lora", [(8, 4)]),
     "lora64": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     "lora0": ("lora", []),
-    # the same 4 x r8 on the library without decode_fused (--no-lora-fused-decode): every decode
+    # the same 4 x r8 on the library without the _fused functions (--no-lora-fused): every batch
     # runs cuBLAS + the sgmv kernels
     "lora4-nofused": ("lora-nofused", [(8, 4)]),  # the LoRA library with no adapter: batches run its functions without LoRA
     # the same 4 x r8 and 64 mixed through the Triton tensor-core stage 3 (--lora-sgmv-backend
@@ -93,7 +93,7 @@ def compile_libs(a) -> int:
     lora = dict(common, lora_pool_pages=pages, lora_kernel="sgmv")
     libs = {"base": CompileOptions(**common),
             "lora": CompileOptions(**lora, max_lora_rank=MAX_RANK),
-            "lora-nofused": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_fused_decode=False),
+            "lora-nofused": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_fused=False),
             "lora-triton": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="triton"),
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir")}
@@ -171,8 +171,9 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 
     """The LoRA library's prefill and (graph-captured) decode with the pool's tables, a mixed
     batch (an adapter of ranks[0], base model, an adapter of ranks[1]), against
     harness.torch_llama in float32; returns the largest relative error ||ours - ref|| / ||ref||
-    over the rows. Ranks summing to at most the library's fused-decode rank columns decode through
-    decode_fused, others through decode."""
+    over the rows. Ranks summing to at most the library's fused rank columns run prefill_fused
+    (110 tokens: cuBLAS + the shrink/expand pair) and decode_fused (3 tokens: the one-kernel linear),
+    others prefill and decode."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
@@ -189,14 +190,15 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 
     kv = r.create_pool(4, 128 * 16)
     ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
            for i, rank in enumerate(ranks)}
-    fused = spec.fused_decode_fits(3, 2, sum(ranks))
-    print(f"check: adapters of ranks {ranks}: decode runs {'decode' + FUSED_FUNCTION_SUFFIX if fused else 'decode'}")
+    fused = spec.fused_fits(2, sum(ranks))
+    suffix = FUSED_FUNCTION_SUFFIX if fused else ""
+    print(f"check: adapters of ranks {ranks}: prefill{suffix} and decode{suffix} run")
     for i, ad in ads.items():
         p = pack_adapter(spec, ad, r.compiled.numpy_dtype)
         kv.load_packed_adapter(i, p, True)
     rng = np.random.default_rng(seed)
     rows = [(0, rng.integers(0, r.vocab_size, 7).tolist()), (None, rng.integers(0, r.vocab_size, 19).tolist()),
-            (1, rng.integers(0, r.vocab_size, 33).tolist())]
+            (1, rng.integers(0, r.vocab_size, 84).tolist())]
     for sid, (aid, _) in enumerate(rows):
         kv.add_sequence(sid)
         kv.set_sequence_adapter(sid, aid)

@@ -42,7 +42,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         backend: str = "auto",
         max_slots: int = 256,
         base_functions: bool = True,
-        fused_decode: bool = False,
+        fused: bool = False,
     ):
         """`param_names`: the packed params in export order. `modules`: the compiled target modules
         (name, in, out); their order is module index m. `linears`: weight kind (e.g. "qkv_proj") ->
@@ -53,10 +53,11 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         sgmv: sgmv.cu on CUDA fp16/bf16, else the TIR kernels). `max_slots`: the most
         adapter slots a batch's tables hold (the model's max batch size). `base_functions`: keep
         each rewritten function, unchanged, as `<name>_base` too (contract.BASE_FUNCTION_SUFFIX), for
-        batches without adapters. `fused_decode`: also build `decode_fused`
-        (contract.FUSED_FUNCTION_SUFFIX), in which every linear that ops/lora/linear_triton.py
-        supports is one kernel computing the base GEMM and the delta together; the runner takes it
-        for the batches that kernel covers."""
+        batches without adapters. `fused`: also build `<name>_fused` (contract.FUSED_FUNCTION_SUFFIX)
+        of each, in which every linear that ops/lora/linear_triton.py supports computes the base
+        product and the delta together (one kernel for small batches, cuBLAS + a shrink/expand
+        pair over the batch's rank columns above); the runner takes them for the batches whose
+        adapters fit its rank columns."""
         lora_stages.check(kernel, backend)
         self.param_names = list(param_names)
         self.module_index = {name: i for i, (name, _, _) in enumerate(modules)}
@@ -71,7 +72,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         self.backend = backend
         self.max_slots = max_slots
         self.base_functions = base_functions
-        self.fused_decode = fused_decode
+        self.fused = fused
         # the rows' element offsets are multiples of this when every row length is (16-byte loads)
         self.row_align = 8 if all(i % 8 == 0 and o % 8 == 0 for _, i, o in modules) else 1
         kinds = "|".join(map(re.escape, self.linears))
@@ -87,7 +88,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
                     base = name + BASE_FUNCTION_SUFFIX
                     copy = relax.utils.copy_with_new_vars(mod[name])
                     rewriter.builder_.add_func(copy.with_attr("global_symbol", base), base)
-                if self.fused_decode and name == "decode":
+                if self.fused:
                     fused = name + FUSED_FUNCTION_SUFFIX
                     copy = relax.utils.copy_with_new_vars(mod[name])
                     gv = rewriter.builder_.add_func(copy.with_attr("global_symbol", fused), fused)
@@ -117,10 +118,10 @@ class _Rewriter(relax.PyExprMutator):
         self.packed: relax.Var | None = None
         self.n_tok = None
         self.rewritten = 0
-        self.fused = False  # rewriting decode_fused: linears the fused kernel supports become one call
+        self.fused = False  # rewriting a _fused copy: linears the fused kernel supports become one call
 
     def rewrite(self, gv: relax.GlobalVar) -> None:
-        func = self.builder_.get()[gv]  # as the builder holds it (decode_fused: the copy just added)
+        func = self.builder_.get()[gv]  # as the builder holds it (a _fused copy: just added)
         num_input = int(func.attrs["num_input"])
         params = list(func.params)
         x_shape = params[0].ty.shape.values

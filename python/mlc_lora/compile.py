@@ -48,9 +48,10 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # lora_kernel "sgmv" on cuda fp16/bf16: our CUDA kernels, one shrink and one in-place expand per
     # fused linear ("auto", "cuda"), or the TIR kernels per module ("tir")
     lora_sgmv_backend: str = "auto"
-    # lora_kernel "sgmv" on cuda fp16/bf16 with Triton: also build decode_fused, each linear and its
-    # LoRA delta in one kernel, for decode batches within its limits (ops/lora/linear_triton.py)
-    lora_fused_decode: bool = True
+    # lora_kernel "sgmv" on cuda fp16/bf16 with Triton: also build prefill_fused and decode_fused, each
+    # linear and its LoRA delta over the batch's rank columns (one kernel for small batches, cuBLAS +
+    # a shrink/expand pair above), for batches whose adapters fit them (ops/lora/linear_triton.py)
+    lora_fused: bool = True
     # Megatron-style tensor parallelism over this many GPUs (docs/TP.md).
     tensor_parallel_shards: int = 1
 
@@ -184,13 +185,12 @@ def lora_spec(cfg, options: CompileOptions):
         raise CompileError("LoRA needs both --max-lora-rank and --lora-pool-pages")
     spec = make_spec(cfg, options.max_lora_rank, options.lora_pool_pages,
                      options.lora_target_modules, options.lora_kernel)
-    if (options.lora_fused_decode and options.target == "cuda" and options.lora_kernel == "sgmv"
+    if (options.lora_fused and options.target == "cuda" and options.lora_kernel == "sgmv"
             and options.resolved_dtype() in ("float16", "bfloat16") and options.tensor_parallel_shards == 1):
         from .compiler_passes.ops.lora import linear_triton  # pylint: disable=import-outside-toplevel
 
         if linear_triton.triton is not None:
-            spec = dataclasses.replace(spec, fused_decode={
-                "max_tokens": min(linear_triton.FUSED_MAX_TOKENS, options.max_batch_size),
+            spec = dataclasses.replace(spec, fused={
                 "rank_columns": linear_triton.RANK_COLUMNS, "slot_columns": linear_triton.SLOT_COLUMNS})
     return spec
 
@@ -207,7 +207,7 @@ def lora_pass_options(spec, cfg, arch_module, param_names: list[str], backend: s
         "max_rank": spec.max_rank,
         "kernel": spec.kernel,
         "max_slots": cfg.max_batch_size,
-        "fused_decode": spec.fused_decode is not None,
+        "fused": spec.fused is not None,
         # Symbolic: the pool's size (KV + adapter pages) is chosen when the cache is created.
         "arena_elems": None,
     }

@@ -42,8 +42,9 @@ LORA_TABLE_INPUTS = ("lora_arena", "lora_token_slot", "lora_rank", "lora_scale",
 # A model compiled with LoRA also exports its prefill and decode without the LoRA inputs under these
 # suffixed names: batches in which no token has an adapter run them (no LoRA kernels at all).
 BASE_FUNCTION_SUFFIX = "_base"
-# ... and, on CUDA, its decode with every linear fused with its LoRA delta in one kernel under this
-# name: decode batches within the kernel's limits (the config's lora "fused_decode") run it.
+# ... and, on CUDA, each with every linear computing its LoRA delta over the batch's rank columns
+# (ops/lora/linear_triton.py) under this name: batches within their limits (the config's lora
+# "fused") run them.
 FUSED_FUNCTION_SUFFIX = "_fused"
 # Kernel stages: "single" (one adapter per batch), "gather" (per token), "sgmv" (token tiles).
 LORA_KERNELS = ("single", "gather", "sgmv")

@@ -90,6 +90,50 @@ def supported(dtype: str, weight_dtype: str, in_f: int, widths: Sequence[int]) -
 
 if triton is not None:
 
+    @triton.jit
+    def _rank_columns(rank_ptr, S, R: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr):
+        """Rank column c -> (its slot jc, its row kc in that slot, jc clamped to a table row)."""
+        jj = tl.arange(0, SC)
+        # clamped: a captured graph's fixed tables hold whatever rows past the batch's slots
+        rk = tl.minimum(tl.maximum(tl.load(rank_ptr + jj, mask=jj < S, other=0), 0), R)
+        end = tl.cumsum(rk, axis=0)
+        start = end - rk
+        c = tl.arange(0, RS)
+        jc = tl.sum((end[None, :] <= c[:, None]).to(tl.int32), axis=1)
+        kc = c - tl.sum(tl.where(jj[None, :] == jc[:, None], start[None, :], 0), axis=1)
+        return jc, kc, tl.minimum(jc, SC - 1)
+
+    @triton.jit
+    def _module_columns(m, jc, kc, js, scale_ptr, M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr):
+        """Of module m (< 0: none): each rank column's scale, whether it is live, its table index."""
+        mm = tl.maximum(m, 0)
+        scale_c = tl.load(scale_ptr + js * M + mm, mask=(jc < SC) & (m >= 0), other=0.0)
+        valid = (jc < SC) & (m >= 0) & (scale_c != 0.0)
+        return scale_c, valid, (js * M + mm) * R + tl.minimum(kc, R - 1)
+
+    @triton.jit
+    def _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols, o_p,
+               dtype: tl.constexpr, ALIGN: tl.constexpr):
+        """The epilogue: of xa (BM x RS, fp32) each token's own slot's columns, scaled and rounded
+        to the model dtype, times those columns' B rows over `cols`: (BM x BN) fp32."""
+        ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
+        keep = (ts[:, None] == jc[None, :]) & valid[None, :]
+        xa16 = tl.where(keep, xa * scale_c[None, :], 0.0).to(dtype)
+        # B rows only of the slots these tokens use: rows of other slots (a captured graph's tables
+        # keep stale slots past the batch's) may point at pages holding anything, and 0 * NaN
+        # would reach y through the dot
+        used = tl.max(keep.to(tl.int32), axis=0) > 0
+        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=used, other=0).to(tl.int64) + base, ALIGN)
+        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=used[:, None], other=0.0)
+        return tl.dot(xa16, bt), ts
+
+    @triton.jit
+    def _part(n0, m0, m1, m2, W0: tl.constexpr, W1: tl.constexpr):
+        """The part holding output column n0 (BN divides every part width): (index, module, offset)."""
+        in1 = (n0 >= W0).to(tl.int32)
+        in2 = (n0 >= W0 + W1).to(tl.int32)
+        return in1 + in2, m0 + in1 * (m1 - m0) + in2 * (m2 - m1), in1 * W0 + in2 * W1
+
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_linear", "x_ptr"))
     def lora_linear_kernel(x_ptr, w_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, boff_ptr, y_ptr,
                            n, S, base,
@@ -102,26 +146,9 @@ if triton is not None:
         rows = pid_m * BM + tl.arange(0, BM)
         rmask = rows < n
         cols = pid_n * BN + tl.arange(0, BN)
-        n0 = pid_n * BN
-        # this block's part (BN divides every part width)
-        in1 = (n0 >= W0).to(tl.int32)
-        in2 = (n0 >= W0 + W1).to(tl.int32)
-        m = m0 + in1 * (m1 - m0) + in2 * (m2 - m1)
-        o_p = in1 * W0 + in2 * W1
-        # rank columns: slot j owns start_j .. start_j + rank[j]
-        jj = tl.arange(0, SC)
-        # clamped: a captured graph's fixed tables hold whatever rows past the batch's slots
-        rk = tl.minimum(tl.maximum(tl.load(rank_ptr + jj, mask=jj < S, other=0), 0), R)
-        end = tl.cumsum(rk, axis=0)
-        start = end - rk
-        c = tl.arange(0, RS)
-        jc = tl.sum((end[None, :] <= c[:, None]).to(tl.int32), axis=1)
-        kc = c - tl.sum(tl.where(jj[None, :] == jc[:, None], start[None, :], 0), axis=1)
-        js = tl.minimum(jc, SC - 1)
-        mm = tl.maximum(m, 0)
-        scale_c = tl.load(scale_ptr + js * M + mm, mask=(jc < SC) & (m >= 0), other=0.0)
-        valid = (jc < SC) & (m >= 0) & (scale_c != 0.0)
-        tab = (js * M + mm) * R + tl.minimum(kc, R - 1)
+        _, m, o_p = _part(pid_n * BN, m0, m1, m2, W0, W1)
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
         a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
         kk = tl.arange(0, BK)
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
@@ -133,18 +160,83 @@ if triton is not None:
             xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
             acc = tl.dot(xt, tl.load(w_ptrs + k0), acc)
             xa = tl.dot(xt, tl.load(a_ptrs + k0, mask=valid[None, :], other=0.0), xa)
-        ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
-        keep = (ts[:, None] == jc[None, :]) & valid[None, :]
-        xa16 = tl.where(keep, xa * scale_c[None, :], 0.0).to(x_ptr.dtype.element_ty)
-        # B rows only of the slots this tile's tokens use: rows of other slots (a captured graph's
-        # tables keep stale slots past the batch's) may point at pages holding anything, and
-        # 0 * NaN would reach y through the dot
-        used = tl.max(keep.to(tl.int32), axis=0) > 0
-        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=used, other=0).to(tl.int64) + base, ALIGN)
-        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=used[:, None], other=0.0)
-        acc = tl.dot(xa16, bt, acc)
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+        delta, _ = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols, o_p,
+                          x_ptr.dtype.element_ty, ALIGN)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (acc + delta).to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None])
+
+    @triton.jit
+    def _a_rows(m, jc, kc, js, scale_ptr, aoff_ptr, base, M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr,
+                ALIGN: tl.constexpr):
+        _, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
+        return tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN), valid
+
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_cols", "x_ptr"))
+    def lora_shrink_cols_kernel(x_ptr, arena_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr, n, S, base,
+                                K: tl.constexpr, M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr,
+                                m1: tl.constexpr, m2: tl.constexpr, P: tl.constexpr, BM: tl.constexpr,
+                                BK: tl.constexpr, CHUNK: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
+                                STAGES: tl.constexpr, ALIGN: tl.constexpr):
+        """v[split, t, p, c] = sum over this split's inputs i of x[t, i] * A(column c of part p)[i]."""
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        rmask = rows < n
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        a0, v0 = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        a1, v1 = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        kk = pid_k * CHUNK + tl.arange(0, BK)
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
+        acc0 = tl.zeros((BM, RS), dtype=tl.float32)
+        acc1 = tl.zeros((BM, RS), dtype=tl.float32)
+        acc2 = tl.zeros((BM, RS), dtype=tl.float32)
+        for k0 in tl.range(0, CHUNK, BK, num_stages=STAGES):
+            kin = (kk + k0) < K
+            xt = tl.load(x_ptrs + k0, mask=rmask[:, None] & kin[None, :], other=0.0)
+            ka = (kk + k0)[:, None]
+            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :] & kin[:, None], other=0.0), acc0)
+            if P > 1:
+                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :] & kin[:, None], other=0.0),
+                              acc1)
+            if P > 2:
+                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :] & kin[:, None], other=0.0),
+                              acc2)
+        c = tl.arange(0, RS)
+        out = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
+        tl.store(out, acc0, mask=rmask[:, None])
+        if P > 1:
+            tl.store(out + RS, acc1, mask=rmask[:, None])
+        if P > 2:
+            tl.store(out + 2 * RS, acc2, mask=rmask[:, None])
+
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_expand_cols", "y_ptr"))
+    def lora_expand_cols_kernel(v_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr, n, S, base, split,
+                                N: tl.constexpr, M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr,
+                                m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+                                P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                RS: tl.constexpr, SC: tl.constexpr, ALIGN: tl.constexpr):
+        """y[t, cols] += the delta of its slot, from the shrink's `split` partial sums; rows of
+        base-model tokens are neither read nor written."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        rmask = rows < n
+        cols = pid_n * BN + tl.arange(0, BN)
+        p, m, o_p = _part(pid_n * BN, m0, m1, m2, W0, W1)
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
+        c = tl.arange(0, RS)
+        v_ptrs = v_ptr + ((rows[:, None].to(tl.int64) * P) + p) * RS + c[None, :]
+        xa = tl.zeros((BM, RS), dtype=tl.float32)
+        for k in range(split):
+            xa += tl.load(v_ptrs + k * n * P * RS, mask=rmask[:, None], other=0.0)
+        delta, ts = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
+                           o_p, y_ptr.dtype.element_ty, ALIGN)
+        wmask = (rmask & (ts >= 0))[:, None]
+        y_ptrs = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+        y = tl.load(y_ptrs, mask=wmask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=wmask)
 
 
 def _signature(dtype: str) -> dict:
@@ -168,30 +260,91 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     return consts, cfg["num_warps"]
 
 
+SHRINK_VARIANTS = {  # tokens per block, input splits: small batches split the inputs to fill the GPU
+    "small": dict(BM=16, SPLIT=4),
+    "large": dict(BM=64, SPLIT=1),
+}
+SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
+EXPAND_BM = 64
+
+
+def _cols_signatures(dtype: str) -> tuple[dict, dict]:
+    e = triton_build.PTR[dtype]
+    shrink = dict(x_ptr=e, arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32",
+                  n="i32", S="i32", base="i64")
+    shrink.update({k: "constexpr" for k in ("K", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "CHUNK", "RS", "SC",
+                                             "STAGES", "ALIGN")})
+    expand = dict(v_ptr="*fp32", arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32",
+                  y_ptr=e, n="i32", S="i32", base="i64", split="i32")
+    expand.update({k: "constexpr" for k in ("N", "M", "R", "m0", "m1", "m2", "W0", "W1", "P", "BM", "BN", "RS",
+                                             "SC", "ALIGN")})
+    return shrink, expand
+
+
+def cols_constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
+                   variant: str, align: int) -> tuple[dict, dict, int]:
+    """(shrink constants, expand constants, input splits) of the separate pair for one linear."""
+    v = SHRINK_VARIANTS[variant]
+    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
+    w = (list(widths) + [0] * MAX_PARTS)[:2]
+    bk = next(b for b in (64, 32, 16) if in_f % b == 0)
+    chunk = -(-in_f // (v["SPLIT"] * bk)) * bk
+    split = -(-in_f // chunk)
+    shrink = dict(K=in_f, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], P=len(widths), BM=v["BM"], BK=bk,
+                  CHUNK=chunk, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, STAGES=3, ALIGN=align)
+    bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
+    expand = dict(N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
+                  P=len(widths), BM=EXPAND_BM, BN=bn, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
+    return shrink, expand, split
+
+
+def scratch_elems(n, widths: Sequence[int]):
+    """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes)."""
+    return max(v["SPLIT"] for v in SHRINK_VARIANTS.values()) * n * len(widths) * RANK_COLUMNS
+
+
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    align: int, arch: str):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), w (W, in_f), arena (size,), slot (n,),
-    rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R), layer: int64, y (n, W) [out])."""
+    rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R), layer: int64, y (n, W) [out],
+    v (scratch_elems,) float32 [out, scratch]). Up to FUSED_MAX_TOKENS tokens the fused kernel;
+    above, cuBLAS for x @ W.T, then the shrink into v and the in-place expand."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
+    from ..gemv.gemv_cuda import CUBLAS_GEMM  # pylint: disable=import-outside-toplevel
     from ..kernel_attrs import kernel_attrs  # pylint: disable=import-outside-toplevel
 
-    R, M, L, W = max_rank, num_modules, num_layers, sum(widths)
-    built = {}
+    R, M, L, W, P = max_rank, num_modules, num_layers, sum(widths), len(widths)
+    built, mods_out = {}, []
     for bm in (16, 64):
         consts, warps = constants(in_f, widths, mods, M, R, bm, align)
         name, threads, shared, mod = triton_build.cuda_module(lora_linear_kernel, _signature(dtype), consts, warps,
                                                               arch, Path(__file__))
-        built[bm] = (name, threads, shared, mod, W // consts["BN"])
-    sn, sth, ssh, _, s_nt = built[16]
-    ln, lth, lsh, _, l_nt = built[64]
+        built[bm] = (name, threads, shared, W // consts["BN"])
+        mods_out.append(mod)
+    sig_s, sig_e = _cols_signatures(dtype)
+    shrinks = {}
+    for variant in SHRINK_VARIANTS:
+        cs, ce, split = cols_constants(in_f, widths, mods, M, R, variant, align)
+        name, threads, shared, mod = triton_build.cuda_module(lora_shrink_cols_kernel, sig_s, cs, 4, arch,
+                                                              Path(__file__))
+        shrinks[variant] = (name, threads, shared, split, cs["BM"])
+        mods_out.append(mod)
+    en, eth, esh, emod = triton_build.cuda_module(lora_expand_cols_kernel, sig_e, ce, 4, arch, Path(__file__))
+    mods_out.append(emod)
+    e_nt = W // ce["BN"]
+    sn, sth, ssh, s_nt = built[16]
+    ln, lth, lsh, l_nt = built[64]
+    qn, qth, qsh, q_split, q_bm = shrinks["small"]
+    gn, gth, gsh, g_split, g_bm = shrinks["large"]
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
     def lora_linear_triton(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
-                           scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle):
+                           scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle,
+                           v_h: T.handle):
         T.func_attr(kernel_attrs(True))
-        n, S, size = T.int64(), T.int64(), T.int64()
+        n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
         x = T.match_buffer(x_h, (n, in_f), dtype)
         w = T.match_buffer(w_h, (W, in_f), dtype)
         arena = T.match_buffer(arena_h, (size,), dtype)
@@ -201,17 +354,36 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
         b_off = T.match_buffer(boff_h, (S, M, R), "int32")
         y = T.match_buffer(y_h, (n, W), dtype)
+        v = T.match_buffer(v_h, (nv,), "float32")
         if n > 0:
             if n <= SMALL_MAX_TOKENS:
                 T.call_packed(sn, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
                               b_off.data, y.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
                               T.int64(0), T.int64(0), T.Cast("int32", (n + 15) // 16), s_nt, sth, ssh)
-            else:
+            elif n <= FUSED_MAX_TOKENS:
                 T.call_packed(ln, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
                               b_off.data, y.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
                               T.int64(0), T.int64(0), T.Cast("int32", (n + 63) // 64), l_nt, lth, lsh)
+            else:
+                T.call_packed(CUBLAS_GEMM, x, w, y)
+                if n <= SHRINK_SMALL_MAX_TOKENS:
+                    T.call_packed(qn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), T.int64(0), T.int64(0),
+                                  T.Cast("int32", (n + q_bm - 1) // q_bm), q_split, qth, qsh)
+                    T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), q_split,
+                                  T.int64(0), T.int64(0), T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt,
+                                  eth, esh)
+                else:
+                    T.call_packed(gn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), T.int64(0), T.int64(0),
+                                  T.Cast("int32", (n + g_bm - 1) // g_bm), g_split, gth, gsh)
+                    T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), g_split,
+                                  T.int64(0), T.int64(0), T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt,
+                                  eth, esh)
 
-    return lora_linear_triton, [b[3] for b in built.values()]
+    return lora_linear_triton, mods_out
 
 
 class FusedLinear:
@@ -246,9 +418,11 @@ class FusedLinear:
             return func
 
         fn = ctx.kernel(key, f"lora_linear_triton_m{tag}_{in_f}x{sum(widths)}", make)
-        y = bb.emit(relax.call_tir(fn, [x, w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"], t["lora_scale"],
-                                        t["lora_a_off"], t["lora_b_off"], layer_arg(layer)],
-                                   relax.TensorType([n, sum(widths)], dtype)))
+        out = bb.emit(relax.call_tir(fn, [x, w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"], t["lora_scale"],
+                                          t["lora_a_off"], t["lora_b_off"], layer_arg(layer)],
+                                     [relax.TensorType([n, sum(widths)], dtype),
+                                      relax.TensorType([scratch_elems(n, widths)], "float32")]))
+        y = bb.emit(relax.TupleGetItem(out, 0))
         return relax.op.reshape(y, out_shape)
 
 

@@ -40,9 +40,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--lora-sgmv-backend", choices=BACKENDS, default="auto",
                    help="who runs the LoRA stage: auto (sgmv on cuda fp16/bf16: the CUDA C++ kernels, else TIR), cuda, "
                         "triton (tensor-core kernels over tokens sorted by slot) or tir")
-    p.add_argument("--no-lora-fused-decode", dest="lora_fused_decode", action="store_false",
-                   help="do not build decode_fused (sgmv on cuda fp16/bf16: each linear and its LoRA delta in one Triton "
-                        "kernel, run for small decode batches over a few low-rank adapters; limits in the compiled config)")
+    p.add_argument("--no-lora-fused", dest="lora_fused", action="store_false",
+                   help="do not build prefill_fused/decode_fused (sgmv on cuda fp16/bf16: each linear and its LoRA delta "
+                        "over the batch's rank columns, run for batches over a few low-rank adapters; limits in the "
+                        "compiled config)")
     p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
                    help="split the model over K GPUs (Megatron-style; docs/TP.md)")
     a = p.parse_args(argv)
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
                           prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,
                           lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
                           lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
-                          lora_sgmv_backend=a.lora_sgmv_backend, lora_fused_decode=a.lora_fused_decode,
+                          lora_sgmv_backend=a.lora_sgmv_backend, lora_fused=a.lora_fused,
                           gemm=a.gemm, gemv_max_rows=a.gemv_max_rows, cuda_graph=a.cuda_graph, attention=a.attention,
                           tensor_parallel_shards=a.tensor_parallel_shards)
     out = compile_model(a.model, a.output, opts)

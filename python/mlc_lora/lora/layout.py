@@ -43,16 +43,14 @@ class LoraSpec:
     # slices of each adapter (column-parallel modules: all of A, B split by output; row-parallel
     # ones: A split by input, all of B). See docs/TP.md.
     tensor_parallel_shards: int = 1
-    # The limits of decode_fused (contract.FUSED_FUNCTION_SUFFIX) where the library has it: a decode
-    # batch of <= max_tokens tokens over <= slot_columns adapters whose ranks sum to <= rank_columns
-    # runs it. None: no fused decode.
-    fused_decode: dict[str, int] | None = None
+    # The limits of the _fused functions (contract.FUSED_FUNCTION_SUFFIX) where the library has them: a
+    # batch over <= slot_columns adapters whose ranks sum to <= rank_columns runs them. None: none built.
+    fused: dict[str, int] | None = None
 
-    def fused_decode_fits(self, tokens: int, num_slots: int, rank_total: int) -> bool:
-        """Whether decode_fused covers a batch of `tokens` tokens over `num_slots` adapters."""
-        f = self.fused_decode
-        return (f is not None and 0 < num_slots <= f["slot_columns"] and tokens <= f["max_tokens"]
-                and rank_total <= f["rank_columns"])
+    def fused_fits(self, num_slots: int, rank_total: int) -> bool:
+        """Whether the _fused functions cover a batch over `num_slots` adapters of these ranks."""
+        f = self.fused
+        return f is not None and 0 < num_slots <= f["slot_columns"] and rank_total <= f["rank_columns"]
 
     @property
     def module_names(self) -> list[str]:
@@ -71,7 +69,7 @@ class LoraSpec:
             "max_rank": self.max_rank, "kernel": self.kernel, "pool_pages": self.pool_pages,
             "page_elems": self.page_elems, "num_layers": self.num_layers,
             "tensor_parallel_shards": self.tensor_parallel_shards,
-            "fused_decode": self.fused_decode,
+            "fused": self.fused,
         }
 
     @classmethod
@@ -80,7 +78,14 @@ class LoraSpec:
                    modules=tuple(LoraModule(**m) for m in d["modules"]), max_rank=d["max_rank"],
                    pool_pages=d["pool_pages"], kernel=d["kernel"],
                    tensor_parallel_shards=d.get("tensor_parallel_shards", 1),
-                   fused_decode=d.get("fused_decode"))
+                   fused=_fused_limits(d))
+
+
+def _fused_limits(d: dict[str, Any]) -> dict[str, int] | None:
+    """The config's fused limits; a library compiled before prefill_fused names them "fused_decode"
+    and has decode_fused only (its kernel covers any token count)."""
+    f = d.get("fused", d.get("fused_decode"))
+    return None if f is None else {"rank_columns": f["rank_columns"], "slot_columns": f["slot_columns"]}
 
 
 def _shards(cfg) -> int:

@@ -55,10 +55,12 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                 self._base_fns = (self._vm["prefill" + BASE_FUNCTION_SUFFIX], self._vm["decode" + BASE_FUNCTION_SUFFIX])
             except (AttributeError, KeyError, RuntimeError):
                 self._base_fns = None  # compiled by an older mlc-lora: the LoRA functions with empty tables
-        # ... and decode with each linear fused with its LoRA delta, for the batches within its limits
-        self._fused_decode = None
-        if self.lora is not None and self.lora.fused_decode is not None:
-            self._fused_decode = self._vm["decode" + FUSED_FUNCTION_SUFFIX]
+        # ... and both with each linear fused with its LoRA delta, for the batches within their limits
+        # (a library compiled before prefill_fused has decode_fused only)
+        self._fused_fns = (None, None)
+        if self.lora is not None and self.lora.fused is not None:
+            self._fused_fns = (self._optional_fn("prefill" + FUSED_FUNCTION_SUFFIX),
+                               self._vm["decode" + FUSED_FUNCTION_SUFFIX])
 
     @property
     def device(self):
@@ -131,6 +133,20 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         return [tvm.runtime.tensor(np.ascontiguousarray(lora[k]), self._device)
                 if isinstance(lora[k], np.ndarray) else lora[k] for k in LORA_TABLE_INPUTS]
 
+    def _optional_fn(self, name: str):
+        try:
+            return self._vm[name]
+        except (AttributeError, KeyError, RuntimeError):
+            return None
+
+    def _fused(self, pool: DevicePool, lora: LoraInputs, which: int):
+        """prefill_fused (which 0) or decode_fused (1) where the library has it and the batch's
+        adapters (the pool's tables) fit its rank columns, else None."""
+        fn = self._fused_fns[which]
+        if fn is not None and lora == "pool" and self.lora.fused_fits(pool.lora_num_slots(), pool.lora_rank_total()):
+            return fn
+        return None
+
     def _check_slots(self, num_slots: int) -> None:
         if self.lora.kernel == "single" and num_slots > 1:
             # Stage 1 applies slot 0 to every adapter token; a second slot would be silently wrong.
@@ -176,7 +192,8 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         if extra is None:
             logits, _ = self._base_fns[0](emb, last, pool.handle, self.params)
         else:
-            logits, _ = self._prefill(emb, last, pool.handle, *extra, self.params)
+            fn = self._fused(pool, lora, 0) or self._prefill
+            logits, _ = fn(emb, last, pool.handle, *extra, self.params)
         pool.end_forward()
         return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
 
@@ -196,7 +213,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                                "with --no-cuda-graph")
         if self._fixed_tables is None:
             M, R, S = len(self.lora.modules), self.lora.max_rank, self.compiled.max_batch_size
-            # zeros: rows past a batch's slots are read by no sgmv kernel, and decode_fused's kernel
+            # zeros: rows past a batch's slots are read by no sgmv kernel, and decode_fused's kernels
             # reads them as rank-0, scale-0 slots until a batch writes them
             self._fixed_tables = [tvm.runtime.tensor(np.zeros(shape, dt), self._device) for shape, dt in (
                 ((S,), "int32"), ((S,), "int32"), ((S, M), "float32"), ((S, M, R), "int32"), ((S, M, R), "int32"),
@@ -231,10 +248,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                 for s in seq_ids:  # begin_forward appended the step's token: take it back
                     pool.popn(s, 1)
                 raise
-        fn = self._decode
-        if (self._fused_decode is not None and lora == "pool"
-                and self.lora.fused_decode_fits(b, pool.lora_num_slots(), pool.lora_rank_total())):
-            fn = self._fused_decode
+        fn = self._fused(pool, lora, 1) or self._decode
         logits, _ = fn(emb, pool.handle, *extra, self.params)
         pool.end_forward()
         return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access

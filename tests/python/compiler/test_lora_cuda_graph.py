@@ -34,7 +34,7 @@ def _lowered(layers=2, fused=False):
     mod, names = export_model(llama, cfg, "float16", cuda)
     spec = make_spec(cfg, 8, 64, None, "sgmv")
     if fused:
-        spec = dataclasses.replace(spec, fused_decode={"max_tokens": 4, "rank_columns": 32, "slot_columns": 16})
+        spec = dataclasses.replace(spec, fused={"rank_columns": 32, "slot_columns": 16})
     lora = lora_pass_options(spec, cfg, llama, names)
     mod = _decode_graph_attrs(mod, 4)
     with cuda, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
@@ -118,9 +118,10 @@ def test_prefill_keeps_the_tables_as_inputs():
     assert int(out["decode"].attrs["num_input"]) == 2
 
 
-def test_fused_decode_is_one_kernel_per_linear_captured_in_graphs():
-    """decode_fused: every target linear is one fused kernel (base GEMM + delta), inside the
-    graphs; no cuBLAS/gemv call and no sgmv kernel is left for them (the lm_head keeps its GEMM)."""
+def test_fused_functions_are_one_kernel_call_per_linear_decode_in_graphs():
+    """decode_fused: every target linear is one call of the fused linear (base GEMM + delta),
+    inside the graphs; no cuBLAS/gemv call and no sgmv kernel is left for them (the lm_head keeps
+    its GEMM); prefill_fused the same."""
     pytest.importorskip("triton")
     cfg, lowered = _lowered(fused=True)
     fused = "decode" + FUSED_FUNCTION_SUFFIX
@@ -132,6 +133,11 @@ def test_fused_decode_is_one_kernel_per_linear_captured_in_graphs():
     assert sum(len(_calls(f, "mlc_lora_linear_")) for f in captures) == 1  # lm_head
     # same inputs as decode, so the runner passes the same (fixed-address) tables
     assert [p.name for p in lowered[fused].params] == [p.name for p in lowered["decode"].params]
+    # prefill_fused too (not captured: prefill's token count varies), with prefill's inputs
+    pre = "prefill" + FUSED_FUNCTION_SUFFIX
+    assert len(_calls(lowered[pre], "lora_linear_triton_")) == 4 * cfg.num_hidden_layers
+    assert not _calls(lowered[pre], "lora_sgmv_")
+    assert [p.name for p in lowered[pre].params] == [p.name for p in lowered["prefill"].params]
     # decode itself is unchanged: cuBLAS/gemv + the sgmv kernels
     dec = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_cuda_graph_capture")]
     assert sum(len(_calls(f, "lora_sgmv_")) for f in dec) == 2 * 4 * cfg.num_hidden_layers

@@ -36,9 +36,11 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
     return dict(x=x, w=w, arena=arena, base=base, slot=slot, rank=rank, scale=scale, a_off=a_off, b_off=b_off)
 
 
-@pytest.mark.parametrize("bm,n", [(16, 21), (64, 70)])
+@pytest.mark.parametrize("bm,n", [(16, 21), (64, 70), ("small", 70), ("large", 70)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_kernel_matches_reference(tmp_path, bm, n, dtype):
+    """bm 16/64: the fused kernel's block heights; "small"/"large": cuBLAS's product, then the
+    shrink variant and the in-place expand (the batches past FUSED_MAX_TOKENS)."""
     rng = np.random.default_rng(3)
     widths, mods, R = (64, 32, 32), (0, -1, 2), 16  # q|k|v with k untargeted
     c = _case(rng, dtype, n, 192, widths, [8, 16, 0, 4], R)  # ranks sum to 28 <= RANK_COLUMNS
@@ -51,7 +53,8 @@ def test_kernel_matches_reference(tmp_path, bm, n, dtype):
     c["a_off"] = np.concatenate([c["a_off"], np.full((1,) + c["a_off"].shape[1:], 50000, np.int32)])
     c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
     assert not (c["slot"] == stale).any()
-    out = interpret(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, bm=bm)
+    kw = dict(bm=bm) if isinstance(bm, int) else dict(bm=64, variant=bm)
+    out = interpret(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)
     base_only = c["x"].astype(np.float64) @ c["w"].astype(np.float64).T
@@ -88,20 +91,26 @@ def test_supported_names_what_it_cannot_run():
 def test_spec_decides_which_batches_run_fused():
     spec = LoraSpec(num_layers=1, page_elems=64, modules=(LoraModule("q_proj", 64, 64),), max_rank=16,
                     pool_pages=8, kernel="sgmv")
-    assert not spec.fused_decode_fits(4, 1, 8)  # no decode_fused built
-    lim = {"max_tokens": 128, "rank_columns": 32, "slot_columns": 16}
-    spec = dataclasses.replace(spec, fused_decode=lim)
-    assert spec.fused_decode_fits(128, 4, 32)
-    assert not spec.fused_decode_fits(129, 4, 32)  # too many tokens
-    assert not spec.fused_decode_fits(64, 2, 33)  # ranks sum past the rank columns
-    assert not spec.fused_decode_fits(64, 17, 17)  # too many adapters
-    assert not spec.fused_decode_fits(64, 0, 0)  # no adapter: the base decode runs
+    assert not spec.fused_fits(1, 8)  # no _fused functions built
+    lim = {"rank_columns": 32, "slot_columns": 16}
+    spec = dataclasses.replace(spec, fused=lim)
+    assert spec.fused_fits(4, 32) and spec.fused_fits(1, 1)
+    assert not spec.fused_fits(2, 33)  # ranks sum past the rank columns
+    assert not spec.fused_fits(17, 17)  # too many adapters
+    assert not spec.fused_fits(0, 0)  # no adapter: the base functions run
     assert LoraSpec.from_json(spec.to_json()) == spec
+    # a config that names the limits "fused_decode" (with a token limit) reads the same
+    legacy = dict(spec.to_json(), fused_decode={"max_tokens": 64, **lim})
+    del legacy["fused"]
+    assert LoraSpec.from_json(legacy) == spec
 
 
 def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
-    """Both block heights compile here (no GPU) and become TVM CUDA modules."""
+    """The fused kernel's two block heights, both shrink variants and the expand compile here (no
+    GPU) and become TVM CUDA modules; the wrapper calls cuBLAS only past the fused kernel's tokens."""
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "bfloat16", 8, "sm_90a")
-    assert len(mods) == 2 and len(list(cubin_cache.glob("*.cubin"))) == 2
+    assert len(mods) == 5 and len(list(cubin_cache.glob("*.cubin"))) == 5
     script = fn.script()
-    assert "_BM16_" in script and "_BM64_" in script
+    assert "mlc_lora_triton_linear_bf16" in script and "_BM16_" in script and "_BM64_" in script
+    assert script.count("mlc_lora_triton_shrink_cols_bf16") == 2 and "mlc_lora_triton_expand_cols_bf16" in script
+    assert script.count("mlc_lora.runtime.cublas_gemm") == 1

@@ -34,11 +34,37 @@ def run_linear(inp: dict) -> dict:
     n, K = x.shape
     scale = inp["scale"]
     consts, warps = LT.constants(K, widths, mods, scale.shape[1], int(inp["R"]), int(inp["bm"]), 8)
+    if "variant" in inp:
+        return run_cols(inp)
     y = torch.full((n, sum(widths)), float("nan"), dtype=t(x).dtype)
     grid = (-(-n // consts["BM"]), sum(widths) // consts["BN"])
     LT.lora_linear_kernel[grid](t(x), t(w), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale),
                                 t(inp["a_off"]), t(inp["b_off"]), y, n, len(inp["rank"]), int(inp["base"]),
                                 **consts, num_warps=warps)
+    return {"y": y.numpy()}
+
+
+def run_cols(inp: dict) -> dict:
+    """Above the fused kernel's tokens: x @ W.T (as cuBLAS: fp32 sums, rounded to the dtype), the
+    shrink into partial sums, the in-place expand, launched as the TIR wrapper launches them."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
+
+    _interpreter_scalars()
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    x, w, scale = inp["x"], inp["w"], inp["scale"]
+    mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
+    n, K = x.shape
+    cs, ce, split = LT.cols_constants(K, widths, mods, scale.shape[1], int(inp["R"]), str(inp["variant"]), 8)
+    y = t((x.astype(np.float32) @ w.astype(np.float32).T).astype(x.dtype))
+    v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
+    S, base = len(inp["rank"]), int(inp["base"])
+    LT.lora_shrink_cols_kernel[(-(-n // cs["BM"]), split)](
+        t(x), t(inp["arena"]), t(inp["rank"]), t(scale), t(inp["a_off"]), v, n, S, base, **cs, num_warps=4)
+    LT.lora_expand_cols_kernel[(-(-n // ce["BM"]), sum(widths) // ce["BN"])](
+        v, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["b_off"]), y, n, S, base, split, **ce,
+        num_warps=4)
     return {"y": y.numpy()}
 
 
