@@ -1,17 +1,18 @@
-"""The fused LoRA linear of decode_fused against the base GEMM alone and the base GEMM + each peer's
-LoRA kernels, on the GPU, in one process, with one timing method (harness/timing.py: a CUDA graph of
-n calls over rotated copies of every input, the median replay / n).
+"""The fused LoRA linear of prefill_fused/decode_fused against the base GEMM alone and the base GEMM +
+each peer's LoRA kernels, on the GPU, in one process, with one timing method (harness/timing.py: a
+CUDA graph of n calls over rotated copies of every input, the median replay / n).
 
-  python scripts/bench_lora_fused.py run [--tokens 1,16,64,128] [--adapters 4x8,2x16] \
+  python scripts/bench_lora_fused.py run [--tokens 1,16,64,128,256,1024,4096] [--adapters 4x8,2x16] \
       [--dtypes bfloat16,float16] [--out bench_lora_fused.json]          # the GPU
   python scripts/bench_lora_fused.py plot bench_lora_fused.json          # here
 
-Ours is compiler_passes/ops/lora/linear_triton.py's kernel with the constants the compiler builds it
-with (Triton JIT here, the same source and constants as the cubin in a library). The linears of one
+Ours is compiler_passes/ops/lora/linear_triton.py as its TIR wrapper runs it, with the constants the
+compiler builds it with (Triton JIT here, the same source and constants as the cubins in a library):
+up to FUSED_MAX_TOKENS tokens the one-kernel linear, above cuBLAS + the shrink/expand pair. The linears of one
 Llama-2-7B layer: qkv (4096 -> 3 x 4096), o (4096 -> 4096), gate_up (4096 -> 2 x 11008) and down
 (11008 -> 4096), every part with its own adapter module (ours); the peers get ONE module of the
 fused width per linear (one A instead of two or three: in their favour). Candidates per point:
-`cublas` (torch.matmul), `fused` (ours: base + delta in one kernel), `cublas+vllm`, `cublas+sgl`
+`cublas` (torch.matmul), `fused` (ours: base + delta), `cublas+vllm`, `cublas+sgl`
 (the base GEMM, then the peer's shrink + expand adding into its output). Every output is checked
 against float64. Ratios: fused / (cublas + the faster peer) and the LoRA cost fused / cublas - 1.
 """
@@ -52,10 +53,20 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
     bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
     consts, warps = LT.constants(in_f, widths, list(range(P)), P, r, bm, 8)
     grid = (-(-T // consts["BM"]), out_f // consts["BN"])
+    go = LT.cols_launch(T, in_f, widths, list(range(P)), P, r, 8)
+    v = torch.empty((LT.scratch_elems(T, widths),), device=dev, dtype=torch.float32)
 
     def fused(c):
-        LT.lora_linear_kernel[grid](x[c], w[c], arena, slot, rank, scale, a_off[c], b_off[c], y[c % 2], T, N, 0,
-                                    **consts, num_warps=warps)
+        if T <= LT.FUSED_MAX_TOKENS:  # the one-kernel linear
+            LT.lora_linear_kernel[grid](x[c], w[c], arena, slot, rank, scale, a_off[c], b_off[c], y[c % 2], T, N, 0,
+                                        **consts, num_warps=warps)
+            return
+        # above it, as the wrapper: cuBLAS, the shrink over the rank columns, the in-place expand
+        torch.matmul(x[c], w[c].t(), out=y[c % 2])
+        LT.lora_shrink_cols_kernel[go["shrink_grid"]](x[c], arena, rank, scale, a_off[c], v, T, N, 0, go["chunk"],
+                                                      **go["shrink"], num_warps=4)
+        LT.lora_expand_cols_kernel[go["expand_grid"]](v, arena, slot, rank, scale, b_off[c], y[c % 2], T, N, 0,
+                                                      go["split"], **go["expand"], num_warps=4)
 
     # float64 check of copy 0
     fused(0)
@@ -178,7 +189,7 @@ def plot(a) -> int:
 def main(argv=None) -> int:
     ap, sub = cli.parser(__doc__, __file__)
     r = sub.add_parser("run", help="time the candidates (the GPU)")
-    r.add_argument("--tokens", default="1,16,64,128")
+    r.add_argument("--tokens", default="1,16,64,128,256,1024,4096")
     r.add_argument("--adapters", default="4x8,2x16", help="NxR, comma-separated (ranks summing to <= 32)")
     r.add_argument("--dtypes", default="bfloat16,float16")
     r.add_argument("--linears", default=",".join(LINEARS))

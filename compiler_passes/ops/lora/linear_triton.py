@@ -172,12 +172,13 @@ if triton is not None:
         return tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN), valid
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_cols", "x_ptr"))
-    def lora_shrink_cols_kernel(x_ptr, arena_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr, n, S, base,
+    def lora_shrink_cols_kernel(x_ptr, arena_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr, n, S, base, chunk,
                                 K: tl.constexpr, M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr,
                                 m1: tl.constexpr, m2: tl.constexpr, P: tl.constexpr, BM: tl.constexpr,
-                                BK: tl.constexpr, CHUNK: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
+                                BK: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
                                 STAGES: tl.constexpr, ALIGN: tl.constexpr):
-        """v[split, t, p, c] = sum over this split's inputs i of x[t, i] * A(column c of part p)[i]."""
+        """v[k, t, p, c] = sum over inputs i of split k (`chunk` of them) of x[t, i] * A(column c
+        of part p)[i]."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -186,12 +187,12 @@ if triton is not None:
         a0, v0 = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         a1, v1 = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
-        kk = pid_k * CHUNK + tl.arange(0, BK)
+        kk = pid_k * chunk + tl.arange(0, BK)
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
         acc0 = tl.zeros((BM, RS), dtype=tl.float32)
         acc1 = tl.zeros((BM, RS), dtype=tl.float32)
         acc2 = tl.zeros((BM, RS), dtype=tl.float32)
-        for k0 in tl.range(0, CHUNK, BK, num_stages=STAGES):
+        for k0 in tl.range(0, chunk, BK, num_stages=STAGES):
             kin = (kk + k0) < K
             xt = tl.load(x_ptrs + k0, mask=rmask[:, None] & kin[None, :], other=0.0)
             ka = (kk + k0)[:, None]
@@ -260,19 +261,19 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     return consts, cfg["num_warps"]
 
 
-SHRINK_VARIANTS = {  # tokens per block, input splits: small batches split the inputs to fill the GPU
-    "small": dict(BM=16, SPLIT=4),
-    "large": dict(BM=64, SPLIT=1),
-}
+SHRINK_BM = {"small": 16, "large": 64}  # tokens per shrink block
 SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
+# The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (2 per SM of an
+# H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
+TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 264, 8, 4
 EXPAND_BM = 64
 
 
 def _cols_signatures(dtype: str) -> tuple[dict, dict]:
     e = triton_build.PTR[dtype]
     shrink = dict(x_ptr=e, arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32",
-                  n="i32", S="i32", base="i64")
-    shrink.update({k: "constexpr" for k in ("K", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "CHUNK", "RS", "SC",
+                  n="i32", S="i32", base="i64", chunk="i32")
+    shrink.update({k: "constexpr" for k in ("K", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "RS", "SC",
                                              "STAGES", "ALIGN")})
     expand = dict(v_ptr="*fp32", arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32",
                   y_ptr=e, n="i32", S="i32", base="i64", split="i32")
@@ -282,25 +283,42 @@ def _cols_signatures(dtype: str) -> tuple[dict, dict]:
 
 
 def cols_constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
-                   variant: str, align: int) -> tuple[dict, dict, int]:
-    """(shrink constants, expand constants, input splits) of the separate pair for one linear."""
-    v = SHRINK_VARIANTS[variant]
+                   variant: str, align: int) -> tuple[dict, dict]:
+    """(shrink constants, expand constants) of the separate pair for one linear."""
     m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     w = (list(widths) + [0] * MAX_PARTS)[:2]
     bk = next(b for b in (64, 32, 16) if in_f % b == 0)
-    chunk = -(-in_f // (v["SPLIT"] * bk)) * bk
-    split = -(-in_f // chunk)
-    shrink = dict(K=in_f, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], P=len(widths), BM=v["BM"], BK=bk,
-                  CHUNK=chunk, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, STAGES=3, ALIGN=align)
+    shrink = dict(K=in_f, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], P=len(widths),
+                  BM=SHRINK_BM[variant], BK=bk, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, STAGES=3, ALIGN=align)
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     expand = dict(N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
                   P=len(widths), BM=EXPAND_BM, BN=bn, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
-    return shrink, expand, split
+    return shrink, expand
+
+
+def shrink_split(n, steps: int, bm: int, lo=max, hi=min):
+    """(blocks of tokens, input steps per split, splits) of the shrink for n tokens; `steps` = the
+    inputs / BK. Python ints, or TIR expressions with lo/hi = tvm.tirx.max/min (the wrapper)."""
+    tiles = (n + bm - 1) // bm
+    split = hi(hi(SPLIT_MAX, lo(1, (TARGET_BLOCKS + tiles - 1) // tiles)), max(1, steps // MIN_STEPS))
+    per = (steps + split - 1) // split
+    return tiles, per, (steps + per - 1) // per
+
+
+def cols_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
+                align: int, variant: str | None = None) -> dict:
+    """How the TIR wrapper launches the pair for n tokens (for launches from Python: the tests'
+    interpreter runs, the benchmarks): constants, split, grids."""
+    variant = variant or ("small" if n <= SHRINK_SMALL_MAX_TOKENS else "large")
+    cs, ce = cols_constants(in_f, widths, mods, num_modules, max_rank, variant, align)
+    tiles, per, split = shrink_split(n, in_f // cs["BK"], cs["BM"])
+    return dict(shrink=cs, expand=ce, split=split, chunk=per * cs["BK"], shrink_grid=(tiles, split),
+                expand_grid=(-(-n // ce["BM"]), sum(widths) // ce["BN"]))
 
 
 def scratch_elems(n, widths: Sequence[int]):
     """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes)."""
-    return max(v["SPLIT"] for v in SHRINK_VARIANTS.values()) * n * len(widths) * RANK_COLUMNS
+    return SPLIT_MAX * n * len(widths) * RANK_COLUMNS
 
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
@@ -324,19 +342,26 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         mods_out.append(mod)
     sig_s, sig_e = _cols_signatures(dtype)
     shrinks = {}
-    for variant in SHRINK_VARIANTS:
-        cs, ce, split = cols_constants(in_f, widths, mods, M, R, variant, align)
+    for variant in SHRINK_BM:
+        cs, ce = cols_constants(in_f, widths, mods, M, R, variant, align)
         name, threads, shared, mod = triton_build.cuda_module(lora_shrink_cols_kernel, sig_s, cs, 4, arch,
                                                               Path(__file__))
-        shrinks[variant] = (name, threads, shared, split, cs["BM"])
+        shrinks[variant] = (name, threads, shared, cs["BM"])
         mods_out.append(mod)
     en, eth, esh, emod = triton_build.cuda_module(lora_expand_cols_kernel, sig_e, ce, 4, arch, Path(__file__))
     mods_out.append(emod)
-    e_nt = W // ce["BN"]
+    e_nt, bk = W // ce["BN"], cs["BK"]
+    steps = in_f // bk
     sn, sth, ssh, s_nt = built[16]
     ln, lth, lsh, l_nt = built[64]
-    qn, qth, qsh, q_split, q_bm = shrinks["small"]
-    gn, gth, gsh, g_split, g_bm = shrinks["large"]
+    qn, qth, qsh, q_bm = shrinks["small"]
+    gn, gth, gsh, g_bm = shrinks["large"]
+
+    def lo(a, b):
+        return T.max(T.int64(a), b) if isinstance(a, int) else T.max(a, b)
+
+    def hi(a, b):
+        return T.min(T.int64(a), b) if isinstance(a, int) else T.min(a, b)
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
@@ -367,21 +392,25 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             else:
                 T.call_packed(CUBLAS_GEMM, x, w, y)
                 if n <= SHRINK_SMALL_MAX_TOKENS:
+                    q_tiles, q_per, q_split = shrink_split(n, steps, q_bm, lo, hi)
                     T.call_packed(qn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), T.int64(0), T.int64(0),
-                                  T.Cast("int32", (n + q_bm - 1) // q_bm), q_split, qth, qsh)
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                                  T.Cast("int32", q_per * bk), T.int64(0), T.int64(0),
+                                  T.Cast("int32", q_tiles), T.Cast("int32", q_split), qth, qsh)
                     T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), q_split,
-                                  T.int64(0), T.int64(0), T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt,
-                                  eth, esh)
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                                  T.Cast("int32", q_split), T.int64(0), T.int64(0),
+                                  T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
                 else:
+                    g_tiles, g_per, g_split = shrink_split(n, steps, g_bm, lo, hi)
                     T.call_packed(gn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), T.int64(0), T.int64(0),
-                                  T.Cast("int32", (n + g_bm - 1) // g_bm), g_split, gth, gsh)
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                                  T.Cast("int32", g_per * bk), T.int64(0), T.int64(0),
+                                  T.Cast("int32", g_tiles), T.Cast("int32", g_split), gth, gsh)
                     T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), g_split,
-                                  T.int64(0), T.int64(0), T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt,
-                                  eth, esh)
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                                  T.Cast("int32", g_split), T.int64(0), T.int64(0),
+                                  T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
 
     return lora_linear_triton, mods_out
 

@@ -43,7 +43,10 @@ def test_kernel_matches_reference(tmp_path, bm, n, dtype):
     shrink variant and the in-place expand (the batches past FUSED_MAX_TOKENS)."""
     rng = np.random.default_rng(3)
     widths, mods, R = (64, 32, 32), (0, -1, 2), 16  # q|k|v with k untargeted
-    c = _case(rng, dtype, n, 192, widths, [8, 16, 0, 4], R)  # ranks sum to 28 <= RANK_COLUMNS
+    K = 192 if isinstance(bm, int) else 576  # the shrink splits 576 inputs in two (5 + 4 steps of 64)
+    if not isinstance(bm, int):
+        assert LT.cols_launch(n, K, widths, mods, 4, R, 8, bm)["split"] == 2
+    c = _case(rng, dtype, n, K, widths, [8, 16, 0, 4], R)  # ranks sum to 28 <= RANK_COLUMNS
     # a stale slot past the batch's (as a captured graph's fixed tables keep): no token uses it, its
     # rows point at NaN; it must not reach any output
     stale = 4
@@ -79,6 +82,20 @@ def test_tile_config_fits_the_linear(in_f, widths, bm):
     cfg = LT.tile_config(in_f, widths, bm)
     assert all(w % cfg["BN"] == 0 for w in widths) and in_f % cfg["BK"] == 0
     assert cfg["BM"] == bm
+
+
+@pytest.mark.parametrize("n,steps,bm,plan", [
+    (65, 64, 16, (5, 8, 8)),  # few tokens: 8 splits of 8 steps
+    (256, 64, 16, (16, 8, 8)),
+    (512, 172, 16, (32, 22, 8)),  # 11008 inputs: 7 x 22 + 18 steps
+    (1024, 64, 64, (16, 8, 8)),
+    (4096, 64, 64, (64, 13, 5)),  # enough blocks: 5 splits
+    (4096, 3, 64, (64, 3, 1)),  # too few steps to split
+])
+def test_shrink_split_fills_the_gpu(n, steps, bm, plan):
+    tiles, per, split = LT.shrink_split(n, steps, bm)
+    assert (tiles, per, split) == plan
+    assert per * (split - 1) < steps <= per * split and split <= LT.SPLIT_MAX
 
 
 def test_supported_names_what_it_cannot_run():

@@ -56,15 +56,16 @@ def run_cols(inp: dict) -> dict:
     x, w, scale = inp["x"], inp["w"], inp["scale"]
     mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
     n, K = x.shape
-    cs, ce, split = LT.cols_constants(K, widths, mods, scale.shape[1], int(inp["R"]), str(inp["variant"]), 8)
+    go = LT.cols_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, str(inp["variant"]))
     y = t((x.astype(np.float32) @ w.astype(np.float32).T).astype(x.dtype))
     v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
     S, base = len(inp["rank"]), int(inp["base"])
-    LT.lora_shrink_cols_kernel[(-(-n // cs["BM"]), split)](
-        t(x), t(inp["arena"]), t(inp["rank"]), t(scale), t(inp["a_off"]), v, n, S, base, **cs, num_warps=4)
-    LT.lora_expand_cols_kernel[(-(-n // ce["BM"]), sum(widths) // ce["BN"])](
-        v, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["b_off"]), y, n, S, base, split, **ce,
+    LT.lora_shrink_cols_kernel[go["shrink_grid"]](
+        t(x), t(inp["arena"]), t(inp["rank"]), t(scale), t(inp["a_off"]), v, n, S, base, go["chunk"], **go["shrink"],
         num_warps=4)
+    LT.lora_expand_cols_kernel[go["expand_grid"]](
+        v, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["b_off"]), y, n, S, base, go["split"],
+        **go["expand"], num_warps=4)
     return {"y": y.numpy()}
 
 
