@@ -363,6 +363,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     def hi(a, b):
         return T.min(T.int64(a), b) if isinstance(a, int) else T.min(a, b)
 
+    # The split is computed inline in the launches: a local variable in this host function would
+    # be a scalar buffer, which the lowering allocates in device memory.
+
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
     def lora_linear_triton(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
@@ -392,24 +395,24 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             else:
                 T.call_packed(CUBLAS_GEMM, x, w, y)
                 if n <= SHRINK_SMALL_MAX_TOKENS:
-                    q_tiles, q_per, q_split = shrink_split(n, steps, q_bm, lo, hi)
                     T.call_packed(qn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
                                   T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                                  T.Cast("int32", q_per * bk), T.int64(0), T.int64(0),
-                                  T.Cast("int32", q_tiles), T.Cast("int32", q_split), qth, qsh)
+                                  T.Cast("int32", shrink_split(n, steps, q_bm, lo, hi)[1] * bk), T.int64(0), T.int64(0),
+                                  T.Cast("int32", shrink_split(n, steps, q_bm, lo, hi)[0]),
+                                  T.Cast("int32", shrink_split(n, steps, q_bm, lo, hi)[2]), qth, qsh)
                     T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
                                   T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                                  T.Cast("int32", q_split), T.int64(0), T.int64(0),
+                                  T.Cast("int32", shrink_split(n, steps, q_bm, lo, hi)[2]), T.int64(0), T.int64(0),
                                   T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
                 else:
-                    g_tiles, g_per, g_split = shrink_split(n, steps, g_bm, lo, hi)
                     T.call_packed(gn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
                                   T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                                  T.Cast("int32", g_per * bk), T.int64(0), T.int64(0),
-                                  T.Cast("int32", g_tiles), T.Cast("int32", g_split), gth, gsh)
+                                  T.Cast("int32", shrink_split(n, steps, g_bm, lo, hi)[1] * bk), T.int64(0), T.int64(0),
+                                  T.Cast("int32", shrink_split(n, steps, g_bm, lo, hi)[0]),
+                                  T.Cast("int32", shrink_split(n, steps, g_bm, lo, hi)[2]), gth, gsh)
                     T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
                                   T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                                  T.Cast("int32", g_split), T.int64(0), T.int64(0),
+                                  T.Cast("int32", shrink_split(n, steps, g_bm, lo, hi)[2]), T.int64(0), T.int64(0),
                                   T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
 
     return lora_linear_triton, mods_out

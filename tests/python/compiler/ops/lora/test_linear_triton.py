@@ -131,3 +131,10 @@ def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
     assert "mlc_lora_triton_linear_bf16" in script and "_BM16_" in script and "_BM64_" in script
     assert script.count("mlc_lora_triton_shrink_cols_bf16") == 2 and "mlc_lora_triton_expand_cols_bf16" in script
     assert script.count("mlc_lora.runtime.cublas_gemm") == 1
+    # the host code computes the launches without scalar buffers (which would live in device memory)
+    import tvm
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule({"main": fn.with_attr("global_symbol", "main")}))
+    host = tvm.ir.transform.Sequential([tvm.tirx.transform.MakePackedAPI(), tvm.tirx.transform.LowerTVMBuiltin()])(mod)
+    assert "TVMBackendAllocWorkspace" not in host.script()
