@@ -66,7 +66,7 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
         LT.lora_shrink_cols_kernel[go["shrink_grid"]](x[c], arena, rank, scale, a_off[c], v, T, N, 0, go["chunk"],
                                                       **go["shrink"], num_warps=4)
         LT.lora_expand_cols_kernel[go["expand_grid"]](v, arena, slot, rank, scale, b_off[c], y[c % 2], T, N, 0,
-                                                      go["split"], **go["expand"], num_warps=4)
+                                                      go["split"], **go["expand"], num_warps=go["expand_warps"])
 
     # float64 check of copy 0
     fused(0)

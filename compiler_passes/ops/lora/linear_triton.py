@@ -215,7 +215,7 @@ if triton is not None:
     def lora_expand_cols_kernel(v_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr, n, S, base, split,
                                 N: tl.constexpr, M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr,
                                 m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
-                                P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT_MAX: tl.constexpr,
                                 RS: tl.constexpr, SC: tl.constexpr, ALIGN: tl.constexpr):
         """y[t, cols] += the delta of its slot, from the shrink's `split` partial sums; rows of
         base-model tokens are neither read nor written."""
@@ -230,8 +230,8 @@ if triton is not None:
         c = tl.arange(0, RS)
         v_ptrs = v_ptr + ((rows[:, None].to(tl.int64) * P) + p) * RS + c[None, :]
         xa = tl.zeros((BM, RS), dtype=tl.float32)
-        for k in range(split):
-            xa += tl.load(v_ptrs + k * n * P * RS, mask=rmask[:, None], other=0.0)
+        for k in tl.static_range(SPLIT_MAX):  # unrolled: the loads are all in flight at once
+            xa += tl.load(v_ptrs + k * n * P * RS, mask=rmask[:, None] & (k < split), other=0.0)
         delta, ts = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
                            o_p, y_ptr.dtype.element_ty, ALIGN)
         wmask = (rmask & (ts >= 0))[:, None]
@@ -263,9 +263,9 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
 
 SHRINK_BM = {"small": 16, "large": 64}  # tokens per shrink block
 SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
-# The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (2 per SM of an
+# The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (one per SM of an
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
-TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 264, 8, 4
+TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 132, 8, 4
 EXPAND_BM = 64
 
 
@@ -277,8 +277,8 @@ def _cols_signatures(dtype: str) -> tuple[dict, dict]:
                                              "STAGES", "ALIGN")})
     expand = dict(v_ptr="*fp32", arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32",
                   y_ptr=e, n="i32", S="i32", base="i64", split="i32")
-    expand.update({k: "constexpr" for k in ("N", "M", "R", "m0", "m1", "m2", "W0", "W1", "P", "BM", "BN", "RS",
-                                             "SC", "ALIGN")})
+    expand.update({k: "constexpr" for k in ("N", "M", "R", "m0", "m1", "m2", "W0", "W1", "P", "BM", "BN",
+                                             "SPLIT_MAX", "RS", "SC", "ALIGN")})
     return shrink, expand
 
 
@@ -290,9 +290,12 @@ def cols_constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_mo
     bk = next(b for b in (64, 32, 16) if in_f % b == 0)
     shrink = dict(K=in_f, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], P=len(widths),
                   BM=SHRINK_BM[variant], BK=bk, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, STAGES=3, ALIGN=align)
-    bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
+    # wide linears: 256 outputs per block (every block re-reads its tokens' partial sums)
+    bn = next(b for b in ((256, 128, 64, 32, 16) if sum(widths) >= 8192 else (128, 64, 32, 16))
+              if all(x % b == 0 for x in widths))
     expand = dict(N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
-                  P=len(widths), BM=EXPAND_BM, BN=bn, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
+                  P=len(widths), BM=EXPAND_BM, BN=bn, SPLIT_MAX=SPLIT_MAX, RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
+                  ALIGN=align)
     return shrink, expand
 
 
@@ -313,7 +316,12 @@ def cols_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], n
     cs, ce = cols_constants(in_f, widths, mods, num_modules, max_rank, variant, align)
     tiles, per, split = shrink_split(n, in_f // cs["BK"], cs["BM"])
     return dict(shrink=cs, expand=ce, split=split, chunk=per * cs["BK"], shrink_grid=(tiles, split),
-                expand_grid=(-(-n // ce["BM"]), sum(widths) // ce["BN"]))
+                expand_grid=(-(-n // ce["BM"]), sum(widths) // ce["BN"]), shrink_warps=4,
+                expand_warps=expand_warps(ce))
+
+
+def expand_warps(expand: dict) -> int:
+    return 8 if expand["BN"] >= 256 else 4
 
 
 def scratch_elems(n, widths: Sequence[int]):
@@ -348,7 +356,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                                                               Path(__file__))
         shrinks[variant] = (name, threads, shared, cs["BM"])
         mods_out.append(mod)
-    en, eth, esh, emod = triton_build.cuda_module(lora_expand_cols_kernel, sig_e, ce, 4, arch, Path(__file__))
+    en, eth, esh, emod = triton_build.cuda_module(lora_expand_cols_kernel, sig_e, ce, expand_warps(ce), arch,
+                                                  Path(__file__))
     mods_out.append(emod)
     e_nt, bk = W // ce["BN"], cs["BK"]
     steps = in_f // bk

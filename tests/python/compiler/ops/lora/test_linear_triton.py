@@ -87,9 +87,9 @@ def test_tile_config_fits_the_linear(in_f, widths, bm):
 @pytest.mark.parametrize("n,steps,bm,plan", [
     (65, 64, 16, (5, 8, 8)),  # few tokens: 8 splits of 8 steps
     (256, 64, 16, (16, 8, 8)),
-    (512, 172, 16, (32, 22, 8)),  # 11008 inputs: 7 x 22 + 18 steps
+    (512, 172, 16, (32, 35, 5)),  # 11008 inputs: 4 x 35 + 32 steps
     (1024, 64, 64, (16, 8, 8)),
-    (4096, 64, 64, (64, 13, 5)),  # enough blocks: 5 splits
+    (4096, 64, 64, (64, 22, 3)),  # enough blocks: 3 splits
     (4096, 3, 64, (64, 3, 1)),  # too few steps to split
 ])
 def test_shrink_split_fills_the_gpu(n, steps, bm, plan):

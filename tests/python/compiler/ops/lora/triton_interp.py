@@ -65,7 +65,7 @@ def run_cols(inp: dict) -> dict:
         num_warps=4)
     LT.lora_expand_cols_kernel[go["expand_grid"]](
         v, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["b_off"]), y, n, S, base, go["split"],
-        **go["expand"], num_warps=4)
+        **go["expand"], num_warps=go["expand_warps"])
     return {"y": y.numpy()}
 
 
