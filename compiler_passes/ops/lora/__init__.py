@@ -11,8 +11,9 @@ per backend ("tir", "cuda", ...), each in its own file here beside its kernels:
     sgmv_cuda.py    stage 3: one shrink + one in-place expand per fused linear (sgmv.cu; CUDA
                     fp16/bf16, rank <= 128, <= 3 parts)
     sgmv_tir.py     stage 3: a shrink + expand pair per module (TIR, any target)
-    linear_triton.py  not a stage: the base linear and the delta in ONE kernel, for decode_fused
-                    (LoraRewrite(fused_decode=True); small decode batches over a few low-rank adapters)
+    linear_triton.py  not a stage: the base linear and the delta over the batch's rank columns, for
+                    prefill_fused/decode_fused (LoraRewrite(fused=True); batches over a few low-rank
+                    adapters): one kernel up to 64 tokens, cuBLAS + a shrink/expand pair above
     reference.py    the numpy reference of every kernel above, and the semantics they share
 
 The interface (stage.py), called by passes/lora_rewrite.py once per target linear:

@@ -1,13 +1,15 @@
-"""The base linear and its multi-LoRA delta in ONE Triton kernel, for decode batches.
+"""The base linear and its multi-LoRA delta over the batch's "rank columns", for the _fused functions.
 
 Separate LoRA launches cost more than the adapters' bytes: at 4 adapters of rank 8 a Llama-2-7B
 layer moves ~1.3 MB of adapter rows against ~400 MB of weights, but each shrink/expand pair is a
 launch of its own. This kernel is the base GEMM `x @ W.T` of a fused linear (q|k|v, gate|up, ...)
 that also multiplies, while it streams x, by the active adapters' A rows, and adds their B rows in
-its epilogue: no LoRA launch at all. LoraRewrite builds it into `decode_fused`
-(contract.FUSED_FUNCTION_SUFFIX), which the runner picks for a batch of at most FUSED_MAX_TOKENS
-tokens whose adapters' ranks sum to at most RANK_COLUMNS over at most SLOT_COLUMNS slots; other
-batches run `decode` (cuBLAS + the sgmv stage).
+its epilogue: no LoRA launch at all. Above FUSED_MAX_TOKENS tokens (where that kernel's GEMM loses
+to cuBLAS) the same wrapper runs cuBLAS, then `lora_shrink_cols_kernel` (xa over the rank columns,
+the inputs split over blocks) and `lora_expand_cols_kernel` (the epilogue's maths, in place on y).
+LoraRewrite builds the wrapper into `prefill_fused` and `decode_fused` (contract.FUSED_FUNCTION_SUFFIX),
+which the runner picks for a batch whose adapters' ranks sum to at most RANK_COLUMNS over at most
+SLOT_COLUMNS slots; other batches run `prefill`/`decode` (cuBLAS + the sgmv stage).
 
 Semantics (x (n, K); W (N, K) as the model stores it; parts p of widths w_p are modules m_p of the
 tables, -1 none; token t has slot s = slot[t], -1 = base model; o_p = the widths before p):
@@ -20,7 +22,8 @@ start_j .. start_j + rank[j], start_j = the ranks of the slots before it). A blo
 BN outputs accumulates x @ W.T and xa = x @ A_cat.T (BM x RANK_COLUMNS) in the same K loop, keeps of
 xa only each token's own slot's columns, scales them, and adds xa @ B_cat.T over its outputs in
 fp32 before the one store. The LoRA product rounds xa to the model dtype (as PEFT's lora_A output).
-Reference: `linear_ref` below.
+The pair adds the delta in fp32 to cuBLAS's rounded y (PEFT's order: base output, then delta).
+Reference (both routes): `linear_ref` below.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ try:
 except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = tl = None
 
-FUSED_MAX_TOKENS = 64  # decode batches up to this many tokens (at 128 it measured slower than cuBLAS + the peers)
+FUSED_MAX_TOKENS = 64  # the one-kernel linear up to this many tokens (at 128 it measured slower than cuBLAS + the peers)
 SMALL_MAX_TOKENS = 16  # up to here blocks of 16 tokens, above 64
 RANK_COLUMNS = 32  # the adapters' ranks of a batch sum to at most this (4 x r8, 2 x r16, 1 x r32)
 SLOT_COLUMNS = 16  # the batch's adapters (slots) number at most this
