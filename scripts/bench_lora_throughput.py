@@ -142,6 +142,12 @@ def run_config(name, lib_dir, device, requests, params, torch, a, size):
         assign = assign_adapters([n for n, _ in adapters], len(requests), a.assign, a.seed)
         if a.warmup:  # kernel loading and first captures out of the clock
             offline.drive(engine, [(p[:8], 4) for p, _ in requests[:a.warmup]], assign[:a.warmup], f"{name} warm-up")
+        if a.capture_all:
+            # requests of 1..B output tokens: the decode batch shrinks by one per step, so every batch
+            # size's CUDA graph is captured before the clock (as servers capture at startup)
+            b = min(a.max_num_seqs or size["max_batch_size"], len(requests))
+            offline.drive(engine, [(p[:8], i + 1) for i, (p, _) in enumerate(requests[:b])], assign[:b],
+                          f"{name} capture")
         base_stats = asyncio.run(engine.stats())
         elapsed = offline.drive(engine, requests, assign, name)
         stats = asyncio.run(engine.stats())
@@ -350,6 +356,8 @@ def main(argv=None) -> int:
     r.add_argument("--max-num-seqs", type=int, default=None)
     r.add_argument("--kv-pages", type=int, default=None, help="KV pages of every config")
     r.add_argument("--warmup", type=int, default=8, help="short requests run before the clock starts")
+    r.add_argument("--capture-all", action="store_true", help="before the clock, run every decode batch size "
+                   "once (each size is a CUDA graph of its own, captured on first use)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="bench_lora_throughput.json")
     r.add_argument("--append", action="store_true", help="merge with the configs already in --out")
