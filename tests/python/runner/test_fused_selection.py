@@ -1,0 +1,51 @@
+"""Which batches the single-GPU runner sends to prefill_fused / decode_fused: those over the pool's
+tables ("pool") whose adapters fit the compiled rank and slot columns, at any token count."""
+
+import dataclasses
+import types
+
+import pytest
+
+from mlc_lora.lora.layout import LoraModule, LoraSpec
+from mlc_lora.runner import ModelRunner
+
+
+class _Pool:  # the two questions the runner asks the pool
+    def __init__(self, slots, rank_total):
+        self.slots, self.total = slots, rank_total
+
+    def lora_num_slots(self):
+        return self.slots
+
+    def lora_rank_total(self):
+        return self.total
+
+
+def _runner(fused, fns=("prefill_fused", "decode_fused")):
+    r = ModelRunner.__new__(ModelRunner)  # the selection needs no model
+    spec = LoraSpec(num_layers=1, page_elems=64, modules=(LoraModule("q_proj", 64, 64),), max_rank=16,
+                    pool_pages=8, kernel="sgmv")
+    r.compiled = types.SimpleNamespace(lora=dataclasses.replace(spec, fused=fused))
+    r._fused_fns = fns  # pylint: disable=protected-access
+    return r
+
+
+LIMITS = {"rank_columns": 32, "slot_columns": 16}
+
+
+@pytest.mark.parametrize("which,name", [(0, "prefill_fused"), (1, "decode_fused")])
+def test_batches_within_the_columns_run_the_fused_functions(which, name):
+    r = _runner(LIMITS)
+    assert r._fused(_Pool(4, 32), "pool", which) == name  # 4 x r8
+    assert r._fused(_Pool(1, 1), "pool", which) == name
+    assert r._fused(_Pool(2, 33), "pool", which) is None  # ranks past the rank columns
+    assert r._fused(_Pool(17, 17), "pool", which) is None  # adapters past the slot columns
+    assert r._fused(_Pool(0, 0), "pool", which) is None  # no adapter: not a LoRA batch
+    assert r._fused(_Pool(4, 32), {"lora_arena": None}, which) is None  # caller-given tables
+
+
+def test_libraries_without_them_never_select_them():
+    assert _runner(None, (None, None))._fused(_Pool(4, 32), "pool", 1) is None
+    # a library with decode_fused only
+    r = _runner(LIMITS, (None, "decode_fused"))
+    assert r._fused(_Pool(4, 32), "pool", 0) is None and r._fused(_Pool(4, 32), "pool", 1) == "decode_fused"
