@@ -75,12 +75,13 @@ def compile_grammar(tokenizer, response_format, vocab_size: int) -> Optional[Gra
         raise RequestError("response_format needs a tokenizer; this model has none", "response_format")
     compiler = _compiler(tokenizer, vocab_size)
     if response_format.type == "json_object":
-        return Grammar(compiler.compile_builtin_json_grammar(), vocab_size)
+        return Grammar(compiler.compile_json_schema('{"type": "object"}', any_whitespace=False), vocab_size)
     js = response_format.json_schema
     if js is None or js.schema_ is None:
         raise RequestError("response_format of type json_schema needs json_schema.schema", "response_format")
     try:
-        compiled = compiler.compile_json_schema(json.dumps(js.schema_), strict_mode=bool(js.strict))
+        compiled = compiler.compile_json_schema(json.dumps(js.schema_), any_whitespace=False,
+                                                strict_mode=bool(js.strict))
     except Exception as e:  # pylint: disable=broad-except
         raise RequestError(f"response_format.json_schema.schema is not a usable JSON schema: {e}",
                            "response_format") from None

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import hmac
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
@@ -22,11 +23,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
+from ..engine.protocol import ChatCompletionRequest, CompletionRequest
 from ..engine.adapters import check_adapter_name
 from .adapters import AdapterRoots
 from .metrics import Metrics
 
 STATS_INTERVAL_S = 1.0
+log = logging.getLogger("mlc_lora.serve")
 
 
 class APIError(Exception):
@@ -175,9 +178,15 @@ class Server:  # pylint: disable=too-many-instance-attributes
         """Check `body`; returns (the model name it answers as, its create(...) and its arguments)."""
         body = dict(body)
         model = body.pop("model", None)
-        adapter = self.adapter_of(model)  # every other field is checked by engine/requests.py
+        adapter = self.adapter_of(model)  # every other field is checked by the request models
         for k in ("stream", "stream_options", "user"):
             body.pop(k, None)
+        known = (ChatCompletionRequest if chat else CompletionRequest).model_fields
+        ignored = sorted(k for k in body if k not in known)
+        if ignored:  # as vLLM: unknown fields are ignored, with a warning
+            log.warning("The following fields were present in the request but ignored: %s", ignored)
+            for k in ignored:
+                del body[k]
         creator = self.engine.chat.completions if chat else self.engine.completions
         return (model if model is not None else self.model_name), functools.partial(
             creator.create, adapter_id=adapter, **body)
