@@ -21,10 +21,11 @@ class ResponseBuilder:  # pylint: disable=too-many-instance-attributes
     every choice's tokens, rides on the chunk that finishes the last choice). Whole: `response(outs)`."""
 
     def __init__(self, chat: bool, model: str, tokenizer: Optional[Tokenizer], seqs: list[Sequence],
-                 echo: Optional[list[str]] = None, n: int = 1):
+                 echo: Optional[list[str]] = None, n: Optional[int] = None):
         """`echo`: completions echo each choice's prompt text (and its logprobs when asked);
-        `n`: choices per prompt (seqs[k*n:(k+1)*n] share prompt k)."""
+        `n`: choices per prompt (seqs[k*n:(k+1)*n] share prompt k; default: one prompt)."""
         self.chat, self.model, self.tokenizer, self.seqs = chat, model, tokenizer, seqs
+        n = n or len(seqs)
         self.echo, self.n = echo, n
         self.prompt_tokens = sum(len(s.prompt_ids) for s in seqs[::n])
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

@@ -104,7 +104,7 @@ def test_load_at_runtime_and_select_by_model(server, client, setup):
 def test_bad_loads_are_refused(server, setup, tmp_path):
     _, _, _, adapter_dir = setup
     r = _load(server, "a1", adapter_dir / "a1")  # the name is taken
-    assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "has already been loaded" in r.json()["error"]["message"]
     r = _load(server, "tiny", adapter_dir / "a1")
     assert r.status_code == 400
     outside = tmp_path / "elsewhere"
