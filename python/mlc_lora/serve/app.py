@@ -333,6 +333,11 @@ class BodyLimit:
             await JSONResponse(err.body(), status_code=413)(scope, receive, send)
 
 
+def _body_schema(model) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
 def create_app(server: Server) -> FastAPI:
     """The FastAPI app: /v1 routes (behind the API key, if any), /health and /metrics (behind the
     key too with `server.guard_all`, as are the docs)."""
@@ -449,11 +454,11 @@ def create_app(server: Server) -> FastAPI:
             return Response(status_code=499)
         return JSONResponse(task.result().to_dict())
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         return await generate(request, chat=False)
 
@@ -518,6 +523,23 @@ def create_app(server: Server) -> FastAPI:
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {'pinned' if pin else 'unpinned'}.")
 
     app.include_router(v1)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the request models the /v1 bodies refer to (the routes read their
+        bodies themselves, to answer malformed JSON with OpenAI-style errors)."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi  # pylint: disable=import-outside-toplevel
+
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(s.pop("$defs", {}))
+                schemas[model.__name__] = s
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/health")
     async def health():
