@@ -10,6 +10,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from ..contract import TOP_LOGPROBS_MAX
+
 
 class _Obj:
     def to_dict(self) -> dict[str, Any]:
@@ -138,7 +140,6 @@ MAX_PROMPTS = 64  # prompts of one batched completion request
 MAX_LOGIT_BIAS = 300  # entries of one logit_bias (OpenAI's limit)
 PENALTY_MAX = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's bounds)
 REPETITION_PENALTY_MAX = 10.0
-TOP_LOGPROBS_MAX = 20  # contract.TOP_LOGPROBS_MAX (checked equal in requests.py)
 
 
 def _bounds(field) -> tuple[Any, Any, bool]:

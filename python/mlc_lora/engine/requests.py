@@ -16,14 +16,12 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from ..contract import TOP_LOGPROBS_MAX
 from ..errors import RequestError
 from ..tokenizer import ROLES, Tokenizer
 from . import protocol as P
 from .protocol import MAX_CHOICES, MAX_PROMPTS, MAX_STOP, SEED_MAX, INT32_MAX  # noqa: F401  (re-exported)
 from .scheduler import SamplingParams
 
-assert P.TOP_LOGPROBS_MAX == TOP_LOGPROBS_MAX, "protocol.py's bound must be the compiled top_logprobs width"
 # OpenAI arguments that are accepted and have no effect here.
 IGNORED_ARGUMENTS = ("model", "stream_options", "user", "stream", "best_of")
 MAX_SEQUENCES = 256  # prompts x n of one request
