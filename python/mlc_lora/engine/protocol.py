@@ -213,7 +213,6 @@ class ResponseFormat(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: Optional[bool] = False
-    continuous_usage_stats: Optional[bool] = False
 
 
 class SamplingRequest(_Checked):
