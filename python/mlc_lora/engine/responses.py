@@ -36,6 +36,14 @@ class ResponseBuilder:  # pylint: disable=too-many-instance-attributes
     def _name(self, i: int) -> str:
         return self.tokenizer.token_text(i) if self.tokenizer is not None else str(i)
 
+    def _top_dict(self, top) -> dict[str, float]:
+        """Completions' top_logprobs entry: token text -> logprob. Distinct ids with the same text
+        (partial UTF-8 bytes) keep the best logprob (the list is best first)."""
+        out: dict[str, float] = {}
+        for i, lp in top or []:
+            out.setdefault(self._name(i), lp)
+        return out
+
     def _prompt_logprobs(self, seq: Sequence, prompt: list[Sampled]) -> P.CompletionLogprobs:
         """The echoed prompt's logprobs: the first token has none (OpenAI's null); each top dict
         holds the prompt's own token beside the most likely ones, as vLLM's."""
@@ -49,7 +57,7 @@ class ResponseBuilder:  # pylint: disable=too-many-instance-attributes
             if s.logprob is None or not seq.params.top_logprobs:
                 tops.append(None)
                 continue
-            top = {self._name(i): lp for i, lp in (s.top or [])}
+            top = self._top_dict(s.top)
             top.setdefault(self._name(s.token), s.logprob)
             tops.append(top)
         return P.CompletionLogprobs(tokens=names, token_logprobs=[s.logprob for s in prompt],
@@ -75,7 +83,7 @@ class ResponseBuilder:  # pylint: disable=too-many-instance-attributes
                 for s in tokens])
         return P.CompletionLogprobs(
             tokens=[name(s.token) for s in tokens], token_logprobs=[s.logprob for s in tokens],
-            top_logprobs=[{name(i): lp for i, lp in (s.top or [])} for s in tokens],
+            top_logprobs=[self._top_dict(s.top) for s in tokens],
             text_offset=[offset] * len(tokens))
 
     def chunk(self, i: int, out: StepOutput):
