@@ -175,7 +175,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             row_of = None
             if scored is not None:
                 row_of = self._score_prompts(logits, batch, scored)
-            masks = {i: batch.seqs[i].state.matcher.allowed(self.runner.vocab_size) for i in rows
+            masks = {i: batch.seqs[i].state.matcher.allowed() for i in rows
                      if batch.seqs[i].state.matcher is not None}
             sampled = self.sampler.sample(logits, batch.seqs, rows, row_of, masks) if rows else []
         except Exception as e:  # pylint: disable=broad-except

@@ -45,11 +45,10 @@ class Matcher:
         self.vocab_size = vocab_size
         self.bitmask = np.zeros((1, (vocab_size + 31) // 32), np.int32)
 
-    def allowed(self, vocab_size: int) -> np.ndarray:
-        """(vocab_size,) bool: the tokens the grammar allows next."""
+    def allowed(self) -> np.ndarray:
+        """The tokens the grammar allows next: bit i of word i // 32 (ceil(vocab / 32),) int32."""
         self.m.fill_next_token_bitmask(self.bitmask)
-        bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")
-        return bits[:vocab_size].astype(bool)
+        return self.bitmask[0].copy()
 
     def accept(self, token: int) -> None:
         if not self.m.accept_token(int(token)):

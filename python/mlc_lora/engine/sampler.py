@@ -6,11 +6,13 @@ the same text whatever else shares the batch. A row whose own sampling fails (it
 not fit the device's types, its logprobs are not numbers) comes back as that row's exception; the
 rest of the batch is sampled as if it were not there.
 
-Penalties, `logit_bias` and a grammar's token mask (`process_logits`) change the logits before
-sampling: in a step where some row asks for them, the batch's logits are copied to the host, those
-rows are processed there, and the copy goes back to the device for the same compiled sampling
-functions. Log-probabilities are always those of the model's own logits (vLLM's default,
-"raw_logprobs"). Prompt log-probabilities (`score_prompt`) use the same functions.
+Penalties, `logit_bias` and a grammar's token mask change the logits before sampling, on the
+device: the host lists the (row, token) entries each request touches with their bias, repetition
+factor and subtraction (`logit_pairs`), and the compiled `process_logits` applies them and the
+grammar masks to a copy of the logits. Libraries compiled before `process_logits` existed process
+those rows on the host instead (`process_logits` below, the same semantics). Log-probabilities are
+always those of the model's own logits (vLLM's default, "raw_logprobs"). Prompt log-probabilities
+(`score`) use the same functions.
 """
 
 from __future__ import annotations
@@ -35,6 +37,25 @@ class Sampled:
     top: Optional[list[tuple[int, float]]] = None
 
 
+def logit_pairs(params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int],
+                vocab: int) -> dict[int, tuple[float, float, float]]:
+    """token -> (bias, repetition factor, subtraction) for the entries a request's processing
+    touches (the pairs of the compiled `process_logits`, whose semantics are `process_logits`'s
+    below); MLCLoraError for a token past the vocabulary."""
+    out: dict[int, list[float]] = {}
+    for t, bias in params.logit_bias:
+        if not 0 <= t < vocab:
+            raise MLCLoraError(f"logit_bias names token {t}, outside the vocabulary [0, {vocab})")
+        out[t] = [bias, 1.0, 0.0]
+    if params.repetition_penalty != 1.0:
+        for t in set(prompt_ids) | set(output_ids):
+            out.setdefault(t, [0.0, 1.0, 0.0])[1] = params.repetition_penalty
+    if params.frequency_penalty or params.presence_penalty:
+        for t, n in Counter(output_ids).items():
+            out.setdefault(t, [0.0, 1.0, 0.0])[2] = params.frequency_penalty * n + params.presence_penalty
+    return {t: tuple(v) for t, v in out.items()}
+
+
 def process_logits(row: np.ndarray, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int],
                    mask: Optional[np.ndarray] = None) -> None:
     """Apply a request's logit processing to its logits `row` (V,) float32, in place.
@@ -45,7 +66,7 @@ def process_logits(row: np.ndarray, params: SamplingParams, prompt_ids: Seq[int]
         row[t] = row[t] / rp if row[t] > 0 else row[t] * rp         for t in seen  (rp = repetition_penalty)
         row[t] -= frequency_penalty * count(t in output_ids)
                   + presence_penalty * (t in output_ids)
-        row[t] = -inf                                               where mask[t] is False (grammar)
+        row[t] = -3.4e38                                            where mask bit t is clear (grammar)
     Token ids outside the vocabulary are refused (a RequestError-worthy mistake of this row alone).
     """
     vocab = row.shape[0]
@@ -62,17 +83,22 @@ def process_logits(row: np.ndarray, params: SamplingParams, prompt_ids: Seq[int]
         ids = np.fromiter(counts, np.int64)
         n = np.fromiter(counts.values(), np.float32)
         row[ids] -= params.frequency_penalty * n + params.presence_penalty
-    if mask is not None:
-        row[~mask[:vocab]] = -np.inf
+    if mask is not None:  # (ceil(vocab / 32),) int32 words, bit t of word t // 32
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab]
+        row[bits == 0] = np.float32(-3.4e38)
 
 
 class Sampler:
     def __init__(self, runner):
-        try:
-            self.fn = {name: runner.vm[name] for name in SAMPLER_FUNCTIONS}
-        except Exception as e:  # pylint: disable=broad-except
-            raise MLCLoraError(f"{runner.model_dir} has no sampling functions (compiled by an older "
-                               "mlc-lora); compile it again") from e
+        self.fn = {}
+        for name in SAMPLER_FUNCTIONS:
+            try:
+                self.fn[name] = runner.vm[name]
+            except Exception as e:  # pylint: disable=broad-except
+                if name == "process_logits":  # older libraries: that processing runs on the host
+                    continue
+                raise MLCLoraError(f"{runner.model_dir} has no sampling functions (compiled by an older "
+                                   "mlc-lora); compile it again") from e
         self.device = runner.device
 
     def _t(self, a: np.ndarray):
@@ -91,7 +117,9 @@ class Sampler:
         failed: dict[int, Exception] = {}
         raw = logits
         processed = [i for i in rows if seqs[i].params.processes_logits]
-        if processed:
+        if processed and "process_logits" in self.fn:
+            logits = self._process_on_device(logits, seqs, processed, row_of, masks or {}, failed)
+        elif processed:
             host = logits.numpy()
             for i in processed:
                 s = seqs[i]
@@ -131,6 +159,30 @@ class Sampler:
                 k, r = seqs[i].params.top_logprobs, row_of[i]
                 result[i].top = [(int(ids[r, j]), float(lps[r, j])) for j in range(k)]
         return [failed.get(i, result[i]) for i in rows]
+
+    def _process_on_device(self, logits, seqs, processed, row_of, masks, failed):
+        """The compiled process_logits over the processed rows' pairs and masks (a copy)."""
+        n_rows, vocab = int(logits.shape[0]), int(logits.shape[1])
+        rows, tokens, vals = [], [], []
+        mask = np.full((n_rows, (vocab + 31) // 32), -1, np.int32)
+        for i in processed:
+            s = seqs[i]
+            try:
+                pairs = logit_pairs(s.params, s.prompt_ids, s.output_ids, vocab)
+            except Exception as e:  # pylint: disable=broad-except
+                failed[i] = e
+                continue
+            rows += [row_of[i]] * len(pairs)
+            tokens += list(pairs)
+            vals += list(pairs.values())
+            if i in masks:
+                mask[row_of[i]] = masks[i]
+        if not rows:  # the kernel takes at least one pair: an identity one
+            rows, tokens, vals = [0], [0], [(0.0, 1.0, 0.0)]
+        v = np.asarray(vals, np.float32).reshape(-1, 3)
+        return self.fn["process_logits"](logits, self._t(np.asarray(rows, np.int32)),
+                                         self._t(np.asarray(tokens, np.int32)), self._t(v[:, 0]),
+                                         self._t(v[:, 1]), self._t(v[:, 2]), self._t(mask))
 
     def score(self, logits, targets: np.ndarray, top: bool) -> list[Sampled]:
         """The logprob of targets[r] under logits row r (and the top 20 of the row when `top`):

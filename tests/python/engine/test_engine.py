@@ -378,3 +378,27 @@ def test_prompt_logprobs_across_prefill_chunks_match_hf(tiny_chat):
         np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=1e-4)
         best = [max(top.values()) for top in lp.top_logprobs[1:]]  # the most likely token is listed
         np.testing.assert_allclose(best, [float(ref[i - 1].max()) for i in range(1, len(ids))], atol=1e-4)
+
+
+def test_logit_processing_on_the_host_matches_the_device(tiny_chat):
+    """A library compiled before `process_logits` processes on the host: same tokens."""
+    from mlc_lora.engine.core import LLMEngine
+    from mlc_lora.engine.scheduler import SamplingParams
+
+    def run(device: bool):
+        core = LLMEngine(tiny_chat[1], "cpu")
+        if not device:
+            del core.sampler.fn["process_logits"]
+        outs = {i: [] for i in range(3)}
+        params = [SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3,
+                                 ignore_eos=True),
+                  SamplingParams(max_tokens=8, temperature=0.8, seed=5, repetition_penalty=1.5, ignore_eos=True),
+                  SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((40, 3.0), (41, -100.0)),
+                                 ignore_eos=True)]
+        for i, p in enumerate(params):
+            core.add(core.make_sequence([5, 6, 7, 8, 5, 6], p, sink=outs[i].append))
+        while core.has_work():
+            core.step()
+        return [[t.token for o in outs[i] for t in o.tokens] for i in range(3)]
+
+    assert run(device=True) == run(device=False)
