@@ -16,7 +16,8 @@ from ..ops.sampler.sampler_tir import sampler_kernels
 
 @tvm.transform.module_pass(opt_level=0, name="AttachSampler")
 class AttachSampler:  # pylint: disable=too-few-public-methods
-    """Add the exported sampling functions (argmax, top-k/top-p, logprobs) to the model module."""
+    """Add the exported sampling functions (argmax, top-k/top-p, logprobs, logit processing) to the
+    model module."""
 
     def __init__(self, target: tvm.target.Target):
         self.gpu = "gpu" in target.keys
@@ -29,7 +30,8 @@ class AttachSampler:  # pylint: disable=too-few-public-methods
         def export(name, params, out):
             # fresh symbolic sizes per function: (batch, vocab)
             b, v = tvm.tirx.Var("batch", "int64"), tvm.tirx.Var("vocab", "int64")
-            shape = {"b": [b], "bv": [b, v], "bk": [b, TOP_LOGPROBS_MAX]}
+            n, w = tvm.tirx.Var("pairs", "int64"), tvm.tirx.Var("words", "int64")
+            shape = {"b": [b], "bv": [b, v], "bk": [b, TOP_LOGPROBS_MAX], "n": [n], "bw": [b, w]}
             gv = bb.add_func(kernels[name].with_attr("global_symbol", f"{name}_kernel"), f"{name}_kernel")
             args = [relax.Var(n, relax.TensorType(shape[s], dt)) for n, s, dt in params]
             out_ty = [relax.TensorType(shape[s], dt) for s, dt in out]
@@ -45,4 +47,7 @@ class AttachSampler:  # pylint: disable=too-few-public-methods
                                 ("top_k", "b", "int32"), ("uniform", "b", "float32")], [("b", "int32")])
         export("chosen_logprobs", [logits, ("tokens", "b", "int32")], [("b", "float32")])
         export("top_logprobs", [logits], [("bk", "int32"), ("bk", "float32")])
+        export("process_logits", [logits, ("rows", "n", "int32"), ("tokens", "n", "int32"), ("bias", "n", "float32"),
+                                  ("rep", "n", "float32"), ("sub", "n", "float32"), ("mask", "bw", "int32")],
+               [("bv", "float32")])
         return bb.get()

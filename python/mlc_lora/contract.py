@@ -51,7 +51,7 @@ LORA_KERNELS = ("single", "gather", "sgmv")
 
 # --- sampling -----------------------------------------------------------------------------------
 # The compiled sampling functions, and the columns of `top_logprobs` (OpenAI's limit).
-SAMPLER_FUNCTIONS = ("sample_argmax", "sample_top_p", "chosen_logprobs", "top_logprobs")
+SAMPLER_FUNCTIONS = ("sample_argmax", "sample_top_p", "chosen_logprobs", "top_logprobs", "process_logits")
 TOP_LOGPROBS_MAX = 20
 
 # --- processes ----------------------------------------------------------------------------------

@@ -43,7 +43,9 @@ class Tokenizer:
         self.eos_token_ids = sorted(int(i) for i in ids)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works: a long prompt encoded in a worker thread
+        # does not stall the server's event loop
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

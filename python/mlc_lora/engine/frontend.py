@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from ..contract import CONFIG_FILE
+from ..errors import RequestError
 from ..tokenizer import Tokenizer
+from . import protocol as P
 from .core import LLMEngine, StepOutput
+from .grammar import compile_grammar
 from .loop import EngineLoop
-from .requests import prompt_ids, request_options
+from .requests import MAX_SEQUENCES, prompt_ids, sampling_params, split_prompts, validate
 from .responses import ResponseBuilder
 
 
@@ -33,21 +36,34 @@ def compiled_folder(model: str | Path, device: str, **compile_options) -> Path:
 
 
 class Request:  # pylint: disable=too-many-instance-attributes
-    """One create(...) call: its n sequences (choice i samples with seed + i), submitted to the
-    loop; `take` turns each (choice, output) that `put` received into the response."""
+    """One create(...) call: its sequences (for each prompt, n choices; choice j samples with
+    seed + j), submitted to the loop; `take` turns each (choice, output) that `put` received into
+    the response. `unknown_ok`: unknown arguments are ignored (the server's way, as vLLM's) rather
+    than refused."""
 
     def __init__(self, owner: "MLCEngine", chat: bool, stream: bool, put: Callable[[tuple[int, StepOutput]], None],
-                 messages=None, prompt=None, adapter_id: Optional[str] = None, **kw):
-        params, n = request_options(**kw)
-        ids = prompt_ids(owner.tokenizer, chat, messages, prompt)
+                 messages=None, prompt=None, adapter_id: Optional[str] = None, unknown_ok: bool = False, **kw):
+        fields = {**kw, "messages": messages} if chat else {**kw, "prompt": prompt}
+        req = validate(P.ChatCompletionRequest if chat else P.CompletionRequest, fields, unknown_ok)
+        tok = owner.tokenizer
+        grammar = compile_grammar(tok, req.response_format, owner.engine.runner.vocab_size)
+        params, n = sampling_params(req, grammar), req.n or 1
+        prompts = [messages] if chat else split_prompts(prompt)
+        if len(prompts) * n > MAX_SEQUENCES:
+            raise RequestError(f"{len(prompts)} prompts x n={n} choices exceed {MAX_SEQUENCES} sequences", "n")
+        ids = [prompt_ids(tok, chat, messages, p) for p in prompts]
+        echo = None
+        if not chat and req.echo:  # the prompts' texts, as given (token ids: decoded)
+            echo = [p if isinstance(p, str) else tok.decode(p) if tok is not None else "" for p in prompts]
+            echo = [t for t in echo for _ in range(n)]
         core = owner.engine
-        self.seqs = [core.make_sequence(ids, params if params.seed is None or i == 0 else
-                                        dataclasses.replace(params, seed=params.seed + i), adapter_id)
-                     for i in range(n)]
+        self.seqs = [core.make_sequence(pid, dataclasses.replace(
+                         params, seed=params.seed if params.seed is None else params.seed + j), adapter_id)
+                     for pid in ids for j in range(n)]
         for i, seq in enumerate(self.seqs):
             seq.sink = lambda out, i=i: put((i, out))
         self.stream = stream
-        self.builder = ResponseBuilder(chat, owner.model_name, owner.tokenizer, self.seqs)
+        self.builder = ResponseBuilder(chat, owner.model_name, tok, self.seqs, echo, n)
         self.outs: list[list[StepOutput]] = [[] for _ in self.seqs]  # (whole responses)
         self.finished = 0
         self._loop = owner._loop  # pylint: disable=protected-access

@@ -22,7 +22,7 @@ from ..contract import PAGE_SIZE
 
 @dataclasses.dataclass
 class SamplingParams:  # pylint: disable=too-many-instance-attributes
-    max_tokens: int
+    max_tokens: Optional[int]  # 0: score the prompt only (prompt_logprobs)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -32,6 +32,18 @@ class SamplingParams:  # pylint: disable=too-many-instance-attributes
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: bool = False  # also score the prompt's tokens (completions' `echo` with logprobs)
+    # logit processing (engine/sampler.py `process_logits`), as vLLM's
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: Any = None  # a compiled grammar the output must follow (`response_format`)
+
+    @property
+    def processes_logits(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.grammar is not None)
 
 
 class Status(enum.Enum):

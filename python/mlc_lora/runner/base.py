@@ -7,6 +7,9 @@ import abc
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
+
+from ..errors import MLCLoraError
 from ..lora.layout import LoraSpec
 from .config import CompiledConfig
 from .pool import Pool
@@ -76,9 +79,25 @@ class Runner(abc.ABC):
 
     @abc.abstractmethod
     def prefill(self, pool: Pool, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]],
-                lora: LoraInputs = None):
-        """One ragged prefill over several sequences; the last-token logits (b, V)."""
+                lora: LoraInputs = None, positions: Optional[Sequence[Sequence[int]]] = None):
+        """One ragged prefill over several sequences; the last-token logits (b, V). `positions`:
+        for each sequence, the indices inside its tokens whose logits to return instead (in that
+        order, sequence after sequence); the rows are then (sum of their counts, V)."""
 
     @abc.abstractmethod
     def decode(self, pool: Pool, seq_ids: Sequence[int], tokens: Sequence[int], lora: LoraInputs = None):
         """One decode step, one token per sequence; the logits (b, V)."""
+
+
+def logit_rows(lengths: Sequence[int], positions: Optional[Sequence[Sequence[int]]] = None) -> np.ndarray:
+    """`prefill`'s logit_positions: each sequence's last token, or the given `positions` inside
+    each sequence's tokens, as indices into the concatenated tokens."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    if positions is None:
+        return (starts + np.asarray(lengths) - 1).astype(np.int32)
+    if len(positions) != len(lengths) or any(not 0 <= p < n for ps, n in zip(positions, lengths) for p in ps):
+        raise MLCLoraError("prefill positions must lie inside each sequence's tokens")
+    rows = [s + p for s, ps in zip(starts, positions) for p in ps]
+    if not rows:
+        raise MLCLoraError("prefill positions name no token")
+    return np.asarray(rows, np.int32)

@@ -21,7 +21,7 @@ import numpy as np
 from ..contract import LORA_TABLE_INPUTS, PAGE_SIZE
 from ..errors import LoraError, MLCLoraError, PoolExhaustedError
 from ..lora.peft import AdapterPlan, LoraAdapter, pack_peft_adapter, peft_adapter_plan
-from .base import LoraInputs, Runner
+from .base import LoraInputs, Runner, logit_rows
 from .config import CompiledConfig
 from .device import load_cublas, load_cuda_runtime
 from .disco import disco_tvm, make_session, worker_rank
@@ -260,7 +260,7 @@ class ShardedModelRunner(Runner):  # pylint: disable=too-many-instance-attribute
                                "pass lora='pool' (or None for the base model)")
 
     def prefill(self, pool: ShardedPool, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]],
-                lora: LoraInputs = None):
+                lora: LoraInputs = None, positions: Optional[Sequence[Sequence[int]]] = None):
         """One ragged prefill; returns the last-token logits (b, V) (worker 0's tensor)."""
         lengths = [len(t) for t in tokens]
         if min(lengths) < 1:
@@ -268,12 +268,13 @@ class ShardedModelRunner(Runner):  # pylint: disable=too-many-instance-attribute
         self._check_inputs(lora)
         flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
         emb = self._embed_tokens(flat, (1, len(flat), self.model_config["hidden_size"]))
-        last = self._broadcast(np.cumsum(lengths).astype(np.int32) - 1)
+        rows = logit_rows(lengths, positions)
+        last = self._broadcast(rows)
         pool.begin_forward(seq_ids, lengths)
         extra = self._lora_args(pool, lora, len(flat))
         out = self._prefill(emb, last, pool.handle, *extra, self.params)
         pool.end_forward()
-        return self._logits(out, len(lengths))
+        return self._logits(out, len(rows))
 
     def decode(self, pool: ShardedPool, seq_ids: Sequence[int], tokens: Sequence[int], lora: LoraInputs = None):
         """One decode step, one token per sequence; returns logits (b, V) (worker 0's tensor)."""

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS, PAGE_SIZE
 from ..errors import MLCLoraError
-from .base import LoraInputs, Runner
+from .base import LoraInputs, Runner, logit_rows
 from .config import CompiledConfig
 from .device import _tvm, device_of, load_cublas
 from .pool import DevicePool
@@ -176,7 +176,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         return extra
 
     def prefill(self, pool: DevicePool, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]],
-                lora: LoraInputs = None):
+                lora: LoraInputs = None, positions: Optional[Sequence[Sequence[int]]] = None):
         """One ragged prefill over several sequences; returns last-token logits (b, V) on device.
         `lora` (models compiled with LoRA): a dict of the LoRA inputs for the concatenated tokens,
         "pool" for the tables the pool builds from each sequence's adapter, or None (base model)."""
@@ -187,7 +187,8 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
         emb = self.embed(flat)
         emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access
-        last = tvm.runtime.tensor(np.cumsum(lengths).astype(np.int32) - 1, self._device)
+        rows = logit_rows(lengths, positions)
+        last = tvm.runtime.tensor(rows, self._device)
         extra = self._begin(pool, seq_ids, lengths, lora, len(flat))
         if extra is None:
             logits, _ = self._base_fns[0](emb, last, pool.handle, self.params)
@@ -195,7 +196,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
             fn = self._fused(pool, lora, 0) or self._prefill
             logits, _ = fn(emb, last, pool.handle, *extra, self.params)
         pool.end_forward()
-        return logits._create_view((len(lengths), logits.shape[-1]))  # pylint: disable=protected-access
+        return logits._create_view((len(rows), logits.shape[-1]))  # pylint: disable=protected-access
 
     def _graph_tables(self, extra: list) -> list:
         """The LoRA inputs of a decode captured in CUDA graphs (the compiler counts them with the

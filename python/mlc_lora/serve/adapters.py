@@ -43,8 +43,8 @@ class AdapterRoots:
         for cand in candidates:
             real = Path(os.path.realpath(cand))
             root = next((r for r in self.roots if _inside(real, r)), None)
-            if root is None:
-                continue
+            if root is None or (len(candidates) > 1 and not real.exists()):
+                continue  # a relative path is looked up in every root, in order
             if not real.is_dir():
                 raise LoraError(f"lora_path {path!r} is not an adapter folder")
             for name in (CONFIG, WEIGHTS):

@@ -12,6 +12,9 @@ import contextlib
 import functools
 import hmac
 import json
+import logging
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
@@ -22,11 +25,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import errors
+from ..engine.protocol import ChatCompletionRequest, CompletionRequest
 from ..engine.adapters import check_adapter_name
 from .adapters import AdapterRoots
 from .metrics import Metrics
 
 STATS_INTERVAL_S = 1.0
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a request body past this is refused (413) before it is read whole
+DRAIN_TIMEOUT_S = 3.0  # on SIGTERM, running requests get this long to finish before they are aborted
+log = logging.getLogger("mlc_lora.serve")
 
 
 class APIError(Exception):
@@ -97,6 +104,10 @@ async def _disconnected(request: Request) -> None:
 GUARDED_WITH_ALL = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
+SHUTTING_DOWN = APIError(503, "the server is shutting down; retry on another replica", "server_error",
+                         "server_shutting_down")
+
+
 def check_api_key(api_key: Optional[str]) -> Optional[str]:
     """`api_key` itself (None: no authentication); an empty or blank key is refused, never taken
     to mean the key ""."""
@@ -112,7 +123,8 @@ class Server:  # pylint: disable=too-many-instance-attributes
 
     def __init__(self, engine, model_name: str, model_dir: str | Path = "",
                  adapter_roots: Optional[AdapterRoots] = None, api_key: Optional[str] = None,
-                 guard_all: bool = False):
+                 guard_all: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S):
         self.engine = engine
         self.model_name = model_name
         self.model_dir = str(model_dir)
@@ -121,27 +133,35 @@ class Server:  # pylint: disable=too-many-instance-attributes
         if guard_all and api_key is None:
             raise errors.MLCLoraError("guarding every route (--api-key-all-routes) needs an API key")
         self.guard_all = guard_all
+        self.max_body_bytes = max_body_bytes
+        self.drain_timeout_s = drain_timeout_s
+        self.draining = False  # SIGTERM received: new requests get 503
+        self.abort_all: Optional[asyncio.Event] = None  # set when the drain gives up on running requests
         self.metrics = Metrics()
         self.adapters: dict[str, str] = {}  # name -> real path, as loaded through this server
         self.created = int(time.time())
 
     # --- adapters ---------------------------------------------------------------------------
 
-    async def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> None:
+    async def load_adapter(self, name: str, path: str | Path, pin: bool = False, inplace: bool = False) -> None:
+        """`inplace` (vLLM's load_inplace): a loaded adapter of that name is replaced."""
         check_adapter_name(name)  # LoraError: a 400
         if name == self.model_name:
             raise APIError(400, f"adapter name {name!r} is the base model's name", param="lora_name")
         if name in self.adapters:
-            raise APIError(400, f"an adapter named {name!r} is already loaded; unload it first",
-                           param="lora_name")
+            if not inplace:  # vLLM's words, which vLLM clients look for
+                raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load "
+                               "the adapter in place, set 'load_inplace' to True.", param="lora_name")
+            await self.engine.unload_adapter(name)
+            del self.adapters[name]
         await self.engine.load_adapter(name, path, pin=pin)
         self.adapters[name] = str(path)
         self.metrics.adapter_loads.inc()
 
     async def unload_adapter(self, name: str) -> None:
-        if name not in self.adapters:
-            raise APIError(404, f"no adapter named {name!r} is loaded", "not_found_error", "model_not_found",
-                           "lora_name")
+        if name not in self.adapters:  # vLLM's words
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error",
+                           "model_not_found", "lora_name")
         await self.engine.unload_adapter(name)
         del self.adapters[name]
         self.metrics.adapter_unloads.inc()
@@ -175,9 +195,15 @@ class Server:  # pylint: disable=too-many-instance-attributes
         """Check `body`; returns (the model name it answers as, its create(...) and its arguments)."""
         body = dict(body)
         model = body.pop("model", None)
-        adapter = self.adapter_of(model)  # every other field is checked by engine/requests.py
+        adapter = self.adapter_of(model)  # every other field is checked by the request models
         for k in ("stream", "stream_options", "user"):
             body.pop(k, None)
+        known = (ChatCompletionRequest if chat else CompletionRequest).model_fields
+        ignored = sorted(k for k in body if k not in known)
+        if ignored:  # as vLLM: unknown fields are ignored, with a warning
+            log.warning("The following fields were present in the request but ignored: %s", ignored)
+            for k in ignored:
+                del body[k]
         creator = self.engine.chat.completions if chat else self.engine.completions
         return (model if model is not None else self.model_name), functools.partial(
             creator.create, adapter_id=adapter, **body)
@@ -185,8 +211,9 @@ class Server:  # pylint: disable=too-many-instance-attributes
     async def events(self, gen, model: str, endpoint: str, include_usage: bool, t0: float) -> AsyncIterator[str]:
         """The SSE body of a streaming request (OpenAI's: usage on its own last chunk when asked)."""
         m, outcome, first, usage, last = self.metrics, "abort", True, None, None
+        stop = asyncio.ensure_future(self.abort_all.wait()) if self.abort_all is not None else None
         try:
-            async for chunk in gen:
+            async for chunk in self._until_shutdown(gen, stop):
                 if first:
                     m.ttft.observe(time.monotonic() - t0)
                     first = False
@@ -205,8 +232,31 @@ class Server:  # pylint: disable=too-many-instance-attributes
             yield _sse(api_error(e).body())
             yield "data: [DONE]\n\n"
         finally:
+            if stop is not None:
+                stop.cancel()
             await gen.aclose()
             self._finished(endpoint, outcome, usage, t0)
+
+    @staticmethod
+    async def _until_shutdown(gen, stop: Optional[asyncio.Future]) -> AsyncIterator:
+        """`gen`'s chunks until `stop` (the drain gave up): then a 503 APIError (its request is
+        aborted as the pending chunk is cancelled)."""
+        if stop is None:
+            async for chunk in gen:
+                yield chunk
+            return
+        while True:
+            nxt = asyncio.ensure_future(gen.__anext__())
+            await asyncio.wait({nxt, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await nxt
+                raise SHUTTING_DOWN
+            try:
+                yield nxt.result()
+            except StopAsyncIteration:
+                return
 
     async def complete(self, create, model: str, endpoint: str, t0: float):
         """A whole response (the engine's, as MLCEngine returns it); cancelling this aborts the
@@ -249,6 +299,45 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+class BodyLimit:
+    """ASGI middleware: a request body longer than `limit` bytes is answered 413 (OpenAI-style
+    JSON) as soon as its Content-Length says so, or as soon as that many bytes have arrived."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        err = APIError(413, f"the request body is larger than the server's limit of {self.limit} bytes",
+                       code="request_too_large")
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise err
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except APIError as e:
+            if e is not err:
+                raise
+            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+
+
+def _body_schema(model) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
 def create_app(server: Server) -> FastAPI:
     """The FastAPI app: /v1 routes (behind the API key, if any), /health and /metrics (behind the
     key too with `server.guard_all`, as are the docs)."""
@@ -262,11 +351,31 @@ def create_app(server: Server) -> FastAPI:
                 await asyncio.sleep(STATS_INTERVAL_S)
 
         task = asyncio.create_task(sample())
+        server.abort_all = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def drain() -> None:
+            """SIGTERM: refuse new requests (503) and give running ones drain_timeout_s to finish;
+            then abort them (streams end with an error event and [DONE], others get a 503)."""
+            if not server.draining:
+                server.draining = True
+                log.warning("SIGTERM: draining (new requests get 503; running ones get %.0f s)",
+                            server.drain_timeout_s)
+                loop.call_later(server.drain_timeout_s, server.abort_all.set)
+
+        prev = signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread() and callable(prev):
+            def on_term(sig, frame):  # uvicorn's own handler still runs: it stops taking connections
+                loop.call_soon_threadsafe(drain)
+                prev(sig, frame)
+
+            signal.signal(signal.SIGTERM, on_term)
         yield
         task.cancel()
 
     app = FastAPI(title="mlc-lora", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=server.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_request, e: APIError):
@@ -299,6 +408,8 @@ def create_app(server: Server) -> FastAPI:
     async def check_key(request: Request) -> None:
         if not authorized(request):
             raise unauthorized
+        if server.draining:
+            raise SHUTTING_DOWN
 
     if server.guard_all:
         @app.middleware("http")
@@ -328,22 +439,26 @@ def create_app(server: Server) -> FastAPI:
             return _EventStream(server.events(gen, model, endpoint, include_usage, t0))
         task = asyncio.ensure_future(server.complete(create, model, endpoint, t0))
         gone = asyncio.ensure_future(_disconnected(request))
+        stop = asyncio.ensure_future(server.abort_all.wait()) if server.abort_all is not None else gone
         try:
-            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if task not in done:  # the client left: cancelling the gather aborts the sequence
+            stop.cancel()
+        if task not in done:  # the client left, or the drain gave up: cancelling aborts the sequences
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if stop in done and stop is not gone:
+                raise SHUTTING_DOWN
             return Response(status_code=499)
         return JSONResponse(task.result().to_dict())
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request):
         return await generate(request, chat=False)
 
@@ -358,6 +473,15 @@ def create_app(server: Server) -> FastAPI:
                          **{k: a[k] for k in ("rank", "pinned", "resident") if k in a}})
         return {"object": "list", "data": data}
 
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str):
+        listed = await models()
+        for m in listed["data"]:
+            if m["id"] == model_id:
+                return m
+        raise APIError(404, f"The model `{model_id}` does not exist.", "not_found_error", "model_not_found",
+                       "model")
+
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         body = await _json_body(request)
@@ -366,11 +490,14 @@ def create_app(server: Server) -> FastAPI:
             raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
         if not isinstance(path, str):
             raise APIError(400, "lora_path must be a string", param="lora_path")
-        pin = body.get("pin", False)
+        pin, inplace = body.get("pin", False), body.get("load_inplace", False)
         if not isinstance(pin, bool):  # "false" is not False
             raise APIError(400, f"pin must be true or false, got {json.dumps(pin)}", param="pin")
+        if not isinstance(inplace, bool):
+            raise APIError(400, f"load_inplace must be true or false, got {json.dumps(inplace)}",
+                           param="load_inplace")
         real = server.roots.resolve(path)
-        await server.load_adapter(name, real, pin=pin)
+        await server.load_adapter(name, real, pin=pin, inplace=inplace)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @v1.post("/unload_lora_adapter")
@@ -397,10 +524,29 @@ def create_app(server: Server) -> FastAPI:
 
     app.include_router(v1)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the request models the /v1 bodies refer to (the routes read their
+        bodies themselves, to answer malformed JSON with OpenAI-style errors)."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi  # pylint: disable=import-outside-toplevel
+
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(s.pop("$defs", {}))
+                schemas[model.__name__] = s
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
     @app.get("/health")
     async def health():
         if not server.engine.is_alive():
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if server.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -290,6 +290,41 @@ def test_a_row_whose_sampling_fails_fails_alone(tiny_chat):
         assert mixed[m][-1].finish_reason == "length"
 
 
+def test_a_row_whose_logit_processing_fails_fails_alone(tiny_chat):
+    """Penalties and logit_bias run per row: a row whose processing raises (a token id past the
+    vocabulary that bypassed make_sequence's check) fails alone; a penalized row beside it and a
+    plain one give what they give alone."""
+    import dataclasses
+
+    from mlc_lora.engine.core import LLMEngine
+    from mlc_lora.engine.scheduler import SamplingParams
+    from mlc_lora.errors import MLCLoraError
+
+    def run(param_list, broken=None):
+        core = LLMEngine(tiny_chat[1], "cpu")
+        outs = {i: [] for i in range(len(param_list))}
+        seqs = [core.make_sequence([5, 6, 7, 8], p, sink=outs[i].append) for i, p in enumerate(param_list)]
+        if broken is not None:
+            seqs[broken].params = dataclasses.replace(seqs[broken].params, logit_bias=((10**6, 1.0),))
+        for s in seqs:
+            core.add(s)
+        while core.has_work():
+            core.step()
+        assert core.pool.available_pages() == core.kv_pages_total
+        return outs
+
+    penal = SamplingParams(max_tokens=6, temperature=0.0, frequency_penalty=1.0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=6, temperature=1.0, seed=4, ignore_eos=True)
+    bad = SamplingParams(max_tokens=6, temperature=0.0, logit_bias=((3, 1.0),), ignore_eos=True)
+    alone = run([penal, plain])
+    mixed = run([penal, bad, plain], broken=1)
+    err = [o.error for o in mixed[1] if o.error is not None]
+    assert len(err) == 1 and isinstance(err[0], MLCLoraError) and "outside the vocabulary" in str(err[0])
+    for a, m in ((0, 0), (1, 2)):
+        assert all(o.error is None for o in mixed[m])
+        assert [t.token for o in mixed[m] for t in o.tokens] == [t.token for o in alone[a] for t in o.tokens]
+
+
 def test_a_raising_output_callback_ends_its_request_alone(engine):
     """A request whose output callback raises (as a closed asyncio loop's would) is aborted; the
     engine thread keeps serving the others and the pool returns to idle."""
@@ -319,3 +354,57 @@ def test_a_raising_output_callback_ends_its_request_alone(engine):
     stats = engine._loop.call(core.stats)  # pylint: disable=protected-access
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_prompt_logprobs_across_prefill_chunks_match_hf(tiny_chat):
+    """echo + logprobs on a prompt longer than the prefill chunk (128 here), beside a short one in
+    the same batch: every prompt token's logprob equals HF's (a chunk boundary loses none)."""
+    import asyncio
+
+    import numpy as np
+    import torch
+
+    from mlc_lora import AsyncMLCEngine
+
+    rng = np.random.default_rng(0)
+    long_ids = [int(x) for x in rng.integers(3, 300, 300)]
+    short_ids = [5, 17, 42, 99]
+    with AsyncMLCEngine(tiny_chat[1], "cpu") as eng:
+        async def go():
+            return await asyncio.gather(*[eng.completions.create(prompt=p, max_tokens=0, echo=True, logprobs=2)
+                                          for p in (long_ids, short_ids)])
+
+        outs = asyncio.run(go())
+    for ids, r in zip((long_ids, short_ids), outs):
+        lp = r.choices[0].logprobs
+        with torch.no_grad():
+            ref = torch.log_softmax(tiny_chat[0](torch.tensor([ids])).logits[0].float(), -1)
+        want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+        np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=1e-4)
+        best = [max(top.values()) for top in lp.top_logprobs[1:]]  # the most likely token is listed
+        np.testing.assert_allclose(best, [float(ref[i - 1].max()) for i in range(1, len(ids))], atol=1e-4)
+
+
+def test_logit_processing_on_the_host_matches_the_device(tiny_chat):
+    """A library compiled before `process_logits` processes on the host: same tokens."""
+    from mlc_lora.engine.core import LLMEngine
+    from mlc_lora.engine.scheduler import SamplingParams
+
+    def run(device: bool):
+        core = LLMEngine(tiny_chat[1], "cpu")
+        if not device:
+            del core.sampler.fn["process_logits"]
+        outs = {i: [] for i in range(3)}
+        params = [SamplingParams(max_tokens=8, temperature=0.0, frequency_penalty=0.7, presence_penalty=0.3,
+                                 ignore_eos=True),
+                  SamplingParams(max_tokens=8, temperature=0.8, seed=5, repetition_penalty=1.5, ignore_eos=True),
+                  SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((40, 3.0), (41, -100.0)),
+                                 ignore_eos=True)]
+        for i, p in enumerate(params):
+            core.add(core.make_sequence([5, 6, 7, 8, 5, 6], p, sink=outs[i].append))
+        while core.has_work():
+            core.step()
+        return [[t.token for o in outs[i] for t in o.tokens] for i in range(3)]
+
+    assert run(device=True) == run(device=False)

@@ -8,35 +8,19 @@ import pytest
 
 from mlc_lora import AsyncMLCEngine, MLCEngine
 
-from ..conftest import SMOLLM2_COMPILE, save_adapter
+from ..conftest import save_adapter
 from ..models.test_smollm2 import hf_model  # noqa: F401  (module fixture: HF Llama with our weights)
 from .test_lora_engine import peft_greedy
 
 pytestmark = pytest.mark.slow
 
 ADAPTERS_DIR = Path(__file__).resolve().parents[3] / "adapters"
-SMOLLM2_LORA = dict(lora_pool_pages=384, max_lora_rank=64)
 RANDOM = {  # name: (seed, LoraConfig kwargs)
     "rand-qv8": (11, dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
     "rand-mlp32-rs": (12, dict(r=32, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "down_proj"])),
 }
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def smollm2_lora_compiled(tmp_path_factory):
-    """SmolLM2-135M compiled with LoRA (all seven linears, rank <= 64), once for this module."""
-    from mlc_lora.compile import CompileOptions, compile_model
-    from mlc_lora.errors import ModelConfigError
-    from mlc_lora.loader.embedded import smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except ModelConfigError as e:
-        pytest.skip(str(e))
-    return compile_model("smollm2-135m", tmp_path_factory.mktemp("smollm2-lora") / "smollm2-lora-llvm",
-                         CompileOptions(**SMOLLM2_COMPILE, **SMOLLM2_LORA), progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def run_server(model_dir, *args: str):
     """Start `mlc_lora serve MODEL_DIR ARGS` and wait for /health; yields the base URL."""
+    with start_server(model_dir, *args) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def start_server(model_dir, *args: str):
+    """As run_server, yielding (base URL, the server's Popen)."""
     port = free_port()
     cmd = [sys.executable, "-m", "mlc_lora.cli.main", "serve", str(model_dir), "--port", str(port),
            "--log-level", "warning", *args]
@@ -45,7 +52,7 @@ def run_server(model_dir, *args: str):
             if time.monotonic() > deadline:
                 pytest.fail(f"the server did not answer /health within {STARTUP_TIMEOUT_S} s")
             time.sleep(0.3)
-        yield url
+        yield url, proc
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -65,3 +65,15 @@ def test_no_roots_disables_api_loading_and_bad_roots_are_refused(tree, tmp_path)
         AdapterRoots([]).resolve(str(good))
     with pytest.raises(LoraError, match="is not a folder"):
         AdapterRoots([tmp_path / "nope"])
+
+
+def test_a_relative_path_is_looked_up_in_every_root(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    _adapter(first / "a")
+    b = _adapter(second / "b")
+    _adapter(second / "a")
+    roots = AdapterRoots([first, second])
+    assert roots.resolve("b") == b.resolve()  # only in the second root
+    assert roots.resolve("a") == (first / "a").resolve()  # in both: the first root wins
+    with pytest.raises(LoraError, match="outside the allowed adapter folders"):
+        roots.resolve("missing")

@@ -104,7 +104,7 @@ def test_load_at_runtime_and_select_by_model(server, client, setup):
 def test_bad_loads_are_refused(server, setup, tmp_path):
     _, _, _, adapter_dir = setup
     r = _load(server, "a1", adapter_dir / "a1")  # the name is taken
-    assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "has already been loaded" in r.json()["error"]["message"]
     r = _load(server, "tiny", adapter_dir / "a1")
     assert r.status_code == 400
     outside = tmp_path / "elsewhere"
@@ -199,3 +199,26 @@ def test_pin_and_unpin_through_the_api(server, client):
     assert pin({"lora_name": "a7", "pin": "yes"}).status_code == 400
     assert pin({"pin": True}).status_code == 400
     assert httpx.post(f"{server}/v1/pin_lora_adapter", json={"lora_name": "a7"}, timeout=60).status_code == 401
+
+
+def test_load_inplace_replaces_and_vllm_texts(server, client, setup):
+    _, refs, _, adapter_dir = setup
+    r = httpx.post(f"{server}/v1/load_lora_adapter", headers=H, timeout=60,
+                   json={"lora_name": "a6", "lora_path": str(adapter_dir / "a5"), "load_inplace": True})
+    assert r.status_code == 200, r.text
+    want, _ = greedy_reference(refs["a5"], PROMPT_IDS, 8)
+    got = client.completions.create(model="a6", prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].token_ids
+    assert got == want  # "a6" now serves a5's weights
+    r = httpx.post(f"{server}/v1/load_lora_adapter", headers=H, timeout=60,
+                   json={"lora_name": "a6", "lora_path": "a6", "load_inplace": "yes"})
+    assert r.status_code == 400 and "load_inplace must be true or false" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/load_lora_adapter", headers=H, timeout=60,
+                   json={"lora_name": "a6", "lora_path": "a6", "load_inplace": True})
+    assert r.status_code == 200
+    want, _ = greedy_reference(refs["a6"], PROMPT_IDS, 8)
+    got = client.completions.create(model="a6", prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].token_ids
+    assert got == want
+    r = _unload(server, "never-loaded")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "The lora adapter 'never-loaded' cannot be found."

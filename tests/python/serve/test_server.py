@@ -170,7 +170,7 @@ def test_token_id_prompt_equals_text_prompt(client, hf_tokenizer):
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=100000), "exceeds the context"),
     (dict(extra_body={"temperature": "hot"}), "temperature must be a number"),
-    (dict(extra_body={"frobnicate": 1}), "frobnicate"),
+    (dict(extra_body={"logit_bias": {"x": 1}}), "logit_bias keys must be token ids"),
     (dict(n=0), "n must be an integer in [1, 16]"),
     (dict(n=17), "n must be an integer in [1, 16]"),
 ])
@@ -377,3 +377,167 @@ def test_bench_serving_drives_the_server(server, tiny_chat, tmp_path, capsys):
     assert saved["models"] == ["tiny"] and saved["metrics"]["total_output"] == 6 * 8
     after = scrape(server)['mlc_lora_requests_total{endpoint="completions",outcome="ok"}']
     assert after - before == 6
+
+
+# --- the OpenAI / vLLM parameters third-party clients send --------------------------------------
+
+def _penalized_greedy(model, prompt_ids, n, freq=0.0, pres=0.0, rep=1.0, bias=None):
+    """Greedy tokens of a torch causal LM with vLLM's logit processing, written out in torch."""
+    import torch
+
+    ids, out = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float().clone()
+            for t, b in (bias or {}).items():
+                logits[t] += b
+            seen = torch.tensor(sorted(set(ids)))
+            v = logits[seen]
+            logits[seen] = torch.where(v > 0, v / rep, v * rep)
+            for t in set(out):
+                logits[t] -= freq * out.count(t) + pres
+            t = int(logits.argmax())
+            ids.append(t)
+            out.append(t)
+    return out
+
+
+def test_echo_prompt_logprobs_match_hf_for_a_batch_of_prompts(client, tiny_chat, hf_tokenizer):
+    import torch
+
+    prompts = [hf_tokenizer(p).input_ids for p in (PROMPT, "Hello, how are you today?")]
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == sum(map(len, prompts))
+    assert r.usage.completion_tokens == 0
+    for ids, c in zip(prompts, r.choices):
+        assert c.text == hf_tokenizer.decode(ids) and c.finish_reason == "length"
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
+        with torch.no_grad():
+            ref = torch.log_softmax(tiny_chat[0](torch.tensor([ids])).logits[0].float(), -1)
+        want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+        assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        for i, top in enumerate(lp.top_logprobs[1:], 1):  # the prompt's own token and the best one
+            assert max(top.values()) == pytest.approx(float(ref[i - 1].max()), abs=1e-4)
+    # echo with generation: prompt, then the new tokens (and token ids of the new tokens only)
+    r = client.completions.create(model="tiny", prompt=[prompts[0]] * 2, max_tokens=3, echo=True, logprobs=0,
+                                  temperature=0, n=1, extra_body={"ignore_eos": True})
+    want = greedy_reference(tiny_chat[0], prompts[0], 3)[0]
+    for c in r.choices:
+        assert c.token_ids == want and len(c.logprobs.tokens) == len(prompts[0]) + 3
+        assert c.text == hf_tokenizer.decode(prompts[0]) + hf_tokenizer.decode(want)
+
+
+def test_penalties_and_logit_bias_follow_vllm(client, tiny_chat):
+    ids = [5, 17, 42, 99, 7]
+    model = tiny_chat[0]
+    cases = [dict(frequency_penalty=1.5, presence_penalty=0.5), dict(presence_penalty=-1.0),
+             dict(repetition_penalty=1.8), dict(logit_bias={"50": 8.0, "60": -100.0})]
+    for kw in cases:
+        extra = {"ignore_eos": True}
+        if "repetition_penalty" in kw:
+            extra["repetition_penalty"] = kw["repetition_penalty"]
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body=extra,
+                                      **{k: v for k, v in kw.items() if k != "repetition_penalty"})
+        want = _penalized_greedy(model, ids, 8, kw.get("frequency_penalty", 0.0), kw.get("presence_penalty", 0.0),
+                                 kw.get("repetition_penalty", 1.0),
+                                 {int(t): b for t, b in kw.get("logit_bias", {}).items()})
+        assert r.choices[0].token_ids == want, kw
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].token_ids
+    assert plain == greedy_reference(model, ids, 8)[0]  # no penalty: the plain greedy run
+    # a token id past the vocabulary fails that request alone, as a 400
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=ids, max_tokens=2, logit_bias={"100000": 1.0})
+    assert "logit_bias token ids must lie in" in e.value.body["message"]
+
+
+def test_best_of_seed_and_model_retrieve(client):
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, best_of=2, seed=3, temperature=1)
+    assert len(r.choices) == 2 and all(c.token_ids for c in r.choices)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=1, best_of=3)
+    assert "best_of must equal n" in e.value.body["message"]
+    m = client.models.retrieve("tiny")
+    assert m.id == "tiny" and m.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
+                                           "tag": {"enum": ["a", "b"]}},
+          "required": ["ok", "n", "tag"], "additionalProperties": False}
+
+
+def _follows(obj) -> bool:
+    return (isinstance(obj, dict) and set(obj) == {"ok", "n", "tag"} and isinstance(obj["ok"], bool)
+            and obj["n"] in (1, 2, 3) and obj["tag"] in ("a", "b"))
+
+
+def test_response_format_json_schema_gives_valid_json(client):
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+        assert _follows(json.loads(r.choices[0].message.content)), r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":  # an open object may run past max_tokens
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+
+
+def test_unknown_fields_are_ignored_as_vllm_does(client):
+    a = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    b = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                  extra_body={"frobnicate": 1, "guided_whatever": "x"})
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_openapi_schema_has_the_request_bodies(server):
+    spec = httpx.get(f"{server}/openapi.json").json()
+    for path, name in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith(name)
+        props = spec["components"]["schemas"][name]["properties"]
+        for field in ("temperature", "frequency_penalty", "logit_bias", "response_format", "max_tokens"):
+            assert field in props, (name, field)
+        assert props["frequency_penalty"]["anyOf"][0]["maximum"] == 2.0
+
+
+def test_a_body_past_the_limit_is_413(server):
+    r = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "' + b"x" * (9 * 2**20) + b'"}',
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "larger than the server's limit" in r.json()["error"]["message"]
+
+
+def test_a_big_prompt_is_tokenized_off_the_event_loop(server):
+    """A body under the limit whose prompt takes seconds to tokenize: /health keeps answering."""
+    import threading
+
+    text = ("Continuous batching serves many requests at once. " * 70_000)[:3 * 2**20]
+    out = {}
+
+    def post():
+        t = time.monotonic()
+        out["r"] = httpx.post(f"{server}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1},
+            headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+        out["s"] = time.monotonic() - t
+
+    th = threading.Thread(target=post)
+    th.start()
+    worst = 0.0
+    while th.is_alive():
+        t = time.monotonic()
+        assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - t)
+        time.sleep(0.05)
+    th.join()
+    assert out["r"].status_code == 400 and "context" in out["r"].json()["error"]["message"]
+    print(f"big prompt answered in {out['s']:.1f} s; slowest /health meanwhile {worst:.2f} s")
+    assert out["s"] > 1.5  # the check means something: the prompt took a while (on the loop, /health waited as long)
+    assert worst < 1.0

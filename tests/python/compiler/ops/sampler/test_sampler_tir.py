@@ -50,7 +50,8 @@ def test_gpu_kernels_build_to_cubin(tmp_path):
     prepare_cuda_build()
     target = _cuda_target()
     mod = AttachSampler(target)(tvm.IRModule())
-    for name in ("sample_argmax_kernel", "sample_top_p_kernel", "top_logprobs_kernel", "chosen_logprobs_kernel"):
+    for name in ("sample_argmax_kernel", "sample_top_p_kernel", "top_logprobs_kernel", "chosen_logprobs_kernel",
+                 "process_logits_kernel"):
         assert mod[name].attrs["tirx.is_scheduled"]
     with target:
         ex = tvm.compile(mod, target, relax_pipeline=relax.get_default_pipeline(target))
@@ -121,3 +122,32 @@ def test_sampling_frequencies_follow_softmax(vm):
                              _t(u.astype(np.float32))).numpy()
     p = np.exp(x[0] / 0.7) / np.exp(x[0] / 0.7).sum()
     np.testing.assert_allclose(np.bincount(got, minlength=5) / n, p, atol=2e-3)
+
+
+def test_process_logits(vm):
+    """Penalties, logit_bias and a grammar mask: listed pairs change, masked entries fall to
+    -3.4e38 (a listed pair that is masked too stays masked), the rest is copied."""
+    rng = np.random.default_rng(3)
+    b, v = 5, 301
+    x = _logits(rng, b, v)
+    w = (v + 31) // 32
+    mask = np.full((b, w), -1, np.int32)  # every bit set: nothing masked
+    bits = np.ones((b, w * 32), np.uint8)
+    bits[2, rng.choice(v, 200, replace=False)] = 0  # row 2 follows a grammar
+    bits[2, 11] = 0
+    mask[2] = np.packbits(bits[2], bitorder="little").view(np.int32)
+    pairs = [(0, 3), (0, 7), (0, 200), (2, 11), (3, 0), (3, 300), (4, 150)]
+    rows = np.array([r for r, _ in pairs], np.int32)
+    tokens = np.array([t for _, t in pairs], np.int32)
+    bias = rng.uniform(-5, 5, len(pairs)).astype(np.float32)
+    rep = rng.uniform(0.5, 2.0, len(pairs)).astype(np.float32)
+    sub = rng.uniform(-1, 1, len(pairs)).astype(np.float32)
+    out = vm["process_logits"](_t(x), _t(rows), _t(tokens), _t(bias), _t(rep), _t(sub), _t(mask)).numpy()
+    want = S.process_logits_ref(x, rows, tokens, bias, rep, sub, mask)
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)
+    assert (out[2] == np.float32(-3.4e38)).sum() == 201 and out[2, 11] == np.float32(-3.4e38)
+    untouched = np.ones((b, v), bool)
+    untouched[rows, tokens] = False
+    untouched[2] = bits[2, :v] == 1
+    untouched[rows, tokens] = False
+    np.testing.assert_array_equal(out[untouched], x[untouched])
