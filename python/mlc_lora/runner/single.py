@@ -11,16 +11,18 @@ from ..contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_I
 from ..errors import MLCLoraError
 from .base import LoraInputs, Runner
 from .config import CompiledConfig
-from .device import _tvm, device_of, load_cublas
+from .device import ALLOCATORS, _tvm, default_allocator, device_of, load_cublas
 from .pool import DevicePool
 
 
 class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
     """A compiled model on one device: weights, VM functions and its unified pool."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", params: Optional[Sequence] = None):
+    def __init__(self, model_dir: str | Path, device: str = "cpu", params: Optional[Sequence] = None,
+                 allocator: Optional[str] = None):
         """`params`: the weights already on the device, in `param_names` order (e.g. made there by
-        a benchmark); by default they are read from the model folder."""
+        a benchmark); by default they are read from the model folder. `allocator`: the VM's
+        memory allocator, "naive" or "pooled"; by default `default_allocator(device)`."""
         compiled = CompiledConfig.read(model_dir, device)
         super().__init__(compiled)
         if compiled.tensor_parallel_shards > 1:
@@ -32,7 +34,10 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         if compiled.uses_cublas:
             load_cublas(self._device)
         lib = tvm.runtime.load_module(str(compiled.model_dir / compiled.library))
-        self._vm = tvm.runtime.vm.VirtualMachine(lib, self._device)
+        self.allocator = allocator or default_allocator(device)
+        if self.allocator not in ALLOCATORS:
+            raise MLCLoraError(f"unknown allocator {self.allocator!r}; use one of {', '.join(ALLOCATORS)}")
+        self._vm = tvm.runtime.vm.VirtualMachine(lib, self._device, memory_cfg=self.allocator)
         if params is not None:
             if len(params) != len(compiled.param_names):
                 raise MLCLoraError(f"{len(params)} params given, the model has {len(compiled.param_names)}")
