@@ -2,10 +2,12 @@
 
   python scripts/soak.py alloc MODEL_DIR [--lengths 26] [--repeat 1] [--device cpu]
       One fresh process per memory plan runs the same prompts of distinct lengths through
-      ModelRunner (prefill, then 4 decode steps): "pooled" (TVM's pooled allocator), "naive" (each
-      buffer freed when released) and "bucketed" (pooled, with every prefill cut into power-of-two
-      pieces so that the allocator sees at most log2(chunk) + 1 prefill sizes). Prints the seconds
-      per prefill token, per decode step and the resident memory each plan added after warm-up.
+      ModelRunner (prefill, then 4 decode steps): "pooled" (TVM's pooled allocator, every size
+      kept), "naive" (each buffer freed when released), "bucketed" (pooled, with every prefill cut
+      into power-of-two pieces so that the allocator sees at most log2(chunk) + 1 prefill sizes)
+      and "released" (pooled, its cached buffers released after POOLED_PREFILL_SIZES new prefill
+      sizes: ModelRunner's default on CUDA). Prints the seconds per prefill token, per decode step
+      and the resident (CUDA: also device) memory each plan added after warm-up.
 
   python scripts/soak.py engine MODEL_DIR [--minutes 60] [--device cpu] [--adapters 4] [--json OUT]
       LLMEngine under steady varied traffic for --minutes: prompts of random lengths, requests on
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-PLANS = ("pooled", "naive", "bucketed")
+PLANS = ("pooled", "naive", "bucketed", "released")
 DECODE_STEPS = 4
 
 
@@ -67,6 +69,8 @@ def run_plan(model_dir: str, plan: str, num_lengths: int, device: str, seed: int
     # "default": what a runner on `device` uses unless told (mlc_lora.runner.device.default_allocator)
     allocator = {"default": None, "naive": "naive"}.get(plan, "pooled")
     runner = ModelRunner(model_dir, device, allocator=allocator)
+    if plan in ("pooled", "bucketed"):
+        runner.pooled_prefill_sizes = 0  # TVM's pooled allocator as it is: every size kept
     chunk = runner.compiled.prefill_chunk_size
     pool = runner.create_pool(1, 2 * chunk + 64, chunk)
     rng = np.random.default_rng(seed)

@@ -81,13 +81,15 @@ def device_of(name: str):
 
 
 # The Relax VM's memory allocators. "pooled" keeps every buffer it ever freed, keyed by size, for
-# reuse: each new prefill length leaves buffers of new sizes behind, so a server's memory grows
-# with every distinct prompt length it sees. "naive" hands each buffer back when it is freed.
+# reuse: each new prefill length leaves buffers of new sizes behind, so memory would grow with every
+# distinct prompt length; ModelRunner releases the cached buffers after POOLED_PREFILL_SIZES new
+# prefill token counts. "naive" hands each buffer back when it is freed.
 ALLOCATORS = ("naive", "pooled")
+POOLED_PREFILL_SIZES = 8
 
 
 def default_allocator(device: str) -> str:
     """The allocator a runner on `device` uses unless told otherwise: "naive" on the CPU, where it is
-    as fast as "pooled" and memory stays bounded (docs/BENCHMARKS.md, "Memory under varied prompt
+    as fast as "pooled" and holds nothing (docs/BENCHMARKS.md, "Memory under varied prompt
     lengths"); "pooled" on CUDA, where a cudaFree per buffer would stall the host behind the GPU."""
     return "naive" if device == "cpu" else "pooled"

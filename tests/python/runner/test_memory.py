@@ -34,6 +34,15 @@ def test_memory_stays_bounded_over_new_prompt_lengths(wide_model):
     assert default["allocator"] == "naive"
     assert default["rss_growth_mb"] < MARGIN_MB, default
     assert default["rss_after_repeat_mb"] < MARGIN_MB, default
-    # the measurement can fail: the pooled allocator grows past the margin on the same prompts
+    # the measurement can fail: TVM's pooled allocator grows past the margin on the same prompts
     pooled = soak.plan_in_subprocess(wide_model, "pooled", LENGTHS)
-    assert pooled["rss_growth_mb"] > 2 * MARGIN_MB, pooled
+    assert pooled["rss_growth_mb"] > 4 * MARGIN_MB, pooled
+
+
+def test_pooled_allocator_released_after_a_bounded_number_of_sizes(wide_model):
+    """The pooled allocator (the CUDA default) as ModelRunner drives it: its cached buffers are
+    released after POOLED_PREFILL_SIZES new prefill sizes, so it holds a few sizes' worth, not one per
+    length (the pooled figure of the test above: > 4 margins)."""
+    released = soak.plan_in_subprocess(wide_model, "released", LENGTHS)
+    assert released["allocator"] == "pooled"
+    assert released["rss_after_repeat_mb"] < 4 * MARGIN_MB, released
