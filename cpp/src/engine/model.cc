@@ -39,6 +39,8 @@ ffi::Function Global(const char* name) {
 
 namespace {
 
+// TVM's memory::AllocatorType
+constexpr int kNaiveAllocator = 1;
 constexpr int kPooledAllocator = 2;
 
 bool IsDir(const std::string& p) {
@@ -181,11 +183,12 @@ void Engine::Impl::LoadModule(const std::string& path) {
     ffi::Module vm_mod = need(lib_mod, "vm_load_executable")().cast<ffi::Module>();
     lib = lib_mod;
     vm = vm_mod;
-    // The device plus the CPU for shape functions, each with the pooled allocator (as the
-    // Python VirtualMachine does).
+    // The device plus the CPU for shape functions. On the CPU the naive allocator, as ModelRunner
+    // (python/mlc_lora/runner/device.py, default_allocator): the pooled one keeps a buffer of every
+    // size it freed, so memory would grow with every new prompt length.
     ffi::Function init = need(vm_mod, "vm_initialization");
     if (device.device_type == kDLCPU) {
-      init(static_cast<int>(kDLCPU), 0, kPooledAllocator);
+      init(static_cast<int>(kDLCPU), 0, kNaiveAllocator);
     } else {
       init(static_cast<int>(device.device_type), device.device_id, kPooledAllocator, static_cast<int>(kDLCPU), 0,
            kPooledAllocator);
