@@ -23,6 +23,16 @@ void Engine::Impl::ConfigureLora() {
   pool_pin = Global("mlc_lora.runtime.pool_pin_adapter");
   pool_set_seq = Global("mlc_lora.runtime.pool_set_sequence_adapter");
   pool_tables = Global("mlc_lora.runtime.pool_lora_tables");
+  pool_info = Global("mlc_lora.runtime.pool_adapter_info");
+}
+
+int64_t Engine::Impl::PoolStat(const char* key) const {
+  return pool_stats(kv).cast<ffi::Map<ffi::String, int64_t>>().at(key);
+}
+
+int64_t Engine::Impl::AdapterStat(int64_t id, const char* key) const {
+  ffi::Any v = pool_info(kv, id).cast<ffi::Map<ffi::String, ffi::Any>>().at(key);
+  return v.type_index() == kTVMFFIBool ? int64_t{v.cast<bool>()} : v.cast<int64_t>();
 }
 
 std::string Engine::Impl::UnknownAdapter(const std::string& name) const {

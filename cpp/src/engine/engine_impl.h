@@ -9,7 +9,8 @@
  * The unified page pool and adapter packing are mlc-lora's runtime (src/runtime), linked in.
  *
  *   model.cc      the folder: config, contract, tokenizer, library, params; forward passes
- *   scheduler.cc  requests: validation, admission by KV pages, chunked prefill, decode, streaming
+ *   scheduler.cc  requests: validation, admission by pages (KV and adapters), chunked prefill,
+ *                 decode, streaming
  *   adapters.cc   PEFT adapters into the pool (the runtime's reader and packer)
  *   engine.cc     the public Engine methods that only forward
  */
@@ -43,7 +44,8 @@ struct Running {
   std::vector<int32_t> prompt;
   size_t prefilled = 0;
   int budget;  // tokens it may still generate
-  int64_t reserved_pages;
+  int64_t reserved_pages;  // its KV pages at the most (prompt + budget)
+  int64_t adapter = -1;    // its adapter's pool id, -1 for the base model
   Sampler sampler;
   std::string pending;  // bytes not yet streamed (an incomplete UTF-8 character)
   Result result;
@@ -72,7 +74,7 @@ struct Engine::Impl {
   std::set<int32_t> stop_ids;
   tvm::ffi::Any lib, vm;  // the library and VM modules, kept alive
   tvm::ffi::Function f_embed, f_prefill, f_decode, f_create_kv;
-  tvm::ffi::Function kv_add, kv_remove, kv_begin, kv_end, kv_pages;
+  tvm::ffi::Function kv_add, kv_remove, kv_begin, kv_end, kv_pages, pool_stats;
   tvm::ffi::Function t_alloc, t_view, t_from_bytes, t_to_bytes;
   tvm::ffi::Array<tvm::ffi::Tensor> params;
   tvm::ffi::Any kv;
@@ -84,7 +86,7 @@ struct Engine::Impl {
   LoraSpec lora_spec;
   std::map<std::string, int64_t> adapters;  // name -> pool adapter id
   int64_t next_adapter_id = 0;
-  tvm::ffi::Function pool_load, pool_unload, pool_pin, pool_set_seq, pool_tables;
+  tvm::ffi::Function pool_load, pool_unload, pool_pin, pool_set_seq, pool_tables, pool_info;
 
   Impl(const std::string& dir, const EngineOptions& opt);
   void LoadTokenizer(const JSON& tok);
@@ -107,7 +109,14 @@ struct Engine::Impl {
 
   // ---- requests (scheduler.cc)
   std::vector<int32_t> PromptIds(const Request& r) const;
-  std::vector<detail::Running> Prepare(const std::vector<Request>& reqs, int64_t total_pages) const;
+  std::vector<detail::Running> Prepare(const std::vector<Request>& reqs) const;
+  /*! \brief Pages the admitted requests `active` have not yet claimed: free pages plus those of idle
+   *  unpinned adapters (the pool evicts them for KV), less what the active requests may still take
+   *  (KV up to their budget, their adapters not yet paged in). */
+  int64_t Headroom(const std::vector<detail::Running*>& active) const;
+  /*! \brief The pages admitting `r` beside `active` takes: its worst-case KV, plus its adapter's
+   *  pages unless an active request holds it already or it is pinned (resident for good). */
+  int64_t AdmissionPages(const detail::Running& r, const std::vector<detail::Running*>& active) const;
   void Accept(detail::Running* r, int32_t token, const GenerationConfig& g, const StreamCallback& cb);
   std::vector<Result> Generate(const std::vector<Request>& reqs, const StreamCallback& cb);
   void PrefillAll(const std::vector<detail::Running*>& admitted, const std::vector<Request>& reqs,
@@ -115,6 +124,10 @@ struct Engine::Impl {
 
   // ---- adapters (adapters.cc)
   std::string UnknownAdapter(const std::string& name) const;
+  /*! \brief One of the pool's counters (`mlc_lora.runtime.pool_stats`): free_pages, kv_pages, ... */
+  int64_t PoolStat(const char* key) const;
+  /*! \brief The pool's view of adapter `id`: pinned, resident, refs (sequences on it), num_pages. */
+  int64_t AdapterStat(int64_t id, const char* key) const;
 };
 
 }  // namespace mlc_lora

@@ -39,6 +39,8 @@ ffi::Function Global(const char* name) {
 
 namespace {
 
+// TVM's memory::AllocatorType
+constexpr int kNaiveAllocator = 1;
 constexpr int kPooledAllocator = 2;
 
 bool IsDir(const std::string& p) {
@@ -181,11 +183,12 @@ void Engine::Impl::LoadModule(const std::string& path) {
     ffi::Module vm_mod = need(lib_mod, "vm_load_executable")().cast<ffi::Module>();
     lib = lib_mod;
     vm = vm_mod;
-    // The device plus the CPU for shape functions, each with the pooled allocator (as the
-    // Python VirtualMachine does).
+    // The device plus the CPU for shape functions. On the CPU the naive allocator, as ModelRunner
+    // (python/mlc_lora/runner/device.py, default_allocator): the pooled one keeps a buffer of every
+    // size it freed, so memory would grow with every new prompt length.
     ffi::Function init = need(vm_mod, "vm_initialization");
     if (device.device_type == kDLCPU) {
-      init(static_cast<int>(kDLCPU), 0, kPooledAllocator);
+      init(static_cast<int>(kDLCPU), 0, kNaiveAllocator);
     } else {
       init(static_cast<int>(device.device_type), device.device_id, kPooledAllocator, static_cast<int>(kDLCPU), 0,
            kPooledAllocator);
@@ -209,6 +212,7 @@ void Engine::Impl::LoadModule(const std::string& path) {
   kv_begin = Global("vm.builtin.kv_state_begin_forward");
   kv_end = Global("vm.builtin.kv_state_end_forward");
   kv_pages = Global("vm.builtin.attention_kv_cache_get_num_available_pages");
+  pool_stats = Global("mlc_lora.runtime.pool_stats");
   t_alloc = Global("runtime.TVMTensorAllocWithScope");
   t_view = Global("runtime.TVMTensorCreateView");
   t_from_bytes = Global("runtime.TVMTensorCopyFromBytes");

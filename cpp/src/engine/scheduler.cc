@@ -1,12 +1,14 @@
 /*!
  * \file scheduler.cc
  * \brief Requests through the engine: validation before any KV change, admission while a batch
- *        slot and the request's worst-case KV pages are free, chunked prefill, batched decode,
+ *        slot and the request's worst-case pages (KV and its adapter's) are free or held by idle
+ *        adapters (the pool evicts those, least recently used first), chunked prefill, batched decode,
  *        streaming of whole UTF-8 characters, and cleanup that leaves the cache as it was.
  */
 #include <tvm/ffi/error.h>
 
 #include <algorithm>
+#include <set>
 
 #include "engine/engine_impl.h"
 
@@ -23,7 +25,10 @@ std::vector<int32_t> Engine::Impl::PromptIds(const Request& r) const {
 }
 
 // Validates every request and turns it into a Running; throws before any KV state changes.
-std::vector<Running> Engine::Impl::Prepare(const std::vector<Request>& reqs, int64_t total_pages) const {
+std::vector<Running> Engine::Impl::Prepare(const std::vector<Request>& reqs) const {
+  // What one request can have with nothing else running: the free pages and those of idle
+  // unpinned adapters (pinned adapters keep theirs).
+  int64_t total_pages = Headroom({});
   std::vector<Running> out;
   for (size_t i = 0; i < reqs.size(); ++i) {
     const Request& r = reqs[i];
@@ -54,15 +59,51 @@ std::vector<Running> Engine::Impl::Prepare(const std::vector<Request>& reqs, int
     }
     int budget = static_cast<int>(std::min<int64_t>(g.max_tokens, context_window - n));
     int64_t pages = PagesFor(n + budget);
-    if (pages > total_pages) {
+    if (pages > PoolStat("total_pages")) {
       throw InvalidArgument(who + std::to_string(n) + " prompt + " + std::to_string(budget) +
-                            " new tokens exceed the KV cache (" + std::to_string(total_pages * contract.page_size) +
+                            " new tokens exceed the KV cache (" + std::to_string(PoolStat("total_pages") * contract.page_size) +
                             " tokens); raise EngineOptions::max_total_tokens");
     }
     out.emplace_back(i, -1, std::move(ids), budget, pages, g);
-    out.back().result.prompt_ids = out.back().prompt;
+    Running& run = out.back();
+    run.result.prompt_ids = run.prompt;
+    if (!r.adapter.empty()) run.adapter = adapters.at(r.adapter);
+    int64_t need = AdmissionPages(run, {});
+    if (need > total_pages) {
+      std::string what = "its KV (" + std::to_string(pages) + " pages)";
+      if (need > pages) what = "adapter '" + r.adapter + "' (" + std::to_string(need - pages) + " pages) and " + what;
+      int64_t pinned = PoolStat("adapter_pages") - PoolStat("evictable_pages");
+      throw InvalidArgument(who + what + " need more than the " + std::to_string(total_pages) +
+                            " pages the pool can give with nothing else running (" + std::to_string(pinned) +
+                            " held by pinned adapters); unpin or unload adapters, lower max_tokens, or compile "
+                            "with more --lora-pool-pages");
+    }
   }
   return out;
+}
+
+int64_t Engine::Impl::Headroom(const std::vector<Running*>& active) const {
+  int64_t reserved = 0;
+  for (const Running* r : active) reserved += r->reserved_pages;
+  // KV the active requests hold already is part of their reservation; adapters they use that are
+  // not resident yet are paged in by their next forward pass.
+  int64_t out = PoolStat("free_pages") + PoolStat("evictable_pages") + PoolStat("kv_pages") - reserved;
+  std::set<int64_t> seen;
+  for (const Running* r : active) {
+    if (r->adapter >= 0 && seen.insert(r->adapter).second && !AdapterStat(r->adapter, "resident")) {
+      out -= AdapterStat(r->adapter, "num_pages");
+    }
+  }
+  return out;
+}
+
+int64_t Engine::Impl::AdmissionPages(const Running& r, const std::vector<Running*>& active) const {
+  if (r.adapter < 0) return r.reserved_pages;
+  for (const Running* a : active) {
+    if (a->adapter == r.adapter) return r.reserved_pages;  // counted with that request
+  }
+  bool kept = AdapterStat(r.adapter, "pinned") && AdapterStat(r.adapter, "resident");
+  return r.reserved_pages + (kept ? 0 : AdapterStat(r.adapter, "num_pages"));
 }
 
 // Takes a sampled token: stop, or append it and stream its text.
@@ -94,28 +135,23 @@ void Engine::Impl::Accept(Running* r, int32_t token, const GenerationConfig& g, 
 }
 
 std::vector<Result> Engine::Impl::Generate(const std::vector<Request>& reqs, const StreamCallback& cb) {
-  int64_t total_pages = kv_pages(kv).cast<int64_t>();
-  std::vector<Running> runs = Prepare(reqs, total_pages);
+  std::vector<Running> runs = Prepare(reqs);
   std::vector<Result> results(reqs.size());
   std::vector<Running*> active;
   size_t next = 0;
-  int64_t free_pages = total_pages;
   try {
     while (next < runs.size() || !active.empty()) {
-      // Admit while a batch slot and the request's worst-case pages are free.
+      // Admit, in order, while a batch slot and the request's worst-case pages (KV, and its
+      // adapter's unless already counted) are free or held by idle adapters.
       std::vector<Running*> admitted;
       while (next < runs.size() && static_cast<int>(active.size()) < max_batch &&
-             runs[next].reserved_pages <= free_pages) {
+             AdmissionPages(runs[next], active) <= Headroom(active)) {
         Running* r = &runs[next++];
         r->seq_id = next_seq_id++;
         kv_add(kv, r->seq_id);
-        free_pages -= r->reserved_pages;
         active.push_back(r);  // before anything else can throw: the cleanup below removes it
         admitted.push_back(r);
-        if (lora) {
-          const std::string& a = reqs[r->index].adapter;
-          pool_set_seq(kv, r->seq_id, a.empty() ? int64_t{-1} : adapters.at(a));
-        }
+        if (lora) pool_set_seq(kv, r->seq_id, r->adapter);
       }
       PrefillAll(admitted, reqs, cb);
       std::vector<Running*> stepping;
@@ -144,7 +180,6 @@ std::vector<Result> Engine::Impl::Generate(const std::vector<Request>& reqs, con
         }
         kv_remove(kv, r->seq_id);
         r->seq_id = -1;
-        free_pages += r->reserved_pages;
         results[r->index] = std::move(r->result);
         it = active.erase(it);
       }

@@ -4,7 +4,7 @@ by free KV pages; preemption by recompute when the pages run out).
 LoRA: KV and adapters share the unified pool's pages. A batch counts, beside its KV pages, the
 pages of every adapter it must page in or keep from eviction; a request that cannot fit even with
 nothing else running is rejected (PoolExhaustedError), never retried forever. Stage-1 (`single`)
-libraries get one adapter per batch (plus base-model rows), the least recently served first."""
+libraries get one adapter per batch (plus base-model rows): that of the oldest request on an adapter."""
 
 from __future__ import annotations
 
@@ -119,8 +119,6 @@ class Scheduler:
         self.free_pages = free_pages
         self.adapter_pages = adapter_pages or (lambda a: 0)
         self.one_adapter = one_adapter_per_batch
-        self._served: dict[int, int] = {}  # adapter slot -> step it last ran (one_adapter fairness)
-        self._step = 0
         self.rejected: list[Sequence] = []  # waiting requests that can never fit; the engine fails them
         self.add_sequence = add_sequence
         self.remove_sequence = remove_sequence
@@ -156,13 +154,22 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _pick_adapter(self) -> Optional[int]:
-        """Stage 1: the adapter of this batch, the one served least recently (base rides along)."""
-        order = list(dict.fromkeys(s.adapter_slot for s in self.running + list(self.waiting)
-                                   if s.adapter_slot is not None))
-        return min(order, key=lambda a: self._served.get(a, -1)) if order else None
+        """Stage 1: the adapter of this batch, that of the oldest request on an adapter (base-model
+        rows ride along). It stays the batch's adapter until that request finishes, so batches
+        change adapter once per finished request at most, and every adapter gets its turn."""
+        first = min((s for s in itertools.chain(self.running, self.waiting) if s.adapter_slot is not None),
+                    key=lambda s: s.seq_id, default=None)
+        return None if first is None else first.adapter_slot
+
+    def _victim(self, rows: list, fits: Callable[[Sequence], bool]) -> Optional[Sequence]:
+        """The running sequence to preempt for pages: one this batch does not serve, those paused
+        for another adapter (stage 1) first, then the most recently admitted."""
+        taken = {id(s) for s, _ in rows}
+        idle = [s for s in self.running if id(s) not in taken]
+        paused = [s for s in idle if not fits(s)]
+        return (paused or idle or [None])[-1]
 
     def schedule(self) -> Optional[Batch]:
-        self._step += 1
         only = self._pick_adapter() if self.one_adapter else None
         fits = lambda s: not self.one_adapter or s.adapter_slot in (None, only)  # noqa: E731
         charged: set = set()  # adapters whose pages this batch already counts
@@ -175,20 +182,21 @@ class Scheduler:
         free = self.free_pages()
         budget = self.max_step_tokens
         rows: list[tuple[Sequence, list[int]]] = []
-        # 1. decodes, oldest first; when pages run out, preempt the newest running sequence
-        queue = deque(s for s in self.running if s.num_cached == s.num_tokens - 1 and fits(s))
-        while queue:
-            seq = queue.popleft()
+        # 1. decodes, oldest first; when pages run out, preempt the newest sequence not in the batch
+        for seq in [s for s in self.running if s.num_cached == s.num_tokens - 1 and fits(s)]:
+            if seq.status != Status.RUNNING:
+                continue  # preempted for an older one
             need = new_pages(seq.num_cached, 1) + cost(seq)
-            while need > free and queue:
-                self.preempt(queue.pop())
-                free = self.free_pages() - used
-            if need > free:
-                if len(self.running) == 1:  # alone and out of pages: it can never finish
+            while need > free:
+                victim = self._victim(rows, fits)
+                if victim is seq and len(self.running) == 1:  # alone and out of pages: it can never finish
                     self.reject(seq)
-                    continue
-                self.preempt(seq)
+                    break
+                self.preempt(victim)
+                if victim is seq:
+                    break
                 free = self.free_pages() - used
+            if seq.status != Status.RUNNING:
                 continue
             free -= need
             used += need
@@ -197,12 +205,14 @@ class Scheduler:
             rows.append((seq, seq.tokens[-1:]))
         # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
+        stuck = None  # the first sequence that found no pages
         for seq in prefilling + list(self.waiting):
             if budget <= 0:
                 break
             if not fits(seq):
                 continue
             if seq.status == Status.WAITING and len(self.running) >= self.max_num_seqs:
+                stuck = seq  # (stage 1: the running ones may all be paused for another adapter)
                 break
             n = min(seq.num_tokens - seq.num_cached, budget)
             # as many tokens as the free pages (and the last page's slack) can hold
@@ -210,6 +220,7 @@ class Scheduler:
             slack = -seq.num_cached % PAGE_SIZE
             n = min(n, slack + (free - c) * PAGE_SIZE)
             if n <= 0:
+                stuck = seq
                 break
             if seq.status == Status.WAITING:
                 self.waiting.remove(seq)
@@ -222,17 +233,17 @@ class Scheduler:
             budget -= n
             charged.add(seq.adapter_slot)
             rows.append((seq, seq.tokens[seq.num_cached:seq.num_cached + n]))
-        if not rows and len(self.running) > 1:
-            # every running sequence is stuck mid-prefill without pages: free the newest
-            self.preempt(self.running[-1])
-            return self.schedule()
-        if not rows and (self.running or self.waiting):
-            # nothing else holds pages and the next request still does not fit (pinned adapters
-            # hold the rest, or its adapter plus KV exceed the pool): it can never run
-            self.reject(self.running[0] if self.running else next(s for s in self.waiting if fits(s)))
+        if not rows and stuck is not None:
+            victim = next((s for s in reversed(self.running) if s is not stuck and not fits(s)), None) or next(
+                (s for s in reversed(self.running) if s is not stuck), None)
+            if victim is not None:
+                # others hold the pages it needs (mid-prefill, or paused for another adapter)
+                self.preempt(victim)
+            else:
+                # nothing else holds pages and it still does not fit (pinned adapters hold the
+                # rest, or its adapter plus KV exceed the pool): it can never run
+                self.reject(stuck)
             return self.schedule()
         if not rows:
             return None
-        if only is not None:
-            self._served[only] = self._step
         return Batch([s for s, _ in rows], [c for _, c in rows])

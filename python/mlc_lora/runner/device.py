@@ -78,3 +78,18 @@ def device_of(name: str):
             raise MLCLoraError(f"device {name!r} requested but no CUDA GPU is visible")
         return dev
     raise MLCLoraError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
+
+
+# The Relax VM's memory allocators. "pooled" keeps every buffer it ever freed, keyed by size, for
+# reuse: each new prefill length leaves buffers of new sizes behind, so memory would grow with every
+# distinct prompt length; ModelRunner releases the cached buffers after POOLED_PREFILL_SIZES new
+# prefill token counts. "naive" hands each buffer back when it is freed.
+ALLOCATORS = ("naive", "pooled")
+POOLED_PREFILL_SIZES = 8
+
+
+def default_allocator(device: str) -> str:
+    """The allocator a runner on `device` uses unless told otherwise: "naive" on the CPU, where it is
+    as fast as "pooled" and holds nothing (docs/BENCHMARKS.md, "Memory under varied prompt
+    lengths"); "pooled" on CUDA, where a cudaFree per buffer would stall the host behind the GPU."""
+    return "naive" if device == "cpu" else "pooled"

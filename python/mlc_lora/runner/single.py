@@ -11,16 +11,18 @@ from ..contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_I
 from ..errors import MLCLoraError
 from .base import LoraInputs, Runner, logit_rows
 from .config import CompiledConfig
-from .device import _tvm, device_of, load_cublas
+from .device import ALLOCATORS, POOLED_PREFILL_SIZES, _tvm, default_allocator, device_of, load_cublas
 from .pool import DevicePool
 
 
 class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
     """A compiled model on one device: weights, VM functions and its unified pool."""
 
-    def __init__(self, model_dir: str | Path, device: str = "cpu", params: Optional[Sequence] = None):
+    def __init__(self, model_dir: str | Path, device: str = "cpu", params: Optional[Sequence] = None,
+                 allocator: Optional[str] = None):
         """`params`: the weights already on the device, in `param_names` order (e.g. made there by
-        a benchmark); by default they are read from the model folder."""
+        a benchmark); by default they are read from the model folder. `allocator`: the VM's
+        memory allocator, "naive" or "pooled"; by default `default_allocator(device)`."""
         compiled = CompiledConfig.read(model_dir, device)
         super().__init__(compiled)
         if compiled.tensor_parallel_shards > 1:
@@ -32,7 +34,15 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         if compiled.uses_cublas:
             load_cublas(self._device)
         lib = tvm.runtime.load_module(str(compiled.model_dir / compiled.library))
-        self._vm = tvm.runtime.vm.VirtualMachine(lib, self._device)
+        self.allocator = allocator or default_allocator(device)
+        if self.allocator not in ALLOCATORS:
+            raise MLCLoraError(f"unknown allocator {self.allocator!r}; use one of {', '.join(ALLOCATORS)}")
+        self._vm = tvm.runtime.vm.VirtualMachine(lib, self._device, memory_cfg=self.allocator)
+        # The pooled allocator keeps every buffer it freed, by size, and a prefill of a token count
+        # not seen before leaves buffers of new sizes: after this many new counts the cached
+        # buffers are released (0: never), so memory stays bounded under any mix of prompt lengths.
+        self.pooled_prefill_sizes = POOLED_PREFILL_SIZES
+        self._prefill_sizes: set[int] = set()
         if params is not None:
             if len(params) != len(compiled.param_names):
                 raise MLCLoraError(f"{len(params)} params given, the model has {len(compiled.param_names)}")
@@ -185,6 +195,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         if min(lengths) < 1:
             raise MLCLoraError("every sequence in a prefill needs at least one token")
         flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
+        self._bound_pool(len(flat))
         emb = self.embed(flat)
         emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access
         rows = logit_rows(lengths, positions)
@@ -197,6 +208,16 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
             logits, _ = fn(emb, last, pool.handle, *extra, self.params)
         pool.end_forward()
         return logits._create_view((len(rows), logits.shape[-1]))  # pylint: disable=protected-access
+
+    def _bound_pool(self, n_tok: int) -> None:
+        """Pooled allocator: release the cached buffers once `pooled_prefill_sizes` new prefill
+        token counts have left theirs (buffers in use stay; CUDA graphs keep their own)."""
+        if self.allocator != "pooled" or not self.pooled_prefill_sizes or n_tok in self._prefill_sizes:
+            return
+        if len(self._prefill_sizes) >= self.pooled_prefill_sizes:
+            _tvm().get_global_func("vm.builtin.memory_manager.clear")()
+            self._prefill_sizes.clear()
+        self._prefill_sizes.add(n_tok)
 
     def _graph_tables(self, extra: list) -> list:
         """The LoRA inputs of a decode captured in CUDA graphs (the compiler counts them with the

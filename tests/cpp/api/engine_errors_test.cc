@@ -209,6 +209,77 @@ int main(int argc, char** argv) {
     Expect(engine.kv_cache_free_tokens() == free_tokens, "every page is free after unload");
     engine.LoadAdapter("a", peft);  // a name can be reused
     Expect(engine.Generate(ra).output_ids == with.output_ids, "reloaded adapter, same output");
+
+    // Admission counts adapter pages beside KV, and idle adapters give theirs back (the pool
+    // evicts them, least recently used first), as in the Python engine.
+    engine.UnloadAdapter("a");
+    const int64_t page = 16;
+    int64_t empty = engine.kv_cache_free_tokens() / page;
+    Request big = Chat("Tell me a long story about the sea", 1);
+    big.config.ignore_eos = true;
+    big.config.max_tokens = static_cast<int>((empty - 1) / 2 * page) - static_cast<int>(engine.PromptIds(big).size());
+    Result big_ref = engine.Generate(big);  // half the pool, with no adapter loaded
+    std::vector<std::string> names;
+    while (engine.kv_cache_free_tokens() / page > empty / 4) {  // idle adapters hold the rest
+      names.push_back("c" + std::to_string(names.size()));
+      engine.LoadAdapter(names.back(), peft);
+    }
+    int64_t per = (empty - engine.kv_cache_free_tokens() / page) / static_cast<int64_t>(names.size());
+    Result big_out;
+    try {
+      big_out = engine.Generate(big);
+    } catch (const std::exception& e) {
+      std::cerr << "FAIL a request that fits once idle adapters are evicted: " << e.what() << "\n";
+      ++failures;
+    }
+    Expect(big_out.output_ids == big_ref.output_ids, "a request that fits once idle adapters are evicted runs");
+    std::vector<Result> two;
+    try {
+      two = engine.Generate(std::vector<Request>{big, big});  // the whole pool: every idle adapter goes
+    } catch (const std::exception& e) {
+      std::cerr << "FAIL two requests that fill the pool once idle adapters are evicted: " << e.what() << "\n";
+      ++failures;
+    }
+    Expect(two.size() == 2 && two[0].output_ids == big_ref.output_ids && two[1].output_ids == big_ref.output_ids,
+           "two requests that fill the pool once idle adapters are evicted run");
+    // Evict every c*: fillers loaded later take the whole pool (the least recently used go first),
+    // then leave it free.
+    for (int64_t i = 0; i * per < empty; ++i) engine.LoadAdapter("filler" + std::to_string(i), peft);
+    for (int64_t i = 0; i * per < empty; ++i) engine.UnloadAdapter("filler" + std::to_string(i));
+    Expect(engine.kv_cache_free_tokens() / page == empty, "every c* adapter evicted, the pool free");
+    // Every request on another adapter, all evicted: their KV alone fits the pool at once,
+    // their KV plus the adapters' pages do not; they run in turns with the outputs of each alone.
+    std::vector<Request> spread;
+    const char* texts[] = {"Hi there", "Write a haiku about the sea", "What is the capital of France?"};
+    int64_t kv_each = (empty - 1) / std::min<int64_t>(names.size(), 8);
+    for (size_t i = 0; i < names.size() && i < 8; ++i) {
+      Request r = Chat(texts[i % 3], 1);
+      r.adapter = names[i];
+      r.config.ignore_eos = true;
+      r.config.max_tokens = static_cast<int>(kv_each * page) - static_cast<int>(engine.PromptIds(r).size());
+      spread.push_back(r);
+    }
+    Expect(static_cast<int64_t>(spread.size()) * (kv_each + per) > empty, "the spread batch needs adapter pages too");
+    std::vector<Result> spread_out;
+    try {
+      spread_out = engine.Generate(spread);
+    } catch (const std::exception& e) {
+      std::cerr << "FAIL a batch whose KV and adapter pages exceed the pool: " << e.what() << "\n";
+      ++failures;
+    }
+    for (size_t i = 0; i < spread_out.size(); ++i) {
+      Expect(spread_out[i].output_ids == engine.Generate(spread[i]).output_ids,
+             "adapter pages counted at admission: request " + std::to_string(i) + " == alone");
+    }
+    Expect(spread_out.size() == spread.size(), "every request of the spread batch answered");
+    // Pinned adapters keep their pages: a request that fits only with them gone is refused.
+    for (const std::string& n : names) engine.PinAdapter(n);
+    ExpectThrow<InvalidArgument>("a request that fits only without the pinned adapters", [&] { engine.Generate(big); },
+                                 "held by pinned adapters");
+    Request small = spread[0];
+    Expect(engine.Generate(small).output_ids == spread_out.at(0).output_ids, "a small request beside pinned adapters");
+    for (const std::string& n : names) engine.UnloadAdapter(n);
+    Expect(engine.kv_cache_free_tokens() / page == empty, "every page is free after the adapters are unloaded");
   }
 
   std::cout << (failures ? "FAILED" : "PASSED") << " (" << failures << " failures)\n";

@@ -1,0 +1,48 @@
+"""Resident memory stays bounded while a runner sees prompts of ever new lengths: the VM's pooled
+allocator keeps a buffer of every size it has freed, so without a bounded memory plan each new
+prefill length leaves megabytes behind (scripts/soak.py `alloc` measures the plans on SmolLM2)."""
+
+from __future__ import annotations
+
+import pytest
+
+import soak
+from mlc_lora.compile import CompileOptions, compile_model
+
+LENGTHS = 40
+MARGIN_MB = 24  # what a runner may add after warm-up over LENGTHS new prompt lengths
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A 2-layer Llama wide enough (hidden 256, MLP 1024) that one prefill's buffers are megabytes."""
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("wide")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                                   num_key_value_heads=4, num_hidden_layers=2, vocab_size=256,
+                                   max_position_embeddings=1024, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(root / "hf", safe_serialization=True)
+    return compile_model(root / "hf", root / "llvm", CompileOptions(prefill_chunk_size=512, max_batch_size=4,
+                                                                   context_window_size=1024), progress=False)
+
+
+def test_memory_stays_bounded_over_new_prompt_lengths(wide_model):
+    default = soak.plan_in_subprocess(wide_model, "default", LENGTHS)
+    assert default["allocator"] == "naive"
+    assert default["rss_growth_mb"] < MARGIN_MB, default
+    assert default["rss_after_repeat_mb"] < MARGIN_MB, default
+    # the measurement can fail: TVM's pooled allocator grows past the margin on the same prompts
+    pooled = soak.plan_in_subprocess(wide_model, "pooled", LENGTHS)
+    assert pooled["rss_growth_mb"] > 4 * MARGIN_MB, pooled
+
+
+def test_pooled_allocator_released_after_a_bounded_number_of_sizes(wide_model):
+    """The pooled allocator (the CUDA default) as ModelRunner drives it: its cached buffers are
+    released after POOLED_PREFILL_SIZES new prefill sizes, so it holds a few sizes' worth, not one per
+    length (the pooled figure of the test above: > 4 margins)."""
+    released = soak.plan_in_subprocess(wide_model, "released", LENGTHS)
+    assert released["allocator"] == "pooled"
+    assert released["rss_after_repeat_mb"] < 4 * MARGIN_MB, released
