@@ -9,9 +9,11 @@ from pathlib import Path
 
 from ..errors import LoraError
 from ..loader.source import DEFAULT_MODEL
+from . import HelpFormatter
 
-# The demo adapters of a source checkout (adapters/README.md), usable by name.
-DEMO_ADAPTERS = Path(__file__).resolve().parents[3] / "adapters"
+# The demo adapters (adapters/README.md), usable by name: package data of mlc_lora (in a source
+# checkout python/mlc_lora/adapters links to the top-level adapters/).
+DEMO_ADAPTERS = Path(__file__).resolve().parents[1] / "adapters"
 
 
 def adapter_folder(name_or_path: str) -> tuple[str, Path]:
@@ -26,24 +28,32 @@ def adapter_folder(name_or_path: str) -> tuple[str, Path]:
                     f"({', '.join(demos) or 'none found'})")
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mlc_lora chat", description=__doc__)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlc_lora chat", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"compiled folder, embedded name, HF folder or .gguf (default {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--prompt", help="answer this one message and exit")
-    p.add_argument("--system", help="a system message")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prompt", help="answer this one message and exit (default: an interactive chat)")
+    p.add_argument("--system", help="a system message opening the conversation (default: none)")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens of one answer")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                                                            "holding this probability; 1 = all")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=None, help="random seed of the sampler (default: random)")
     p.add_argument("--adapter", metavar="NAME_OR_PATH",
                    help="answer through this LoRA adapter: a PEFT folder or a demo adapter (all-caps, "
-                        "pirate); a model that is not a compiled folder is then compiled with LoRA")
-    p.add_argument("--max-lora-rank", type=int, default=64, help="when compiling for --adapter")
-    p.add_argument("--lora-pool-pages", type=int, default=512, help="when compiling for --adapter")
-    a = p.parse_args(argv)
+                        "pirate); a model that is not a compiled folder is then compiled with LoRA (default: "
+                        "the base model)")
+    p.add_argument("--max-lora-rank", type=int, default=64,
+                   help="largest adapter rank, when the model is compiled for --adapter")
+    p.add_argument("--lora-pool-pages", type=int, default=512,
+                   help="pages of the KV/adapter pool, when the model is compiled for --adapter")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
     adapter = adapter_folder(a.adapter) if a.adapter else None
 
     from ..engine import MLCEngine  # pylint: disable=import-outside-toplevel
