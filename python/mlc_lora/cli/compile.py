@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk-size", type=int, default=2048, help="most tokens in one prefill step")
     p.add_argument("--max-batch-size", type=int, default=64, help="most sequences in one decode step")
     p.add_argument("--gemm", choices=["cublas", "tvm"], default="cublas",
-                   help="cuda: base linears on cuBLAS (needs mlc-lora[cuda] where it runs) or TVM kernels")
+                   help="cuda: base linears on cuBLAS (needs nvidia-cublas, of the cuda extra, where it runs) or TVM kernels")
     p.add_argument("--gemv-max-rows", type=int, default=1, metavar="N",
                    help="cuda: linears of up to N tokens (0-8) on mlc-lora's GEMV kernel, cuBLAS above")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
