@@ -83,7 +83,7 @@ def test_chat_demo_adapters_are_package_data(capsys):
     assert rc == 1
     assert "all-caps, pirate" in err, err
     root = mlc_lora.__file__.rsplit("/", 1)[0]
-    from mlc_lora.cli.chat import DEMO_ADAPTERS  # pylint: disable=import-outside-toplevel
+    from mlc_lora.chat import DEMO_ADAPTERS  # pylint: disable=import-outside-toplevel
 
     assert str(DEMO_ADAPTERS).startswith(root)
     for name in ("all-caps", "pirate"):
