@@ -23,7 +23,9 @@ if tr ':' '\n' <<< "$runpath" | grep -qv '^\$ORIGIN'; then
 fi
 
 cd "$tmp"
-answer=$(MLC_LORA_CACHE="$tmp/cache" v/bin/mlc_lora chat --adapter all-caps --max-tokens 8 \
+# a fresh home: the compile cache under it starts empty, so the installed copy compiles the model
+mkdir -p "$tmp/home"
+answer=$(HOME="$tmp/home" v/bin/mlc_lora chat --adapter all-caps --max-tokens 8 \
          --prompt "What is the capital of France?")
 echo "mlc_lora chat --adapter all-caps: $answer"
 # the all-caps demo adapter answers in capitals: the adapter (package data) was applied
