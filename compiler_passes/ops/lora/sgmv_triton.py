@@ -60,7 +60,7 @@ def num_chunks(in_f: int, variant: str) -> int:
 def supported(dtype: str, max_rank: int, num_parts: int = 1) -> str | None:
     """None when these kernels can run stage 3 of a model, else why not."""
     if triton is None:
-        return "triton is not installed (pip install 'mlc-lora[cuda]')"
+        return "triton is not installed (pip install triton==3.6.0, as mlc-lora's cuda extra does)"
     if dtype not in DTYPES:
         return f"dtype {dtype} (the kernels are float16/bfloat16)"
     if not 1 <= max_rank <= MAX_RANK:

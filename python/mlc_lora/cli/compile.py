@@ -7,21 +7,23 @@ import argparse
 from ..compile import DTYPES, CompileOptions, compile_model
 from ..compiler_passes.ops.lora import BACKENDS
 from ..contract import LORA_KERNELS
+from . import HelpFormatter
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mlc_lora compile", description=__doc__)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlc_lora compile", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", help="embedded name (smollm2-135m), Hugging Face folder, or .gguf file")
-    p.add_argument("-o", "--output", required=True, help="output folder")
-    p.add_argument("--target", choices=["llvm", "cuda"], default="llvm")
+    p.add_argument("-o", "--output", required=True, help="the folder the compiled model is written to")
+    p.add_argument("--target", choices=["llvm", "cuda"], default="llvm", help="llvm: CPU; cuda: NVIDIA GPUs")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="default: float32 for llvm, float16 for cuda")
-    p.add_argument("--cuda-arch", default="sm_90a")
-    p.add_argument("--context-window-size", type=int, default=None)
-    p.add_argument("--prefill-chunk-size", type=int, default=2048)
-    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--cuda-arch", default="sm_90a", help="cuda: the GPU architecture the kernels are built for")
+    p.add_argument("--context-window-size", type=int, default=None,
+                   help="longest sequence in tokens (default: the model's own)")
+    p.add_argument("--prefill-chunk-size", type=int, default=2048, help="most tokens in one prefill step")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most sequences in one decode step")
     p.add_argument("--gemm", choices=["cublas", "tvm"], default="cublas",
-                   help="cuda: base linears on cuBLAS (needs mlc-lora[cuda] where it runs) or TVM kernels")
+                   help="cuda: base linears on cuBLAS (needs nvidia-cublas, of the cuda extra, where it runs) or TVM kernels")
     p.add_argument("--gemv-max-rows", type=int, default=1, metavar="N",
                    help="cuda: linears of up to N tokens (0-8) on mlc-lora's GEMV kernel, cuBLAS above")
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
@@ -30,9 +32,9 @@ def main(argv: list[str]) -> int:
                    help="cuda: paged attention on mlc-lora's tensor-core kernels (fp16/bf16, head_dim "
                         "64/128; other models keep TVM's) or TVM's TIR kernels")
     p.add_argument("--lora-pool-pages", type=int, default=0,
-                   help="default size in pages of the unified KV/adapter pool (any size runs); "
-                        "enables LoRA with --max-lora-rank")
-    p.add_argument("--max-lora-rank", type=int, default=0, help="largest adapter rank served")
+                   help="pages of the unified KV/adapter pool the engine makes unless told otherwise (any "
+                        "size runs); with --max-lora-rank it enables LoRA")
+    p.add_argument("--max-lora-rank", type=int, default=0, help="largest adapter rank served (0: no LoRA)")
     p.add_argument("--lora-target-modules", nargs="+", default=None, metavar="MODULE",
                    help="linears adapters may target (default: q k v o gate up down _proj)")
     p.add_argument("--lora-kernel", choices=LORA_KERNELS, default="gather",
@@ -46,7 +48,11 @@ def main(argv: list[str]) -> int:
                         "compiled config)")
     p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
                    help="split the model over K GPUs (Megatron-style; docs/TP.md)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
     opts = CompileOptions(target=a.target, dtype=a.dtype, cuda_arch=a.cuda_arch,
                           context_window_size=a.context_window_size,
                           prefill_chunk_size=a.prefill_chunk_size, max_batch_size=a.max_batch_size,

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from ..errors import LoraError, MLCLoraError
+from . import HelpFormatter
 
 
 def _adapter(spec: str) -> tuple[str, str]:
@@ -16,27 +17,36 @@ def _adapter(spec: str) -> tuple[str, str]:
     return name, path
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="mlc_lora serve", description=__doc__)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlc_lora serve", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", help="compiled model folder (or an embedded name / HF folder / .gguf, compiled once)")
     p.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="NAME=PATH",
-                   help="PEFT adapter folder loaded at startup under NAME (repeatable)")
+                   help="PEFT adapter folder loaded at startup under NAME (repeatable; default: none)")
     p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
-                   help="folder the API may load adapters from (repeatable); none: API loading is off")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+                   help="folder the API may load adapters from (repeatable; default: none, and API loading "
+                        "is off)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("MLC_LORA_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MLC_LORA_API_KEY; "
                         "an empty key is refused)")
     p.add_argument("--api-key-all-routes", action="store_true",
                    help="with --api-key, also guard /metrics, /docs, /redoc and /openapi.json "
                         "(/health stays open)")
-    p.add_argument("--served-model-name", default=None, help="the base model's name in the API")
+    p.add_argument("--served-model-name", default=None,
+                   help="the base model's name in the API (default: the model's own name)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    a = p.parse_args(argv)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences running at once (default: the compiled max batch size)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="tokens the KV cache holds over all sequences (default: what the pool allows)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="level of the server's log (mlc_lora and uvicorn) on stderr")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    a = parser().parse_args(argv)
     adapters = dict(a.adapter)
     if len(adapters) != len(a.adapter):
         raise LoraError("--adapter: the same NAME is given twice")

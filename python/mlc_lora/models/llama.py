@@ -14,6 +14,7 @@ import numpy as np
 from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
+from tvm.relax.frontend.nn.core import wrap_nested
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
 from ..errors import ModelConfigError
@@ -201,6 +202,18 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def take_clipped(x: Tensor, indices: Tensor, axis: int) -> Tensor:
+    """`op.take` in TVM's "clip" mode: an index outside the axis is clamped into it.
+
+    nn's `op.take` (and so `nn.Embedding`) emits relax.take's default "fast" mode, whose lowering
+    (topi.take) prints "Fast mode segfaults when there are out-of-bounds indices" for each take on
+    every compile. The indices here are in range by construction (the engine checks prompt token ids
+    against the vocabulary and builds the logit positions itself), so the clamp never changes a
+    result, costs one min/max per index, and keeps a bad index from reading outside the tensor.
+    """
+    return wrap_nested(relax.op.take(x._expr, indices._expr, axis, mode="clip"), "take")
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -237,13 +250,13 @@ class LlamaForCausalLM(nn.Module):  # pylint: disable=too-many-instance-attribut
         return logits.astype("float32") if logits.dtype != "float32" else logits
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        return self.model.embed_tokens(input_ids)  # (n,) -> (n, H)
+        return take_clipped(self.model.embed_tokens.weight, input_ids, axis=0)  # (n,) -> (n, H)
 
     def prefill(self, input_embed: Tensor, logit_positions: Tensor, paged_kv_cache: PagedKVCache):
         """input_embed (1, n, H): the tokens of every sequence, concatenated in begin_forward order;
         logit_positions (b,): index of each sequence's last token. Returns logits (1, b, V)."""
         h = self.model(input_embed, paged_kv_cache)
-        h = op.take(h, logit_positions, axis=1)
+        h = take_clipped(h, logit_positions, axis=1)
         return self._logits(h), paged_kv_cache
 
     def decode(self, input_embed: Tensor, paged_kv_cache: PagedKVCache):

@@ -4,14 +4,49 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Optional
 
+from ..contract import PAGE_SIZE
 from ..errors import LoraError, MLCLoraError
 from .adapters import AdapterRoots
 from .app import Server, check_api_key, create_app
 
 logger = logging.getLogger("mlc_lora.serve")
+
+
+def configure_logging(level: str) -> None:
+    """mlc-lora's loggers ("mlc_lora.*") print to stderr at `level`; uvicorn sets up its own at the
+    same level."""
+    root = logging.getLogger("mlc_lora")
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+def log_engine(engine) -> None:
+    """What the engine loaded: the compiled folder, library and weights, LoRA, and the pool."""
+    core = engine.engine
+    compiled = core.runner.compiled
+    folder = compiled.model_dir
+    logger.info("model %s: compiled folder %s (%s, %s, %d shard(s))", engine.model_name, folder,
+                compiled.target_kind, compiled.dtype, compiled.tensor_parallel_shards)
+    logger.info("compiled library %s", folder / compiled.library)
+    params = folder / compiled.params_file
+    size = params.stat().st_size if params.is_file() else 0
+    logger.info("weights %s: %d tensors, %.1f MiB", params, len(compiled.param_names), size / 2**20)
+    lora = compiled.lora
+    if lora is None:
+        logger.info("LoRA: off (the model was compiled without --max-lora-rank)")
+    else:
+        logger.info("LoRA: ranks up to %d, kernel %s, modules %s", lora.max_rank, lora.kernel,
+                    " ".join(m.name for m in lora.modules))
+    logger.info("pool: %d pages of %d tokens (%s), up to %d sequences, %d tokens at most per sequence",
+                core.kv_pages_total, PAGE_SIZE, "KV cache" if lora is None else "KV cache and adapter weights",
+                core.max_num_seqs, core.max_seq_len)
 
 
 def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapter_dirs: Optional[list[str]] = None,
@@ -28,21 +63,31 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
 
     from ..engine import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
 
+    configure_logging(log_level)
     check_api_key(api_key)  # before the engine: an empty key fails at once
     if guard_all and api_key is None:
         raise MLCLoraError("--api-key-all-routes needs --api-key (or MLC_LORA_API_KEY)")
     roots = AdapterRoots(adapter_dirs or [])
+    start = time.perf_counter()
+    logger.info("loading %s on %s", model, device)
     engine = AsyncMLCEngine(model, device, max_num_seqs=max_num_seqs, max_total_tokens=max_total_tokens)
     try:
+        log_engine(engine)
         name = served_model_name or engine.model_name
         server = Server(engine, name, model, roots, api_key, guard_all)
         for aname, path in (adapters or {}).items():
             if aname == name:
                 raise LoraError(f"--adapter {aname}=...: the name is the base model's")
-            asyncio.run(engine.load_adapter(aname, path))
+            info = asyncio.run(engine.load_adapter(aname, path))
             server.adapters[aname] = str(path)
             server.metrics.adapter_loads.inc()
-            logger.info("loaded adapter %s from %s", aname, path)
+            logger.info("adapter %s from %s: rank %s, alpha %s, %s, %s pages", aname, path, info["rank"],
+                        info["lora_alpha"], " ".join(info["target_modules"]), info["pages"])
+        if roots.roots:
+            logger.info("the API may load adapters from %s", ", ".join(map(str, roots.roots)))
+        else:
+            logger.info("loading adapters through the API is off (no --adapter-dir)")
+        logger.info("ready in %.1f s; serving %s on http://%s:%d", time.perf_counter() - start, name, host, port)
         uvicorn.run(create_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
         engine.close()
