@@ -51,8 +51,8 @@ def load_cublas(device) -> None:
                 ctypes.CDLL(str(path / name), mode=ctypes.RTLD_GLOBAL)
                 break
         else:
-            raise MLCLoraError(f"{name} not found: pip install 'mlc-lora[cuda]' (the nvidia-cublas "
-                               "wheel), or compile with --gemm tvm")
+            raise MLCLoraError(f"{name} not found: pip install nvidia-cublas (of mlc-lora's cuda extra), "
+                               "or compile with --gemm tvm")
     init(device.index)
 
 

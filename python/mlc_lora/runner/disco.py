@@ -151,7 +151,7 @@ def load_nccl() -> None:
         if (path / "libnccl.so.2").is_file():
             ctypes.CDLL(str(path / "libnccl.so.2"), mode=ctypes.RTLD_GLOBAL)
             return
-    raise MLCLoraError("libnccl.so.2 not found: pip install 'mlc-lora[cuda]' (nvidia-nccl-cu13)")
+    raise MLCLoraError("libnccl.so.2 not found: pip install nvidia-nccl-cu13 (of mlc-lora's cuda extra)")
 
 
 def make_session(num_shards: int, device: str = "cpu"):
