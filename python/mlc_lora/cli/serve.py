@@ -40,6 +40,11 @@ def parser() -> argparse.ArgumentParser:
                    help="most sequences running at once (default: the compiled max batch size)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="tokens the KV cache holds over all sequences (default: what the pool allows)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies are refused with 413 (default: 8 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
+                   help="on SIGTERM new requests get 503 and running ones this long to finish before they are "
+                        "aborted (default: 3)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="level of the server's log (mlc_lora and uvicorn) on stderr")
     return p
@@ -58,5 +63,6 @@ def main(argv: list[str]) -> int:
 
     serve(a.model, adapters=adapters, adapter_dirs=a.adapter_dir, host=a.host, port=a.port, api_key=a.api_key,
           device=a.device, served_model_name=a.served_model_name, max_num_seqs=a.max_num_seqs,
-          max_total_tokens=a.max_total_tokens, log_level=a.log_level, guard_all=a.api_key_all_routes)
+          max_total_tokens=a.max_total_tokens, log_level=a.log_level, guard_all=a.api_key_all_routes,
+          max_body_bytes=a.max_body_bytes, drain_timeout_s=a.drain_timeout)
     return 0

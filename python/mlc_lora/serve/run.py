@@ -52,12 +52,15 @@ def log_engine(engine) -> None:
 def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapter_dirs: Optional[list[str]] = None,
           host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None, device: str = "cpu",
           served_model_name: Optional[str] = None, max_num_seqs: Optional[int] = None,
-          max_total_tokens: Optional[int] = None, log_level: str = "info", guard_all: bool = False) -> None:
+          max_total_tokens: Optional[int] = None, log_level: str = "info", guard_all: bool = False,
+          max_body_bytes: Optional[int] = None, drain_timeout_s: Optional[float] = None) -> None:
     """Serve `model` (a compiled folder, or anything MLCEngine compiles) until interrupted.
 
     `adapters` (name -> PEFT folder) are trusted operator input and load from anywhere; adapters
     loaded later through the API must lie inside `adapter_dirs`. `api_key` guards /v1/*;
-    `guard_all` also /metrics and the docs (/health stays open).
+    `guard_all` also /metrics and the docs (/health stays open). `max_body_bytes`: larger request
+    bodies get 413; `drain_timeout_s`: on SIGTERM, how long running requests may finish (None: the
+    defaults of serve/app.py).
     """
     import uvicorn  # pylint: disable=import-outside-toplevel
 
@@ -74,7 +77,9 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
     try:
         log_engine(engine)
         name = served_model_name or engine.model_name
-        server = Server(engine, name, model, roots, api_key, guard_all)
+        limits = {k: v for k, v in (("max_body_bytes", max_body_bytes), ("drain_timeout_s", drain_timeout_s))
+                  if v is not None}
+        server = Server(engine, name, model, roots, api_key, guard_all, **limits)
         for aname, path in (adapters or {}).items():
             if aname == name:
                 raise LoraError(f"--adapter {aname}=...: the name is the base model's")

@@ -17,7 +17,7 @@ LONG = {"model": "tiny", "prompt": [5, 17, 42], "max_tokens": 400, "ignore_eos":
 
 
 def test_sigterm_drains_streams_and_whole_requests(tiny_chat):
-    with start_server(tiny_chat[1], "--served-model-name", "tiny") as (url, proc):
+    with start_server(tiny_chat[1], "--served-model-name", "tiny", "--drain-timeout", "0.5") as (url, proc):
         results: dict[str, object] = {}
         started = threading.Event()
 
