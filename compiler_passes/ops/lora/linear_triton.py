@@ -431,7 +431,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
 
 
 class FusedLinear:
-    """The fused linear of `decode_fused`: LoraRewrite replaces `x @ W.T` + the stage's update by one
+    """The fused linear of the _fused functions: LoraRewrite replaces `x @ W.T` + the stage's update by one
     call of this kernel where `supported` is None (other linears keep the stage's update)."""
 
     def supported(self, target, dtype: str, weight_dtype: str, in_f: int, widths: Sequence[int]) -> str | None:
