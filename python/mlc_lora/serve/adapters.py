@@ -31,6 +31,17 @@ class AdapterRoots:
                 raise LoraError(f"--adapter-dir {str(r)!r} is not a folder")
             self.roots.append(real)
 
+    def find(self, name: str) -> Path | None:
+        """The adapter folder `name` in the first root that has a folder of that name, resolved and
+        checked as `resolve` does (LoraError when that folder is not a loadable adapter); None when
+        no root has one, or `name` is not a plain folder name (so a name never walks out of a root)."""
+        if not self.roots or not isinstance(name, str) or not name or name in (".", "..") or any(
+                c in name for c in ("/", "\\", "\x00")):
+            return None
+        if not any((root / name).is_dir() for root in self.roots):
+            return None
+        return self.resolve(name)
+
     def resolve(self, path: str) -> Path:
         """The real path of an adapter folder the API may load; LoraError naming the problem otherwise."""
         if not self.roots:

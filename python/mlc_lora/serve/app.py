@@ -139,6 +139,7 @@ class Server:  # pylint: disable=too-many-instance-attributes
         self.abort_all: Optional[asyncio.Event] = None  # set when the drain gives up on running requests
         self.metrics = Metrics()
         self.adapters: dict[str, str] = {}  # name -> real path, as loaded through this server
+        self._first_use: dict[str, asyncio.Lock] = {}  # name -> held while it loads from disk
         self.created = int(time.time())
 
     # --- adapters ---------------------------------------------------------------------------
@@ -174,6 +175,27 @@ class Server:  # pylint: disable=too-many-instance-attributes
 
     async def list_adapters(self) -> list[dict[str, Any]]:
         return list(await self.engine.list_adapters())
+
+    async def load_on_first_use(self, model: Any) -> None:
+        """A request's `model` that names no loaded adapter but a folder in an --adapter-dir root
+        (vLLM's resolver, LoRAX): that folder is loaded under the name, once, while concurrent
+        requests for it wait. Names that are nothing on disk are left to `adapter_of` (404)."""
+        if not isinstance(model, str) or model == self.model_name or model in self.adapters:
+            return
+        try:
+            check_adapter_name(model)
+            real = self.roots.find(model)
+        except errors.LoraError as e:
+            raise APIError(400, f"model {model!r}: {e}", param="model") from e
+        if real is None:
+            return
+        lock = self._first_use.setdefault(model, asyncio.Lock())
+        async with lock:
+            if model not in self.adapters:
+                t0 = time.perf_counter()
+                await self.load_adapter(model, real)
+                log.info("adapter %s loaded from %s on its first request (%.2f s)", model, real,
+                         time.perf_counter() - t0)
 
     def adapter_of(self, model: Any) -> Optional[str]:
         """The adapter a request's `model` names (None: the base model); 404 when it names nothing."""
@@ -432,6 +454,7 @@ def create_app(server: Server) -> FastAPI:
         opts = body.get("stream_options")
         if opts is not None and not isinstance(opts, dict):
             raise APIError(400, "stream_options must be an object", param="stream_options")
+        await server.load_on_first_use(body.get("model"))
         model, create = server.prepare(chat, body)
         if stream:
             gen = await create(stream=True)

@@ -77,3 +77,17 @@ def test_a_relative_path_is_looked_up_in_every_root(tmp_path):
     assert roots.resolve("a") == (first / "a").resolve()  # in both: the first root wins
     with pytest.raises(LoraError, match="outside the allowed adapter folders"):
         roots.resolve("missing")
+
+
+def test_find_by_name_looks_only_at_folders_directly_in_a_root(tree):
+    tmp, root, good = tree
+    roots = AdapterRoots([root])
+    assert roots.find("good") == good.resolve()
+    assert roots.find("link-in") == good.resolve()  # a symlink that stays inside
+    for name in ("missing", "..", ".", "good/..", "../outside", str(good), "a\\b", "a\x00b", ""):
+        assert roots.find(name) is None, name  # nothing there, or not a plain folder name
+    with pytest.raises(LoraError, match="outside"):
+        roots.find("link-out")  # a folder of that name that leaves the root
+    with pytest.raises(LoraError, match="pickle"):
+        roots.find("pickle")
+    assert AdapterRoots([]).find("good") is None  # no --adapter-dir: nothing is looked up

@@ -168,18 +168,51 @@ def test_unload_then_404_and_reload(server, client, setup):
     _, want_lp = greedy_reference(refs["a7"], PROMPT_IDS, 8)
     r = _unload(server, "a7")
     assert r.status_code == 200, r.text
-    with pytest.raises(openai.NotFoundError) as e:
-        client.completions.create(model="a7", prompt=PROMPT_IDS, max_tokens=2)
-    assert e.value.body["code"] == "model_not_found"
     assert "a7" not in {m.id for m in client.models.list().data}
     assert _unload(server, "a7").status_code == 404
+    with pytest.raises(openai.NotFoundError) as e:  # a name that is no folder of --adapter-dir
+        client.completions.create(model="a9", prompt=PROMPT_IDS, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    # a7 is still a folder of --adapter-dir: naming it in a request loads it (vLLM's resolver)
+    lps, _ = _greedy(client, "a7")
+    assert lps == pytest.approx(want_lp, abs=1e-3)
+    assert "a7" in {m.id for m in client.models.list().data}
+    assert _unload(server, "a7").status_code == 200
     assert _load(server, "a7", "a7").status_code == 200  # a path relative to the adapter folder
     lps, _ = _greedy(client, "a7")
     assert lps == pytest.approx(want_lp, abs=1e-3)
     m = scrape(server)
-    assert m["mlc_lora_adapter_loads_total"] == 9 and m["mlc_lora_adapter_unloads_total"] == 1
+    assert m["mlc_lora_adapter_loads_total"] == 10 and m["mlc_lora_adapter_unloads_total"] == 2
     # the pool's own counters (the engine test evicts and pages in; here the pool is large enough)
     assert m["mlc_lora_adapter_evictions_total"] == 0 and m["mlc_lora_adapter_page_ins_total"] == 0
+
+
+def test_a_name_found_on_disk_loads_once_for_concurrent_requests(server, setup):
+    """Eight requests at once naming an adapter only on disk: one load, eight answers equal to
+    PEFT's; names that would leave the adapter folders are never looked up."""
+    _, refs, _, adapter_dir = setup
+    _, want_lp = greedy_reference(refs["a5"], PROMPT_IDS, 8)
+    assert _unload(server, "a5").status_code == 200
+    before = scrape(server)["mlc_lora_adapter_loads_total"]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0) as c:
+            return await asyncio.gather(*[c.completions.create(
+                model="a5", prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True}) for _ in range(8)])
+
+    for r in asyncio.run(run()):
+        assert r.choices[0].logprobs.token_logprobs == pytest.approx(want_lp, abs=1e-3)
+    assert scrape(server)["mlc_lora_adapter_loads_total"] == before + 1
+    (adapter_dir / "not-an-adapter").mkdir(exist_ok=True)  # a folder without adapter files: 400
+    r = httpx.post(f"{server}/v1/completions", headers=H, timeout=60,
+                   json={"model": "not-an-adapter", "prompt": PROMPT_IDS, "max_tokens": 2})
+    assert r.status_code == 400 and "adapter_config.json" in r.text, r.text
+    for name in ("..", "../adapters/a1", "escape"):  # up, out, or a symlink out of the folder
+        r = httpx.post(f"{server}/v1/completions", headers=H, timeout=60,
+                       json={"model": name, "prompt": PROMPT_IDS, "max_tokens": 2})
+        assert r.status_code in (400, 404), (name, r.text)
+        assert name not in {m.id for m in openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY).models.list().data}
 
 
 def test_pin_and_unpin_through_the_api(server, client):
