@@ -184,6 +184,9 @@ class Server:  # pylint: disable=too-many-instance-attributes
             return
         try:
             check_adapter_name(model)
+        except errors.LoraError:
+            return  # no adapter can have this name: adapter_of answers 404
+        try:
             real = self.roots.find(model)
         except errors.LoraError as e:
             raise APIError(400, f"model {model!r}: {e}", param="model") from e
