@@ -378,6 +378,19 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     # The split is computed inline in the launches: a local variable in this host function would
     # be a scalar buffer, which the lowering allocates in device memory.
 
+    @T.macro
+    def shrink_expand(name, bm, threads, shared, n, S, size, layer, x, arena, slot, rank, scale, a_off, b_off, y, v):
+        """The shrink variant `name` (blocks of bm tokens) into v, then the expand into y."""
+        T.call_packed(name, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
+                      T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[1] * bk), T.int64(0), T.int64(0),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[0]),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), threads, shared)
+        T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
+                      T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), T.int64(0), T.int64(0),
+                      T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
+
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
     def lora_linear_triton(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
@@ -407,25 +420,11 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             else:
                 T.call_packed(CUBLAS_GEMM, x, w, y)
                 if n <= SHRINK_SMALL_MAX_TOKENS:
-                    T.call_packed(qn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                                  T.Cast("int32", shrink_split(n, steps, q_bm, lo, hi)[1] * bk), T.int64(0), T.int64(0),
-                                  T.Cast("int32", shrink_split(n, steps, q_bm, lo, hi)[0]),
-                                  T.Cast("int32", shrink_split(n, steps, q_bm, lo, hi)[2]), qth, qsh)
-                    T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                                  T.Cast("int32", shrink_split(n, steps, q_bm, lo, hi)[2]), T.int64(0), T.int64(0),
-                                  T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
+                    shrink_expand(qn, q_bm, qth, qsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, b_off,
+                                  y, v)
                 else:
-                    T.call_packed(gn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                                  T.Cast("int32", shrink_split(n, steps, g_bm, lo, hi)[1] * bk), T.int64(0), T.int64(0),
-                                  T.Cast("int32", shrink_split(n, steps, g_bm, lo, hi)[0]),
-                                  T.Cast("int32", shrink_split(n, steps, g_bm, lo, hi)[2]), gth, gsh)
-                    T.call_packed(en, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                                  T.Cast("int32", shrink_split(n, steps, g_bm, lo, hi)[2]), T.int64(0), T.int64(0),
-                                  T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
+                    shrink_expand(gn, g_bm, gth, gsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, b_off,
+                                  y, v)
 
     return lora_linear_triton, mods_out
 
