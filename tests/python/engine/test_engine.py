@@ -258,24 +258,32 @@ def test_top_k_above_the_vocabulary_is_top_k_off(engine):
     assert engine.completions.create(top_k=2**31 - 1, **kw).choices[0].token_ids == off
 
 
+def _run_core(compiled, param_list, prompt=lambda p: [5, 6, 7, 8], edit=None):
+    """Each SamplingParams as one sequence of one LLMEngine, stepped until done (`edit` may change
+    the sequences first); the StepOutputs per sequence. The pool ends with every page free."""
+    from mlc_lora.engine.core import LLMEngine
+
+    core = LLMEngine(compiled, "cpu")
+    outs = {i: [] for i in range(len(param_list))}
+    seqs = [core.make_sequence(prompt(p), p, sink=outs[i].append) for i, p in enumerate(param_list)]
+    if edit is not None:
+        edit(seqs)
+    for s in seqs:
+        core.add(s)
+    while core.has_work():
+        core.step()
+    assert core.pool.available_pages() == core.kv_pages_total
+    return outs
+
+
 def test_a_row_whose_sampling_fails_fails_alone(tiny_chat):
     """A sequence whose sampling raises (here parameters that bypassed the request checks, as a
     sampler bug would) gets its own error; the rest of its batch goes on as if it were alone."""
-    from mlc_lora.engine.core import LLMEngine
     from mlc_lora.engine.scheduler import SamplingParams
     from mlc_lora.errors import MLCLoraError
 
     def run(param_list):
-        core = LLMEngine(tiny_chat[1], "cpu")
-        outs = {i: [] for i in range(len(param_list))}
-        seqs = [core.make_sequence([5, 6, 7, 8 + p.seed if p.seed else 8], p, sink=outs[i].append)
-                for i, p in enumerate(param_list)]
-        for s in seqs:
-            core.add(s)
-        while core.has_work():
-            core.step()
-        assert core.pool.available_pages() == core.kv_pages_total
-        return outs
+        return _run_core(tiny_chat[1], param_list, prompt=lambda p: [5, 6, 7, 8 + p.seed if p.seed else 8])
 
     good = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
     bad = SamplingParams(max_tokens=6, temperature=1.0, top_k=2**40, seed=9, ignore_eos=True)
@@ -296,22 +304,15 @@ def test_a_row_whose_logit_processing_fails_fails_alone(tiny_chat):
     plain one give what they give alone."""
     import dataclasses
 
-    from mlc_lora.engine.core import LLMEngine
     from mlc_lora.engine.scheduler import SamplingParams
     from mlc_lora.errors import MLCLoraError
 
     def run(param_list, broken=None):
-        core = LLMEngine(tiny_chat[1], "cpu")
-        outs = {i: [] for i in range(len(param_list))}
-        seqs = [core.make_sequence([5, 6, 7, 8], p, sink=outs[i].append) for i, p in enumerate(param_list)]
-        if broken is not None:
-            seqs[broken].params = dataclasses.replace(seqs[broken].params, logit_bias=((10**6, 1.0),))
-        for s in seqs:
-            core.add(s)
-        while core.has_work():
-            core.step()
-        assert core.pool.available_pages() == core.kv_pages_total
-        return outs
+        def edit(seqs):
+            if broken is not None:
+                seqs[broken].params = dataclasses.replace(seqs[broken].params, logit_bias=((10**6, 1.0),))
+
+        return _run_core(tiny_chat[1], param_list, edit=edit)
 
     penal = SamplingParams(max_tokens=6, temperature=0.0, frequency_penalty=1.0, ignore_eos=True)
     plain = SamplingParams(max_tokens=6, temperature=1.0, seed=4, ignore_eos=True)
