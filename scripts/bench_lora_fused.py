@@ -33,40 +33,67 @@ TOL = 2e-2  # relative error of the output's LoRA delta against float64
 CANDIDATES = ("cublas", "fused", "cublas+vllm", "cublas+sgl")
 
 
+class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-methods
+    """One linear and batch on the device: rotated copies of x, W and the adapters' arena rows, the
+    tables, two outputs, the pair's scratch; `launch_*` run our kernels with given constants."""
+
+    def __init__(self, torch, LT, name, T, N, r, dtype_name, seed):
+        dev, dtype = "cuda", getattr(torch, dtype_name)
+        self.LT, self.T, self.N, self.r = LT, T, N, r
+        self.in_f, self.widths = LINEARS[name]
+        self.out_f, P = sum(self.widths), len(self.widths)
+        ranks = [r] * N
+        nbytes = self.out_f * self.in_f * 2 + N * r * (self.in_f + self.out_f) * 2 * P
+        self.copies = copies_for(nbytes, max_copies=64)
+        g = torch.Generator(device=dev).manual_seed(seed)
+        self.w = [(torch.randn((self.out_f, self.in_f), generator=g, device=dev) * self.in_f ** -0.5).to(dtype)
+                  for _ in range(self.copies)]
+        self.x = [torch.randn((T, self.in_f), generator=g, device=dev).to(dtype) for _ in range(self.copies)]
+        self.mods = [lora_weights(torch, self.copies, ranks, self.in_f, wp, dtype, dev, seed + 1 + p)
+                     for p, wp in enumerate(self.widths)]
+        self.arena, self.a_off, self.b_off = arena_tables(torch, self.mods, dev)
+        self.slot = torch.from_numpy(token_slots(T, N, seed)).to(dev)
+        self.rank = torch.full((N,), r, dtype=torch.int32, device=dev)
+        self.scale = torch.full((N, P), SCALE, dtype=torch.float32, device=dev)
+        self.y = [torch.empty((T, self.out_f), device=dev, dtype=dtype) for _ in range(2)]
+        self.v = torch.empty((LT.scratch_elems(T, self.widths),), device=dev, dtype=torch.float32)
+        self.mod_ids = list(range(P))
+
+    def launch_linear(self, c, consts, warps):
+        grid = (-(-self.T // consts["BM"]), self.out_f // consts["BN"])
+        self.LT.lora_linear_kernel[grid](self.x[c], self.w[c], self.arena, self.slot, self.rank, self.scale,
+                                         self.a_off[c], self.b_off[c], self.y[c % 2], self.T, self.N, 0, **consts,
+                                         num_warps=warps)
+
+    def launch_shrink(self, c, go):
+        self.LT.lora_shrink_cols_kernel[go["shrink_grid"]](self.x[c], self.arena, self.rank, self.scale, self.a_off[c],
+                                                           self.v, self.T, self.N, 0, go["chunk"], **go["shrink"],
+                                                           num_warps=go["shrink_warps"])
+
+    def launch_expand(self, c, go):
+        self.LT.lora_expand_cols_kernel[go["expand_grid"]](self.v, self.arena, self.slot, self.rank, self.scale,
+                                                           self.b_off[c], self.y[c % 2], self.T, self.N, 0,
+                                                           go["split"], **go["expand"],
+                                                           num_warps=go["expand_warps"])
+
+
 def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: disable=too-many-locals
     """us per call of every candidate, and the fused kernel's error, for one linear and batch."""
-    dev, dtype = "cuda", getattr(torch, dtype_name)
-    in_f, widths = LINEARS[name]
-    out_f, P = sum(widths), len(widths)
-    ranks = [r] * N
-    nbytes = out_f * in_f * 2 + N * r * (in_f + out_f) * 2 * P
-    copies = copies_for(nbytes, max_copies=64)
-    g = torch.Generator(device=dev).manual_seed(seed)
-    w = [(torch.randn((out_f, in_f), generator=g, device=dev) * in_f ** -0.5).to(dtype) for _ in range(copies)]
-    x = [torch.randn((T, in_f), generator=g, device=dev).to(dtype) for _ in range(copies)]
-    mods = [lora_weights(torch, copies, ranks, in_f, wp, dtype, dev, seed + 1 + p) for p, wp in enumerate(widths)]
-    arena, a_off, b_off = arena_tables(torch, mods, dev)
-    slot = torch.from_numpy(token_slots(T, N, seed)).to(dev)
-    rank = torch.full((N,), r, dtype=torch.int32, device=dev)
-    scale = torch.full((N, P), SCALE, dtype=torch.float32, device=dev)
-    y = [torch.empty((T, out_f), device=dev, dtype=dtype) for _ in range(2)]
+    pt = Point(torch, LT, name, T, N, r, dtype_name, seed)
+    dev, in_f, widths, out_f, copies = "cuda", pt.in_f, pt.widths, pt.out_f, pt.copies
+    x, w, mods, slot, y = pt.x, pt.w, pt.mods, pt.slot, pt.y
     bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
-    consts, warps = LT.constants(in_f, widths, list(range(P)), P, r, bm, 8)
-    grid = (-(-T // consts["BM"]), out_f // consts["BN"])
-    go = LT.cols_launch(T, in_f, widths, list(range(P)), P, r, 8)
-    v = torch.empty((LT.scratch_elems(T, widths),), device=dev, dtype=torch.float32)
+    consts, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), r, bm, 8)
+    go = LT.cols_launch(T, in_f, widths, pt.mod_ids, len(widths), r, 8)
 
     def fused(c):
         if T <= LT.FUSED_MAX_TOKENS:  # the one-kernel linear
-            LT.lora_linear_kernel[grid](x[c], w[c], arena, slot, rank, scale, a_off[c], b_off[c], y[c % 2], T, N, 0,
-                                        **consts, num_warps=warps)
+            pt.launch_linear(c, consts, warps)
             return
         # above it, as the wrapper: cuBLAS, the shrink over the rank columns, the in-place expand
         torch.matmul(x[c], w[c].t(), out=y[c % 2])
-        LT.lora_shrink_cols_kernel[go["shrink_grid"]](x[c], arena, rank, scale, a_off[c], v, T, N, 0, go["chunk"],
-                                                      **go["shrink"], num_warps=4)
-        LT.lora_expand_cols_kernel[go["expand_grid"]](v, arena, slot, rank, scale, b_off[c], y[c % 2], T, N, 0,
-                                                      go["split"], **go["expand"], num_warps=go["expand_warps"])
+        pt.launch_shrink(c, go)
+        pt.launch_expand(c, go)
 
     # float64 check of copy 0
     fused(0)
@@ -106,6 +133,90 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
     us = compare(cands)
     return dict(linear=name, T=T, N=N, r=r, dtype=dtype_name, err=err, config=consts, num_warps=warps,
                 copies=copies, **us)
+
+
+def _linear_configs(LT, pt, bm):
+    """Tile shapes for the one-kernel linear at blocks of `bm` tokens: the compiled one first."""
+    in_f, widths = pt.in_f, pt.widths
+    cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, bm, 8)
+    out = [(cur, warps)]
+    for bn in (16, 32, 64, 128):
+        for bk in (64, 128, 256):
+            for stages, w in ((4, 4), (6, 4), (4, 8)):
+                if (w == 8 and bn < 128) or (stages == 6 and bk > 64) or any(x % bn for x in widths) or in_f % bk:
+                    continue
+                c = dict(cur, BN=bn, BK=bk, STAGES=stages)
+                if (c, w) not in out:
+                    out.append((c, w))
+    return out
+
+
+def _pair_configs(LT, pt):
+    """(shrink launches, expand launches) for the pair at pt.T tokens: the compiled ones first."""
+    T, in_f, widths = pt.T, pt.in_f, pt.widths
+    go = LT.cols_launch(T, in_f, widths, pt.mod_ids, len(widths), pt.r, 8)
+    shrinks, expands = [go], [go]
+    for bm in (16, 32, 64):
+        for bk in (64, 128):
+            for target in ((132, 264) if bm == 16 else (132,)):
+                cs = dict(go["shrink"], BM=bm, BK=bk)
+                tiles, per, split = LT.shrink_split(T, in_f // bk, bm, target=target)
+                g = dict(go, shrink=cs, split=split, chunk=per * bk, shrink_grid=(tiles, split))
+                if all(g["shrink"] != x["shrink"] or g["split"] != x["split"] for x in shrinks):
+                    shrinks.append(g)
+    for bm in (32, 64):
+        for bn in (128, 256):
+            for w in (4, 8):
+                if any(x % bn for x in widths):
+                    continue
+                ce = dict(go["expand"], BM=bm, BN=bn)
+                g = dict(go, expand=ce, expand_grid=(-(-T // bm), sum(widths) // bn), expand_warps=w)
+                if all(g["expand"] != x["expand"] or w != x["expand_warps"] for x in expands):
+                    expands.append(g)
+    return shrinks, expands
+
+
+def tune(a) -> int:  # pylint: disable=too-many-locals
+    """Every tile shape of `_linear_configs` / `_pair_configs` per linear and token count, timed
+    together (harness.timing.compare); prints the compiled one against the best."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
+
+    out = []
+    for name in a.linears.split(","):
+        for T in map(int, a.tokens.split(",")):
+            pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
+            groups = {}
+            if T <= LT.FUSED_MAX_TOKENS:
+                bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
+                groups["linear"] = {f"BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w}": (
+                    lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in _linear_configs(LT, pt, bm)}
+            else:
+                shrinks, expands = _pair_configs(LT, pt)
+                pt.launch_shrink(0, shrinks[0])
+                groups["shrink"] = {f"BM{g['shrink']['BM']} BK{g['shrink']['BK']} split{g['split']}": (
+                    lambda i, g=g: pt.launch_shrink(i, g)) for g in shrinks}
+                groups["expand"] = {f"BM{g['expand']['BM']} BN{g['expand']['BN']} w{g['expand_warps']}": (
+                    lambda i, g=g: pt.launch_expand(i, g)) for g in expands}
+            for kind, fns in groups.items():
+                ok = {}
+                for label, fn in fns.items():
+                    try:
+                        fn(0)
+                        torch.cuda.synchronize()
+                        ok[label] = (fn, pt.copies)
+                    except Exception as e:  # pylint: disable=broad-except  (e.g. out of shared memory)
+                        print(f"  {name} T={T} {kind} {label}: {type(e).__name__}: {str(e)[:80]}")
+                us = compare(ok)
+                cur = next(iter(ok))
+                best = min(us, key=us.get)
+                print(f"{name} T={T} {kind}: compiled [{cur}] {us[cur]:.1f} us, best [{best}] {us[best]:.1f} us "
+                      f"({us[best] / us[cur]:.2f}x); " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(us.items(), key=lambda kv: kv[1])[:4]),
+                      flush=True)
+                out.append(dict(linear=name, T=T, kind=kind, compiled=cur, best=best, us=us))
+    cli.write_results(Path(a.out), {"tune": out})
+    return 0
 
 
 def summarize(rows, log=print):
@@ -195,10 +306,15 @@ def main(argv=None) -> int:
     r.add_argument("--linears", default=",".join(LINEARS))
     r.add_argument("--peers", default=str(peers_mod.PEERS_DIR), help="the peer kernels' folder")
     r.add_argument("--out", default="bench_lora_fused.json")
+    t = sub.add_parser("tune", help="time tile shapes of our kernels per linear and token count (the GPU)")
+    t.add_argument("--tokens", default="1,16,64,128,256,1024,4096")
+    t.add_argument("--linears", default=",".join(LINEARS))
+    t.add_argument("--dtype", default="float16")
+    t.add_argument("--out", default="bench_lora_fused_tune.json")
     p = sub.add_parser("plot", help="tables and chart of a results file (here)")
     p.add_argument("results")
     a = cli.parse(ap, argv)
-    return run(a) if a.cmd == "run" else plot(a)
+    return {"run": run, "tune": tune, "plot": plot}[a.cmd](a)
 
 
 if __name__ == "__main__":

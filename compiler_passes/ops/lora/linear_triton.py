@@ -71,7 +71,8 @@ def tile_config(in_f: int, widths: Sequence[int], bm: int) -> dict:
     the best measured on the H200 for the Llama-2-7B linears (docs/SGMV.md), 32 output columns
     for narrow linears (enough blocks to keep the memory busy), 128 for wide ones."""
     n_out = sum(widths)
-    bn = next(b for b in ((128, 64, 32, 16) if n_out >= 8192 else (32, 16)) if all(w % b == 0 for w in widths))
+    wide = (64, 32, 16) if (n_out >= 16384 and bm == 16) else (128, 64, 32, 16)  # gate|up: 0.93x at 1-16 tokens
+    bn = next(b for b in (wide if n_out >= 8192 else (32, 16)) if all(w % b == 0 for w in widths))
     prefer = 256 if (bn == 32 and bm == 16) else (64 if n_out >= 16384 else 128)
     bk = next((b for b in (256, 128, 64, 32, 16) if b <= prefer and in_f % b == 0), None)
     warps = 8 if (bn == 128 and bk == 128) else 4
@@ -190,22 +191,22 @@ if triton is not None:
         a0, v0 = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         a1, v1 = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
-        kk = pid_k * chunk + tl.arange(0, BK)
+        k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK (its alignment)
+        kk = k_start + tl.arange(0, BK)
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
         acc0 = tl.zeros((BM, RS), dtype=tl.float32)
         acc1 = tl.zeros((BM, RS), dtype=tl.float32)
         acc2 = tl.zeros((BM, RS), dtype=tl.float32)
-        for k0 in tl.range(0, chunk, BK, num_stages=STAGES):
-            kin = (kk + k0) < K
-            xt = tl.load(x_ptrs + k0, mask=rmask[:, None] & kin[None, :], other=0.0)
+        # BK divides K and `chunk`: the last split ends at K, and no load is masked along the inputs
+        # (a mask that varies along the contiguous axis turns the loads into scalar ones)
+        for k0 in tl.range(0, tl.minimum(chunk, K - k_start), BK, num_stages=STAGES):
+            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
             ka = (kk + k0)[:, None]
-            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :] & kin[:, None], other=0.0), acc0)
+            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
             if P > 1:
-                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :] & kin[:, None], other=0.0),
-                              acc1)
+                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
             if P > 2:
-                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :] & kin[:, None], other=0.0),
-                              acc2)
+                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
         c = tl.arange(0, RS)
         out = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
         tl.store(out, acc0, mask=rmask[:, None])
@@ -269,7 +270,7 @@ SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
 # The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (one per SM of an
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
 TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 132, 8, 4
-EXPAND_BM = 64
+EXPAND_BM, EXPAND_WARPS = 32, 4
 
 
 def _cols_signatures(dtype: str) -> tuple[dict, dict]:
@@ -290,23 +291,22 @@ def cols_constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_mo
     """(shrink constants, expand constants) of the separate pair for one linear."""
     m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     w = (list(widths) + [0] * MAX_PARTS)[:2]
-    bk = next(b for b in (64, 32, 16) if in_f % b == 0)
+    bk = next(b for b in (128, 64, 32, 16) if in_f % b == 0)
     shrink = dict(K=in_f, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], P=len(widths),
                   BM=SHRINK_BM[variant], BK=bk, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, STAGES=3, ALIGN=align)
-    # wide linears: 256 outputs per block (every block re-reads its tokens' partial sums)
-    bn = next(b for b in ((256, 128, 64, 32, 16) if sum(widths) >= 8192 else (128, 64, 32, 16))
-              if all(x % b == 0 for x in widths))
+    # 256 outputs per block (every block re-reads its tokens' partial sums)
+    bn = next(b for b in (256, 128, 64, 32, 16) if all(x % b == 0 for x in widths))
     expand = dict(N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
                   P=len(widths), BM=EXPAND_BM, BN=bn, SPLIT_MAX=SPLIT_MAX, RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
                   ALIGN=align)
     return shrink, expand
 
 
-def shrink_split(n, steps: int, bm: int, lo=max, hi=min):
+def shrink_split(n, steps: int, bm: int, lo=max, hi=min, target: int = TARGET_BLOCKS):
     """(blocks of tokens, input steps per split, splits) of the shrink for n tokens; `steps` = the
     inputs / BK. Python ints, or TIR expressions with lo/hi = tvm.tirx.max/min (the wrapper)."""
     tiles = (n + bm - 1) // bm
-    split = hi(hi(SPLIT_MAX, lo(1, (TARGET_BLOCKS + tiles - 1) // tiles)), max(1, steps // MIN_STEPS))
+    split = hi(hi(SPLIT_MAX, lo(1, (target + tiles - 1) // tiles)), max(1, steps // MIN_STEPS))
     per = (steps + split - 1) // split
     return tiles, per, (steps + per - 1) // per
 
@@ -320,11 +320,7 @@ def cols_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], n
     tiles, per, split = shrink_split(n, in_f // cs["BK"], cs["BM"])
     return dict(shrink=cs, expand=ce, split=split, chunk=per * cs["BK"], shrink_grid=(tiles, split),
                 expand_grid=(-(-n // ce["BM"]), sum(widths) // ce["BN"]), shrink_warps=4,
-                expand_warps=expand_warps(ce))
-
-
-def expand_warps(expand: dict) -> int:
-    return 8 if expand["BN"] >= 256 else 4
+                expand_warps=EXPAND_WARPS)
 
 
 def scratch_elems(n, widths: Sequence[int]):
@@ -359,7 +355,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                                                               Path(__file__))
         shrinks[variant] = (name, threads, shared, cs["BM"])
         mods_out.append(mod)
-    en, eth, esh, emod = triton_build.cuda_module(lora_expand_cols_kernel, sig_e, ce, expand_warps(ce), arch,
+    en, eth, esh, emod = triton_build.cuda_module(lora_expand_cols_kernel, sig_e, ce, EXPAND_WARPS, arch,
                                                   Path(__file__))
     mods_out.append(emod)
     e_nt, bk = W // ce["BN"], cs["BK"]

@@ -1,0 +1,184 @@
+"""Where a LoRA step's time goes inside ModelRunner: the Llama-2-7B-shaped libraries of
+bench_lora_throughput.py (`base`, `lora`, `lora-nofused`), one decode or prefill step at a time,
+base vs 4 adapters of rank 8, on a GPU, one process.
+
+  python scripts/bench_lora_throughput.py compile --out DIR --libs base,lora,lora-nofused   # here
+  python scripts/bench_lora_steps.py run --lib-dir DIR [--batches 1,16,64,128,256] [--prefill 512,1024,2048]
+
+For every (library, adapters, step) it reports: the step's wall time with a sync (median of
+samples, harness/timing.wall_time), the host time of the call alone (launches queued, no sync:
+what the engine pays before the GPU starts when it waits on every step), and the GPU kernel time
+by kind from a torch.profiler trace (cuBLAS GEMMs, LoRA kernels, attention, other), per step.
+Decode runs with `--ctx` tokens of context per sequence (adapters round-robin over the batch);
+prefill is one batch of 4 sequences of T/4 tokens each. Seeded random weights made on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from harness import cli
+from harness.timing import wall_time
+
+LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofused", 4)}
+RANK = 8
+KINDS = ("gemm", "lora", "attention", "other")
+
+
+def kind_of(key: str) -> str:
+    k = key.lower()
+    if "lora" in k or "sgmv" in k:
+        return "lora"
+    if any(s in k for s in ("gemm", "gemv", "nvjet", "sm90_xmma", "cutlass", "cublas")):
+        return "gemm"
+    if any(s in k for s in ("attention", "attn", "paged_kv", "ragged_kv", "merge_state", "flash", "_kv_cache",
+                            "rope")):
+        return "attention"
+    return "other"
+
+
+def breakdown(prof, steps: int):
+    """GPU kernel ms per step by kind, and the top kernels (name, calls per step, us per call)."""
+    cats = dict.fromkeys(KINDS, 0.0)
+    top = []
+    for e in prof.key_averages():
+        dt = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if dt <= 0 or e.key.startswith(("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaStream")):
+            continue
+        if getattr(e, "device_type", None) is not None and "CUDA" not in str(e.device_type):
+            continue
+        cats[kind_of(e.key)] += dt
+        top.append((e.key[:90], e.count / steps, dt / max(e.count, 1)))
+    top.sort(key=lambda r: -r[1] * r[2])
+    return {k: round(v / 1e3 / steps, 3) for k, v in cats.items()}, top[:14]
+
+
+def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
+    import torch  # pylint: disable=import-outside-toplevel  (loads libcublas first)
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+    from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
+    from mlc_lora.lora.layout import pack_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models.random_model import make_params, random_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
+
+    dev = a.device
+    if dev == "cuda":
+        cli.gpu_runtime()
+    log = cli.Log(a.log_dir, "bench_lora_steps")
+    say = log.say
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    lib_dir = Path(a.lib_dir)
+    cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
+    mc = cfg["model_config"]
+    p = make_params(cfg, torch, dev)
+    sync()
+    V = mc["vocab_size"]
+    gen = torch.Generator(device="cpu").manual_seed(a.seed)
+    batches = [int(b) for b in a.batches.split(",") if b]
+    prefills = [int(t) for t in a.prefill.split(",") if t]
+    rows = []
+    for name in a.configs.split(","):
+        lib, n_ad = LIBS[name]
+        folder = lib_dir / lib
+        lcfg = json.loads((folder / CONFIG_FILE).read_text())
+        r = ModelRunner(folder, dev, params=[tvm_ffi.from_dlpack(p[n]) for n in lcfg["param_names"]])
+        packed = []
+        if n_ad:
+            for i in range(n_ad):
+                ad = random_adapter(f"a{i}", mc, r.lora.module_names, RANK, torch, dev, seed=a.seed + i)
+                packed.append(pack_adapter(r.lora, ad, r.compiled.numpy_dtype))
+
+        # one pool per runner (decode graphs stay bound to its LoRA arena); sequences come and go
+        pages = sum(pk.pages.shape[1] for pk in packed)
+        kv = r.create_pool(r.compiled.max_batch_size, max(batches) * (a.ctx + 32) + 2 * max(prefills + [0]) + 16 * pages)
+        for i, pk in enumerate(packed):
+            kv.load_packed_adapter(i, pk, True)
+        lora = "pool" if packed else None
+
+        def fresh(ids, kv=kv, packed=packed):
+            for s in ids:
+                try:
+                    kv.remove_sequence(s)
+                except Exception:  # pylint: disable=broad-except  (not there yet)
+                    pass
+                kv.add_sequence(s)
+                if packed:
+                    kv.set_sequence_adapter(s, s % len(packed))
+
+        for b in batches:
+            seqs, tok = list(range(b)), [1] * b
+            fresh(seqs)
+            for s in range(0, b, 8):
+                chunk = list(range(s, min(b, s + 8)))
+                r.prefill(kv, chunk, [torch.randint(0, V, (a.ctx,), generator=gen).tolist() for _ in chunk], lora=lora)
+            for _ in range(3):  # the first steps capture the graphs
+                r.decode(kv, seqs, tok, lora=lora)
+            sync()
+            ms = wall_time(lambda: r.decode(kv, seqs, tok, lora=lora), number=10, repeat=3, warmup=0, sync=sync) * 1e3
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                r.decode(kv, seqs, tok, lora=lora)
+            host = (time.perf_counter() - t0) / 10 * 1e3  # launches only, unless the call waits on the GPU
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    r.decode(kv, seqs, tok, lora=lora)
+                sync()
+            cats, top = breakdown(prof, 5)
+            rows.append(dict(config=name, step=f"decode b={b}", ms=round(ms, 3), host_ms=round(host, 3), **cats, top=top))
+            say(f"{name} decode b={b}: {ms:.3f} ms/step, host {host:.3f} ms, kernels {cats}")
+            for s in seqs:
+                kv.remove_sequence(s)
+        for T in prefills:
+            ids = list(range(1000, 1004))
+            toks = [torch.randint(0, V, (T // len(ids),), generator=gen).tolist() for _ in ids]
+            ms = wall_time(lambda: r.prefill(kv, ids, toks, lora=lora), setup=lambda: fresh(ids), repeat=5, warmup=1,
+                           sync=sync) * 1e3
+            fresh(ids)
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]) as prof:
+                r.prefill(kv, ids, toks, lora=lora)
+                sync()
+            cats, top = breakdown(prof, 1)
+            rows.append(dict(config=name, step=f"prefill T={T}", ms=round(ms, 3), host_ms=None, **cats, top=top))
+            say(f"{name} prefill T={T}: {ms:.3f} ms/step, kernels {cats}")
+            for s in ids:
+                kv.remove_sequence(s)
+        del kv, r
+    say("\n| step | config | ms | host ms | gemm | lora | attention | other | vs base |\n|---|---|---|---|---|---|---|---|---|")
+    base = {x["step"]: x["ms"] for x in rows if x["config"] == "base"}
+    for x in sorted(rows, key=lambda x: (x["step"], x["config"])):
+        vs = f"{x['ms'] / base[x['step']]:.3f}" if x["step"] in base else "-"
+        say(f"| {x['step']} | {x['config']} | {x['ms']:.3f} | {x['host_ms'] if x['host_ms'] is not None else '-'} | "
+            f"{x['gemm']:.3f} | {x['lora']:.3f} | {x['attention']:.3f} | {x['other']:.3f} | {vs} |")
+    for x in rows:
+        if x["config"] != "base":
+            say(f"\n{x['config']} {x['step']}: top kernels (calls/step, us/call)")
+            for k, c, us in x["top"]:
+                say(f"  {c:6.1f} x {us:8.2f} us  {k}")
+    cli.write_results(log.json, dict(rows=rows, ctx=a.ctx, rank=RANK))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap, sub = cli.parser(__doc__, __file__)
+    r = cli.add_run(sub, "time steps on the GPU")
+    r.add_argument("--lib-dir", required=True, help="the folder of bench_lora_throughput.py compile")
+    r.add_argument("--configs", default="base,lora4,lora4-nofused", help=f"of {', '.join(LIBS)}")
+    r.add_argument("--batches", default="1,16,64,128,256", help="decode batch sizes")
+    r.add_argument("--prefill", default="512,1024,2048", help="prefill token counts (4 sequences)")
+    r.add_argument("--ctx", type=int, default=320, help="context tokens per sequence before the decode steps")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--device", default="cuda", help="cuda, or cpu to check the script on llvm libraries")
+    a = cli.parse(ap, argv)
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
