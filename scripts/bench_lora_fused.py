@@ -59,11 +59,11 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
         self.v = torch.empty((LT.scratch_elems(T, self.widths),), device=dev, dtype=torch.float32)
         self.mod_ids = list(range(P))
 
-    def launch_linear(self, c, consts, warps):
+    def launch_linear(self, c, consts, warps, slots=None):
         grid = (-(-self.T // consts["BM"]), self.out_f // consts["BN"])
         self.LT.lora_linear_kernel[grid](self.x[c], self.w[c], self.arena, self.slot, self.rank, self.scale,
-                                         self.a_off[c], self.b_off[c], self.y[c % 2], self.T, self.N, 0, **consts,
-                                         num_warps=warps)
+                                         self.a_off[c], self.b_off[c], self.y[c % 2], self.T,
+                                         self.N if slots is None else slots, 0, **consts, num_warps=warps)
 
     def launch_shrink(self, c, go):
         self.LT.lora_shrink_cols_kernel[go["shrink_grid"]](self.x[c], self.arena, self.rank, self.scale, self.a_off[c],
@@ -140,10 +140,11 @@ def _linear_configs(LT, pt, bm):
     in_f, widths = pt.in_f, pt.widths
     cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, bm, 8)
     out = [(cur, warps)]
-    for bn in (16, 32, 64, 128):
-        for bk in (64, 128, 256):
-            for stages, w in ((4, 4), (6, 4), (4, 8)):
-                if (w == 8 and bn < 128) or (stages == 6 and bk > 64) or any(x % bn for x in widths) or in_f % bk:
+    narrow = sum(widths) < 8192
+    for bn in ((16, 32) if narrow else (64, 128)):
+        for bk in ((256, 512) if narrow else (64, 128)):
+            for stages, w in ((4, 4), (6, 4), (8, 4), (4, 8), (6, 8)):
+                if any(x % bn for x in widths) or in_f % bk:
                     continue
                 c = dict(cur, BN=bn, BK=bk, STAGES=stages)
                 if (c, w) not in out:
@@ -190,8 +191,12 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
             groups = {}
             if T <= LT.FUSED_MAX_TOKENS:
                 bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
+                cfgs = _linear_configs(LT, pt, bm)
                 groups["linear"] = {f"BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w}": (
-                    lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in _linear_configs(LT, pt, bm)}
+                    lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in cfgs}
+                # the compiled shape with no adapter in the batch: the kernel's GEMM alone
+                groups["linear"]["compiled, no adapter"] = (lambda i, c=cfgs[0]: pt.launch_linear(i, c[0], c[1], 0))
+                groups["linear"]["cublas"] = (lambda i: torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2]))
             else:
                 shrinks, expands = _pair_configs(LT, pt)
                 pt.launch_shrink(0, shrinks[0])
@@ -199,6 +204,14 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                     lambda i, g=g: pt.launch_shrink(i, g)) for g in shrinks}
                 groups["expand"] = {f"BM{g['expand']['BM']} BN{g['expand']['BN']} w{g['expand_warps']}": (
                     lambda i, g=g: pt.launch_expand(i, g)) for g in expands}
+                # the whole linear: cuBLAS, then the pair adding into y, against cuBLAS alone
+                def linear(i, g=shrinks[0]):
+                    torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2])
+                    pt.launch_shrink(i, g)
+                    pt.launch_expand(i, g)
+
+                groups["linear"] = {"cublas + pair": linear, "cublas": (
+                    lambda i: torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2]))}
             for kind, fns in groups.items():
                 ok = {}
                 for label, fn in fns.items():

@@ -40,6 +40,16 @@ def kind_of(key: str) -> str:
     return "other"
 
 
+def api_calls(prof, steps: int):
+    """The CUDA runtime/driver calls the host made (kernel launches outside graphs, graph launches,
+    copies, syncs, allocations): (name, calls per step, host us per step), most time first."""
+    out = []
+    for e in prof.key_averages():
+        if e.key.startswith(("cuda", "cu")) and getattr(e, "self_cpu_time_total", 0) > 0:
+            out.append((e.key[:60], e.count / steps, e.self_cpu_time_total / steps))
+    return sorted(out, key=lambda r: -r[2])[:12]
+
+
 def breakdown(prof, steps: int):
     """GPU kernel ms per step by kind, and the top kernels (name, calls per step, us per call)."""
     cats = dict.fromkeys(KINDS, 0.0)
@@ -54,6 +64,53 @@ def breakdown(prof, steps: int):
         top.append((e.key[:90], e.count / steps, dt / max(e.count, 1)))
     top.sort(key=lambda r: -r[1] * r[2])
     return {k: round(v / 1e3 / steps, 3) for k, v in cats.items()}, top[:14]
+
+
+_PARTS = {"pool": ("begin_forward", "end_forward", "lora_tables", "lora_num_slots", "lora_rank_total"),
+          "runner": ("embed", "_graph_tables", "_lora_args")}
+
+
+def host_parts(r, kv) -> dict:
+    """Wrap the parts of a decode call with host timers (seconds, summed); the VM functions too."""
+    acc = {}
+
+    def wrap(obj, name, key):
+        f = getattr(obj, name)
+
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+        setattr(obj, name, timed)
+
+    for name in _PARTS["pool"]:
+        wrap(kv, name, f"pool.{name}")
+    for name in _PARTS["runner"]:
+        wrap(r, name, f"runner.{name}")
+    r._saved_fns = (r._decode, r._base_fns, r._fused_fns)  # pylint: disable=protected-access
+    holder = type("H", (), {})()
+    holder.decode = r._decode  # pylint: disable=protected-access
+    wrap(holder, "decode", "vm decode")
+    r._decode = holder.decode  # pylint: disable=protected-access
+    if r._base_fns is not None:  # pylint: disable=protected-access
+        holder.base = r._base_fns[1]  # pylint: disable=protected-access
+        wrap(holder, "base", "vm decode_base")
+        r._base_fns = (r._base_fns[0], holder.base)  # pylint: disable=protected-access
+    if r._fused_fns[1] is not None:  # pylint: disable=protected-access
+        holder.fused = r._fused_fns[1]  # pylint: disable=protected-access
+        wrap(holder, "fused", "vm decode_fused")
+        r._fused_fns = (r._fused_fns[0], holder.fused)  # pylint: disable=protected-access
+    return acc
+
+
+def restore_parts(r, kv) -> None:
+    for name in _PARTS["pool"]:
+        delattr(kv, name)
+    for name in _PARTS["runner"]:
+        delattr(r, name)
+    r._decode, r._base_fns, r._fused_fns = r._saved_fns  # pylint: disable=protected-access
 
 
 def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
@@ -95,7 +152,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
 
         # one pool per runner (decode graphs stay bound to its LoRA arena); sequences come and go
         pages = sum(pk.pages.shape[1] for pk in packed)
-        kv = r.create_pool(r.compiled.max_batch_size, max(batches) * (a.ctx + 32) + 2 * max(prefills + [0]) + 16 * pages)
+        kv = r.create_pool(r.compiled.max_batch_size, max(batches) * (a.ctx + 96) + 2 * max(prefills + [0]) + 16 * pages)
         for i, pk in enumerate(packed):
             kv.load_packed_adapter(i, pk, True)
         lora = "pool" if packed else None
@@ -126,11 +183,24 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 r.decode(kv, seqs, tok, lora=lora)
             host = (time.perf_counter() - t0) / 10 * 1e3  # launches only, unless the call waits on the GPU
             sync()
-            with profile(activities=[ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]) as prof:
+            if a.profile_host:  # host ms per call of each part of ModelRunner.decode
+                acc = host_parts(r, kv)
+                for _ in range(10):
+                    r.decode(kv, seqs, tok, lora=lora)
+                sync()
+                parts = {k: round(v * 100, 3) for k, v in acc.items()}  # seconds over 10 calls -> ms per call
+                say(f"{name} decode b={b}: host ms per call by part {parts}")
+                restore_parts(r, kv)
+            acts = [ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]
+            with profile(activities=acts + ([ProfilerActivity.CPU] if a.profile_host and dev == "cuda" else [])) as prof:
                 for _ in range(5):
                     r.decode(kv, seqs, tok, lora=lora)
                 sync()
             cats, top = breakdown(prof, 5)
+            if a.profile_host:
+                say(f"{name} decode b={b}: CUDA API calls per step (calls, host us per step)")
+                for key, calls, us in api_calls(prof, 5):
+                    say(f"  {calls:8.1f} {us:9.1f}  {key}")
             rows.append(dict(config=name, step=f"decode b={b}", ms=round(ms, 3), host_ms=round(host, 3), **cats, top=top))
             say(f"{name} decode b={b}: {ms:.3f} ms/step, host {host:.3f} ms, kernels {cats}")
             for s in seqs:
@@ -175,6 +245,7 @@ def main(argv=None) -> int:
     r.add_argument("--prefill", default="512,1024,2048", help="prefill token counts (4 sequences)")
     r.add_argument("--ctx", type=int, default=320, help="context tokens per sequence before the decode steps")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--profile-host", action="store_true", help="host time of each part of 10 decode calls")
     r.add_argument("--device", default="cuda", help="cuda, or cpu to check the script on llvm libraries")
     a = cli.parse(ap, argv)
     return run(a)

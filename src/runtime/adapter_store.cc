@@ -37,7 +37,18 @@ void AdapterStore::Configure(int64_t num_modules, int64_t max_rank) {
   b_ = Tensor::Empty({S * M_ * R_}, kInt32, g_.device);
   order_ = Tensor::Empty({g_.max_tokens}, kInt32, g_.device);
   start_ = Tensor::Empty({S + 1}, kInt32, g_.device);
+  // graph_tables() shows every slot row: none may hold garbage (a NaN scale would make a slot live)
+  const std::vector<int32_t> zeros(S * M_ * R_, 0);
+  for (const Tensor* t : {&rank_, &scale_, &a_, &b_}) UploadAsync(*t, zeros.data(), (*t)->shape[0] * 4);
   configured_ = true;
+}
+
+ffi::Array<Tensor> AdapterStore::graph_tables() const {
+  CheckConfigured();
+  if (tables_.empty()) TVM_FFI_THROW(ValueError) << "no batch: call begin_forward first";
+  const int64_t S = g_.max_batch;
+  return {tables_[0], tables_[1], View(rank_, 0, {S}, kInt32), View(scale_, 0, {S, M_}, kFloat32),
+          View(a_, 0, {S, M_, R_}, kInt32), View(b_, 0, {S, M_, R_}, kInt32), tables_[6], tables_[7]};
 }
 
 void AdapterStore::CheckConfigured() const {

@@ -64,6 +64,10 @@ class AdapterStore {
   /*! \brief The tables of the last BuildTables, in contract.LORA_TABLE_INPUTS order: [arena,
    *  token_slot, rank, scale, a_off, b_off, token_order, slot_start]. */
   const tvm::ffi::Array<tvm::runtime::Tensor>& tables() const { return tables_; }
+  /*! \brief The same tables with the slot tables at the maximum slot count: the same device
+   *  addresses at every batch, for a decode captured in CUDA graphs. Rows past the batch's slots
+   *  hold earlier batches' slots (zeros before any), which no token uses. */
+  tvm::ffi::Array<tvm::runtime::Tensor> graph_tables() const;
   /*! \brief Distinct adapters of the last BuildTables (0: every token is on the base model). */
   int64_t num_slots() const { return num_slots_; }
   /*! \brief The sum of the ranks of those adapters. */

@@ -239,6 +239,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
              Pool(kv)->adapters().SetSequenceAdapter(seq, adapter);
            })
       .def("mlc_lora.runtime.pool_lora_tables", [](Ref kv) { return Pool(kv)->LoraTables(); })
+      .def("mlc_lora.runtime.pool_lora_graph_tables",
+           [](Ref kv) { return Pool(kv)->LoraGraphTables(); })
       .def("mlc_lora.runtime.pool_lora_num_slots", [](Ref kv) { return Pool(kv)->LoraNumSlots(); })
       .def("mlc_lora.runtime.pool_lora_rank_total", [](Ref kv) { return Pool(kv)->LoraRankTotal(); })
       .def("mlc_lora.runtime.pool_stats", [](Ref kv) { return Pool(kv)->Stats(); })

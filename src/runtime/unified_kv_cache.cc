@@ -212,6 +212,12 @@ ffi::Array<Tensor> UnifiedKVCacheObj::LoraTables() const {
   return adapters_.tables();
 }
 
+ffi::Array<Tensor> UnifiedKVCacheObj::LoraGraphTables() const {
+  adapters_.CheckConfigured();
+  CheckInForward();
+  return adapters_.graph_tables();
+}
+
 int64_t UnifiedKVCacheObj::LoraNumSlots() const {
   adapters_.CheckConfigured();
   CheckInForward();

@@ -121,6 +121,7 @@ class UnifiedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   const AdapterStore& adapters() const { return adapters_; }
   /*! \brief This batch's LoRA tables (after begin_forward). */
   tvm::ffi::Array<Tensor> LoraTables() const;
+  tvm::ffi::Array<Tensor> LoraGraphTables() const;
   /*! \brief Distinct adapters of the batch begun last (0: no token has one). */
   int64_t LoraNumSlots() const;
   /*! \brief The sum of the ranks of those adapters. */

@@ -39,6 +39,7 @@ POOL_UNLOAD_ADAPTER = "mlc_lora.runtime.pool_unload_adapter"
 POOL_PIN_ADAPTER = "mlc_lora.runtime.pool_pin_adapter"
 POOL_SET_SEQUENCE_ADAPTER = "mlc_lora.runtime.pool_set_sequence_adapter"
 POOL_LORA_TABLES = "mlc_lora.runtime.pool_lora_tables"
+POOL_LORA_GRAPH_TABLES = "mlc_lora.runtime.pool_lora_graph_tables"
 POOL_LORA_NUM_SLOTS = "mlc_lora.runtime.pool_lora_num_slots"
 POOL_LORA_RANK_TOTAL = "mlc_lora.runtime.pool_lora_rank_total"
 POOL_STATS = "mlc_lora.runtime.pool_stats"
@@ -255,6 +256,11 @@ class DevicePool(Pool):
 
     def lora_tables(self) -> list:
         return list(self._f(POOL_LORA_TABLES)(self.handle))
+
+    def lora_graph_tables(self) -> list:
+        """The batch's LoRA inputs with the slot tables at the pool's slot capacity: the same
+        device addresses and shapes at every batch (decode captured in CUDA graphs)."""
+        return list(self._f(POOL_LORA_GRAPH_TABLES)(self.handle))
 
     def load_packed_adapter(self, slot: int, packed: PackedAdapter, pin: bool = False) -> None:
         """Load pages packed already (`mlc_lora.lora.pack_adapter`) as `slot`."""

@@ -219,12 +219,13 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
             self._prefill_sizes.clear()
         self._prefill_sizes.add(n_tok)
 
-    def _graph_tables(self, extra: list) -> list:
+    def _graph_tables(self, extra: list, pool: DevicePool, lora: LoraInputs) -> list:
         """The LoRA inputs of a decode captured in CUDA graphs (the compiler counts them with the
         weights, see compiler_passes/passes/lora_rewrite.py): a graph replays the addresses and the slot
-        count it was captured with, so this batch's tables are copied (on the device) into
-        buffers allocated once, passed at `max_batch_size` slots. Rows past the batch's slots are
-        never read: every token reads only its own slot. The arena must stay the same one."""
+        count it was captured with. The pool's own tables live at fixed addresses: they are passed
+        at the pool's slot capacity (`lora_graph_tables`); tables given as a dict are copied (on
+        the device) into buffers allocated once. Rows past the batch's slots are never read:
+        every token reads only its own slot. The arena must stay the same one."""
         tvm = _tvm()
         arena = extra[0]
         if self._graph_arena is None:
@@ -233,6 +234,8 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
             raise MLCLoraError("this model's decode runs in CUDA graphs bound to the LoRA arena of the "
                                "first pool it ran with; use one pool per ModelRunner, or compile "
                                "with --no-cuda-graph")
+        if lora == "pool":
+            return pool.lora_graph_tables()
         if self._fixed_tables is None:
             M, R, S = len(self.lora.modules), self.lora.max_rank, self.compiled.max_batch_size
             # zeros: rows past a batch's slots are read by no sgmv kernel, and decode_fused's kernels
@@ -264,7 +267,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
             return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access
         if self.graph_tables:
             try:
-                extra = self._graph_tables(extra)
+                extra = self._graph_tables(extra, pool, lora)
             except MLCLoraError:
                 pool.end_forward()
                 for s in seq_ids:  # begin_forward appended the step's token: take it back

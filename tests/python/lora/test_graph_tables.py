@@ -1,7 +1,8 @@
 """ModelRunner's LoRA tables for decode under CUDA graphs (`graph_tables`), exercised on CPU.
 
 A captured graph replays the addresses and the slot count it was captured with, so the runner
-copies each batch's tables into buffers allocated once and passes them at `max_batch_size` slots.
+passes the pool's own tables (fixed-address buffers) at `max_batch_size` slots, with rows past the
+batch's slots zero before any batch writes them and earlier batches' slots after.
 Here the same llvm sgmv model runs with that mode forced on and off: the logits must agree for
 batches with different adapter mixes, and the mode must pass the same buffers, at the same size,
 whatever the batch's adapters.
