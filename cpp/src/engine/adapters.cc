@@ -23,6 +23,7 @@ void Engine::Impl::ConfigureLora() {
   pool_pin = Global("mlc_lora.runtime.pool_pin_adapter");
   pool_set_seq = Global("mlc_lora.runtime.pool_set_sequence_adapter");
   pool_tables = Global("mlc_lora.runtime.pool_lora_tables");
+  pool_graph_tables = Global("mlc_lora.runtime.pool_lora_graph_tables");
   pool_info = Global("mlc_lora.runtime.pool_adapter_info");
 }
 

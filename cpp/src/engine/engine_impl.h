@@ -83,10 +83,11 @@ struct Engine::Impl {
   // ---- LoRA (adapters.cc): a model compiled with LoRA takes the contract's table inputs
   // after the KV cache (docs/DESIGN.md), which the pool builds per batch.
   bool lora = false;
+  bool cuda_graph = false;  // decode captured in CUDA graphs (compile_options.cuda_graph on a cuda target)
   LoraSpec lora_spec;
   std::map<std::string, int64_t> adapters;  // name -> pool adapter id
   int64_t next_adapter_id = 0;
-  tvm::ffi::Function pool_load, pool_unload, pool_pin, pool_set_seq, pool_tables, pool_info;
+  tvm::ffi::Function pool_load, pool_unload, pool_pin, pool_set_seq, pool_tables, pool_graph_tables, pool_info;
 
   Impl(const std::string& dir, const EngineOptions& opt);
   void LoadTokenizer(const JSON& tok);
@@ -98,8 +99,8 @@ struct Engine::Impl {
   tvm::ffi::Tensor Empty(std::vector<int64_t> shape, DLDataType dt) const;
   tvm::ffi::Tensor Embed(const std::vector<int32_t>& ids) const;
   std::vector<float> ToHost(const tvm::ffi::Tensor& logits, size_t rows) const;
-  std::vector<tvm::ffi::Any> LoraArgs();
-  tvm::ffi::Tensor Call(const tvm::ffi::Function& fn, std::vector<tvm::ffi::Any> args);
+  std::vector<tvm::ffi::Any> LoraArgs(bool decode);
+  tvm::ffi::Tensor Call(const tvm::ffi::Function& fn, std::vector<tvm::ffi::Any> args, bool decode = false);
   /*! \brief One ragged prefill; each sequence's last-token logits, (b, V) row-major. */
   std::vector<float> Prefill(const std::vector<int64_t>& seq_ids,
                              const std::vector<std::vector<int32_t>>& tokens);

@@ -120,6 +120,9 @@ Engine::Impl::Impl(const std::string& dir, const EngineOptions& opt) : model_dir
     lora_spec = LoraSpec::FromConfig(cfg);
   }
   std::string target = cfg["target"]["kind"].str();
+  // decode captured in CUDA graphs replays fixed table addresses and slot counts (runner/single.py)
+  cuda_graph = target == "cuda" && cfg.has("compile_options") && cfg["compile_options"].has("cuda_graph") &&
+               cfg["compile_options"]["cuda_graph"].is_bool() && cfg["compile_options"]["cuda_graph"].boolean();
   device = ParseDevice(opt.device);
   if ((target == "llvm") != (device.device_type == kDLCPU)) {
     throw InvalidArgument("'" + dir + "' was compiled for target '" + target + "' and cannot run on device '" +
@@ -257,16 +260,18 @@ std::vector<float> Engine::Impl::ToHost(const ffi::Tensor& logits, size_t rows) 
 
 // The LoRA inputs of the batch: the pool's arena and the tables it built in begin_forward from
 // each sequence's adapter (pool_set_sequence_adapter), as runner/single.py's lora="pool".
-std::vector<ffi::Any> Engine::Impl::LoraArgs() {
+// A decode captured in CUDA graphs gets them at the pool's slot capacity (fixed shapes).
+std::vector<ffi::Any> Engine::Impl::LoraArgs(bool decode) {
   if (!lora) return {};
   std::vector<ffi::Any> out;
-  for (const ffi::Tensor& t : pool_tables(kv).cast<ffi::Array<ffi::Tensor>>()) out.push_back(t);
+  const ffi::Function& tables = decode && cuda_graph ? pool_graph_tables : pool_tables;
+  for (const ffi::Tensor& t : tables(kv).cast<ffi::Array<ffi::Tensor>>()) out.push_back(t);
   return out;
 }
 
 // fn(inputs..., kv, [LoRA tables], params) -> (logits, kv)
-ffi::Tensor Engine::Impl::Call(const ffi::Function& fn, std::vector<ffi::Any> args) {
-  for (ffi::Any& a : LoraArgs()) args.push_back(std::move(a));
+ffi::Tensor Engine::Impl::Call(const ffi::Function& fn, std::vector<ffi::Any> args, bool decode) {
+  for (ffi::Any& a : LoraArgs(decode)) args.push_back(std::move(a));
   args.push_back(params);
   std::vector<ffi::AnyView> views(args.begin(), args.end());
   ffi::Any ret;
@@ -299,7 +304,7 @@ std::vector<float> Engine::Impl::Decode(const std::vector<int64_t>& seq_ids, con
   ffi::Tensor emb = Embed(tokens);
   emb = t_view(emb, ffi::Shape({b, 1, hidden_size}), DType(dtype), 0).cast<ffi::Tensor>();
   kv_begin(kv, ffi::Shape(seq_ids), ffi::Shape(std::vector<int64_t>(b, 1)));
-  ffi::Tensor logits = Call(f_decode, {emb, kv});
+  ffi::Tensor logits = Call(f_decode, {emb, kv}, /*decode=*/true);
   kv_end(kv);
   return ToHost(logits, tokens.size());
 }
