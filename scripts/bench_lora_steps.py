@@ -29,8 +29,9 @@ KINDS = ("gemm", "lora", "attention", "other")
 
 
 def kind_of(key: str) -> str:
+    """gemm (cuBLAS, our GEMV; the one-kernel fused linear counts as lora), lora, attention, other."""
     k = key.lower()
-    if "lora" in k or "sgmv" in k:
+    if any(s in k for s in ("shrink", "expand", "sgmv", "triton_linear")):
         return "lora"
     if any(s in k for s in ("gemm", "gemv", "nvjet", "sm90_xmma", "cutlass", "cublas")):
         return "gemm"
