@@ -270,7 +270,11 @@ class Bench:  # pylint: disable=too-many-instance-attributes
             print(f"{label}: {len(failed)} requests failed, e.g. {failed[0]}", flush=True)
         out = dict(label=label, requests=len(requests), metrics=summarize(results, duration, (50, 99)),
                    engine={k: after[k] - before.get(k, 0) for k in ENGINE_COUNTERS if k in after})
-        if "prefix_cache_hit_rate" in after:
+        q, h = "prefix_cache_query_tokens", "prefix_cache_hit_tokens"
+        if q in after and h in after:  # the prefix cache's hit rate over this run's prompts
+            asked = after[q] - before.get(q, 0)
+            out["engine"]["prefix_cache_hit_rate"] = (after[h] - before.get(h, 0)) / asked if asked else 0.0
+        elif "prefix_cache_hit_rate" in after:  # (since the engine started)
             out["engine"]["prefix_cache_hit_rate"] = after["prefix_cache_hit_rate"]
         if tenants:
             out["tenants"] = {t: summarize([r for r, ad in zip(results, adapters) if ad == name], duration, (50, 99))

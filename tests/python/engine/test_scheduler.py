@@ -166,10 +166,11 @@ def test_single_needs_few_preemptions_on_a_loaded_pool():
 # --- fair share (the virtual token counter) -------------------------------------------------------
 
 
-def _fair_scheduler(pool: FakePool, max_num_seqs: int, fair: bool = True):
+def _fair_scheduler(pool: FakePool, max_num_seqs: int, fair: bool = True, one_adapter: bool = False):
     by_id: dict = {}
     sched = Scheduler(pool.available_pages, lambda sid: pool.add_sequence(by_id[sid]), pool.remove_sequence,
-                      max_num_seqs, 128, adapter_pages=pool.pages_to_run, fair_share=fair)
+                      max_num_seqs, 128, adapter_pages=pool.pages_to_run, fair_share=fair,
+                      one_adapter_per_batch=one_adapter)
     return sched, by_id
 
 
@@ -184,12 +185,14 @@ def _submit(sched, by_id, name, slot, n, prompt_len=8, max_tokens=4):
     return seqs
 
 
-def _step(sched, pool, admitted: list) -> bool:
+def _step(sched, pool, admitted: list, one_adapter: bool = False) -> bool:
     """One step as the engine takes it: schedule, run on the fake pool, count generated tokens."""
     before = {s.seq_id for s in sched.running}
     batch = sched.schedule()
     if batch is None:
         return False
+    if one_adapter:
+        assert len({s.adapter_slot for s in batch.seqs} - {None}) <= 1, "stage 1: one adapter per batch"
     admitted += [s for s in batch.seqs if s.seq_id not in before]
     pool.run(batch.seqs, batch.chunks)
     for i, (s, c) in enumerate(zip(batch.seqs, batch.chunks)):
@@ -255,14 +258,17 @@ def test_fair_share_admits_the_least_served_client_and_fifo_does_not():
     assert [i for i, c in enumerate(fair) if c == "B"] == [2, 3, 6], fair
 
 
-def test_fair_share_serves_every_request_that_fits_and_preempted_ones_resume():
+@pytest.mark.parametrize("one_adapter", [False, True])
+def test_fair_share_serves_every_request_that_fits_and_preempted_ones_resume(one_adapter):
     """The random mixes of test_every_request_that_fits_alone_is_served with fair share: nothing
-    that fits is rejected, every batch fits the pool, and the counters add up to what was served."""
+    that fits is rejected, every batch fits the pool (and holds one adapter in stage 1), preempted
+    sequences finish, and the counters add up to what was served (a preempted prompt counts once)."""
     rng = np.random.default_rng(3)
+    preemptions = 0
     for trial in range(20):
         pages = {a: int(rng.integers(1, 4)) for a in range(4)}
         pool = FakePool(16, pages)
-        sched, by_id = _fair_scheduler(pool, max_num_seqs=int(rng.integers(2, 8)))
+        sched, by_id = _fair_scheduler(pool, max_num_seqs=int(rng.integers(2, 8)), one_adapter=one_adapter)
         want: dict = {}
         for _ in range(int(rng.integers(2, 14))):
             slot = None if rng.random() < 0.2 else int(rng.integers(0, 4))
@@ -274,8 +280,10 @@ def test_fair_share_serves_every_request_that_fits_and_preempted_ones_resume():
             p, g = want.get(name, (0, 0))
             want[name] = (p + n, g + m)
         admitted: list = []
-        while _step(sched, pool, admitted):
+        while _step(sched, pool, admitted, one_adapter):
             assert not sched.rejected, trial
         assert not sched.running and not sched.waiting and not sched.service.queued
         got = {c: (s.prompt_tokens, s.generated_tokens) for c, s in sched.service.clients.items()}
         assert got == want, trial
+        preemptions += sched.num_preemptions
+    assert preemptions > 0  # the pool is tight: preempted sequences were resumed and counted once
