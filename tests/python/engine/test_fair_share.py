@@ -48,8 +48,9 @@ def run_flood(lib, root, fair: bool):
     outs: dict = {}
 
     def submit(name, i):
-        seq = eng.make_sequence(prompt(i), SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-                                name, sink=lambda o, k=(name, i): outs.setdefault(k, []).extend(t.token for t in o.tokens))
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        sink = lambda o, k=(name, i): outs.setdefault(k, []).extend(t.token for t in o.tokens)  # noqa: E731
+        seq = eng.make_sequence(prompt(i), params, name, sink=sink)
         eng.add(seq)
         return seq
 
