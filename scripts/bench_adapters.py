@@ -450,6 +450,7 @@ def section_fairness(b: Bench) -> dict:
     requests = [(heavy + light)[i] for i in order]
     adapters = [("tenant-heavy" if i < len(heavy) else "tenant-light") for i in order]
     at = at[order]
+
     def one(eng, given, on):
         r = b.run_at(eng, f"two tenants, fair share {'on' if on else 'off'}", requests, adapters, at,
                      tenants={"heavy": "tenant-heavy", "light": "tenant-light"})
