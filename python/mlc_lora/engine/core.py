@@ -3,6 +3,9 @@
 Each step schedules a batch (decodes + chunked prefills), runs `prefill` or `decode`, samples on
 the device and hands each sequence its `StepOutput` (new text, tokens, finish) through its sink.
 The front ends (frontend.py) own the thread that steps it (loop.py).
+
+Fair share (`fair_share`, off by default): admission by the virtual token counter, per adapter
+(scheduler.py); the tokens served per adapter are in stats() either way.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from .adapters import AdapterTable
 from .sampler import Sampled, Sampler
 
 log = logging.getLogger(__name__)
-from .scheduler import Batch, SamplingParams, Scheduler, Sequence, Status
+from .scheduler import Batch, SamplingParams, Scheduler, Sequence, Served, Status
 
 
 @dataclasses.dataclass
@@ -55,7 +58,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
 
     def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
                  max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
-                 params=None):
+                 params=None, fair_share: bool = False):
         # tensor-parallel models: one worker per shard
         self.runner = open_runner(model_dir, device, params=params)
         compiled = self.runner.compiled
@@ -80,7 +83,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         ad = self.adapters
         self.scheduler = Scheduler(ad.available_pages, ad.add_sequence, self.pool.remove_sequence,
                                    self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
-                                   one_adapter_per_batch=lora is not None and lora.kernel == "single")
+                                   one_adapter_per_batch=lora is not None and lora.kernel == "single",
+                                   fair_share=fair_share)
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
@@ -144,11 +148,20 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def stats(self) -> dict[str, Any]:
-        return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+        return dict(fair_share=self.scheduler.fair_share, tokens_served=self.tokens_served(),
+                    running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
                     num_preemptions=self.scheduler.num_preemptions, **self.counters,
                     step_times={k: dict(steps=n, seconds=round(t, 6)) for k, (n, t) in self.step_times.items()},
                     **self.adapters.stats())
+
+    def tokens_served(self) -> dict[str, Any]:
+        """Prompt and generated tokens served (and the fair-share counter `service`) of the base
+        model and of each loaded adapter, by name (adapters no longer loaded are left out)."""
+        clients = self.scheduler.service.clients
+        zero = Served()
+        return dict(base=clients.get(None, zero).as_dict(),
+                    adapters={name: clients.get(name, zero).as_dict() for name in self.adapters.by_name})
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -284,6 +297,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             st.matcher.accept(s.token)
         seq.output_ids.append(s.token)
         self.counters["num_generated_tokens"] += 1
+        self.scheduler.generated(seq)
         finish, cut = None, False
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
         if (s.token in eos and not p.ignore_eos) or s.token in p.stop_token_ids:

@@ -4,15 +4,27 @@ by free KV pages; preemption by recompute when the pages run out).
 LoRA: KV and adapters share the unified pool's pages. A batch counts, beside its KV pages, the
 pages of every adapter it must page in or keep from eviction; a request that cannot fit even with
 nothing else running is rejected (PoolExhaustedError), never retried forever. Stage-1 (`single`)
-libraries get one adapter per batch (plus base-model rows): that of the oldest request on an adapter."""
+libraries get one adapter per batch (plus base-model rows): that of the oldest request on an adapter.
+
+Admission order (`Scheduler._admission_order`, the one place it is decided): first come first
+served, or with `fair_share` the virtual token counter (VTC) of Sheng et al., "Fairness in Serving
+Large Language Models" (OSDI 2024). Every client (an adapter name; the base model is a client of its
+own) has a counter of the service it got, prompt tokens weighted 1 when its request is admitted and
+generated tokens weighted 2 as they come (the paper's defaults); the scheduler admits the oldest
+request of the client with the smallest counter among those with waiting requests. A client that
+had nothing waiting is lifted, when its request arrives, to the smallest counter among the clients
+with waiting requests (to the counter of the last admitted client when none waits), so an idle
+client banks no credit. Running sequences are never preempted for fairness, and preempted ones
+resume first. The tokens served per client are counted either way (`ServiceCounters`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 import itertools
-from collections import deque
-from typing import Any, Callable, Optional
+from collections import Counter, deque
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -105,17 +117,82 @@ class Batch:
         return self.seqs[i].num_cached + len(self.chunks[i]) == self.seqs[i].num_tokens
 
 
+# VTC's weights of a prompt token and a generated token (the paper's w_p, w_q)
+PROMPT_TOKEN_WEIGHT = 1.0
+GENERATED_TOKEN_WEIGHT = 2.0
+
+
+@dataclasses.dataclass
+class Served:
+    """What one client (an adapter name, None: the base model) got."""
+
+    prompt_tokens: int = 0  # prompts of its admitted requests (a preempted one counts once)
+    generated_tokens: int = 0
+    counter: float = 0.0  # the virtual token counter: weighted tokens, lifted after idling
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+                    service=self.counter)
+
+
+class ServiceCounters:
+    """The VTC bookkeeping: per client its `Served`, how many of its requests wait, and which
+    client's request left the queue last."""
+
+    def __init__(self):
+        self.clients: dict[Optional[str], Served] = {}
+        self.queued: Counter = Counter()  # client -> its waiting sequences
+        self.last_admitted: Optional[Served] = None
+
+    def of(self, client: Optional[str]) -> Served:
+        served = self.clients.get(client)
+        if served is None:
+            served = self.clients[client] = Served()
+        return served
+
+    def arrive(self, client: Optional[str]) -> None:
+        """A new request of `client` joins the queue: a client with nothing waiting is lifted to the
+        least counter of the waiting clients (or the last admitted one's), never lowered."""
+        served = self.of(client)
+        if not self.queued[client]:
+            waiting = [self.clients[c].counter for c in self.queued]
+            floor = min(waiting) if waiting else (self.last_admitted.counter if self.last_admitted else 0.0)
+            served.counter = max(served.counter, floor)
+        self.queued[client] += 1
+
+    def requeue(self, client: Optional[str]) -> None:
+        """A preempted sequence waits again (not a new request: no lift)."""
+        self.queued[client] += 1
+
+    def leave(self, client: Optional[str]) -> None:
+        self.queued[client] -= 1
+        if not self.queued[client]:
+            del self.queued[client]
+
+    def admit(self, client: Optional[str], prompt_tokens: int) -> None:
+        served = self.of(client)
+        served.prompt_tokens += prompt_tokens
+        served.counter += PROMPT_TOKEN_WEIGHT * prompt_tokens
+        self.last_admitted = served
+
+    def generated(self, client: Optional[str], n: int = 1) -> None:
+        served = self.of(client)
+        served.generated_tokens += n
+        served.counter += GENERATED_TOKEN_WEIGHT * n
+
+
 class Scheduler:
-    """FIFO admission; running decodes first; pages checked before every step."""
+    """FIFO or fair-share admission; running decodes first; pages checked before every step."""
 
     def __init__(self, free_pages: Callable[[], int], add_sequence: Callable[[int], None],
                  remove_sequence: Callable[[int], None], max_num_seqs: int, max_step_tokens: int,
-                 adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False):
+                 adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False,
+                 fair_share: bool = False):
         """The pool's side: `free_pages()` counts the pages a batch can take (LoRA: with those idle
         adapters would give back), `add_sequence` / `remove_sequence` take and drop a sequence's
         place in it, `adapter_pages(slot)` is what a batch must find for an adapter (its pages
         unless resident and held by a running sequence); `one_adapter_per_batch` for stage-1
-        (`single`) libraries."""
+        (`single`) libraries; `fair_share`: admission by the virtual token counter (module doc)."""
         self.free_pages = free_pages
         self.adapter_pages = adapter_pages or (lambda a: 0)
         self.one_adapter = one_adapter_per_batch
@@ -127,9 +204,17 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.fair_share = bool(fair_share)
+        self.service = ServiceCounters()
+        self._resumed: set[int] = set()  # preempted sequences waiting again (their prompt is counted)
 
     def add(self, seq: Sequence) -> None:
+        self.service.arrive(seq.adapter_name)
         self.waiting.append(seq)
+
+    def generated(self, seq: Sequence, n: int = 1) -> None:
+        """The engine appended `n` generated tokens to `seq`: its client's service grows."""
+        self.service.generated(seq.adapter_name, n)
 
     def finish(self, seq: Sequence) -> None:
         if seq.status == Status.RUNNING:
@@ -137,6 +222,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.service.leave(seq.adapter_name)
+            self._resumed.discard(seq.seq_id)
         seq.status = Status.FINISHED
 
     def reject(self, seq: Sequence) -> None:
@@ -151,7 +238,43 @@ class Scheduler:
         seq.num_cached = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        self.service.requeue(seq.adapter_name)
+        self._resumed.add(seq.seq_id)
         self.num_preemptions += 1
+
+    def _count_admission(self, seq: Sequence) -> None:
+        """A waiting sequence leaves the queue for the pool; a new request's prompt counts as served."""
+        self.service.leave(seq.adapter_name)
+        if seq.seq_id in self._resumed:
+            self._resumed.discard(seq.seq_id)
+        else:
+            self.service.admit(seq.adapter_name, len(seq.prompt_ids))
+
+    def _admission_order(self) -> Iterator[Sequence]:
+        """The waiting sequences in the order admission tries them (consumed while it admits).
+        First come first served: the queue's order (preempted sequences were put in front). Fair
+        share: preempted sequences first, then, one at a time, the oldest request of the client with
+        the least service (VTC; ties: the client whose oldest request is older), each pick seeing
+        the counter the previous admission raised."""
+        if not self.fair_share:
+            yield from list(self.waiting)
+            return
+        resumed, queues = [], {}
+        for s in self.waiting:
+            if s.seq_id in self._resumed:
+                resumed.append(s)
+            else:
+                queues.setdefault(s.adapter_name, deque()).append(s)
+        yield from resumed
+        # only the client just picked changes its counter before the next pick: a heap suffices
+        heap = [(self.service.of(c).counter, q[0].seq_id, c) for c, q in queues.items()]
+        heapq.heapify(heap)
+        while heap:
+            _, _, client = heapq.heappop(heap)
+            q = queues[client]
+            yield q.popleft()
+            if q:
+                heapq.heappush(heap, (self.service.of(client).counter, q[0].seq_id, client))
 
     def _pick_adapter(self) -> Optional[int]:
         """Stage 1: the adapter of this batch, that of the oldest request on an adapter (base-model
@@ -206,7 +329,7 @@ class Scheduler:
         # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
         stuck = None  # the first sequence that found no pages
-        for seq in prefilling + list(self.waiting):
+        for seq in itertools.chain(prefilling, self._admission_order()):
             if budget <= 0:
                 break
             if not fits(seq):
@@ -223,6 +346,7 @@ class Scheduler:
                 stuck = seq
                 break
             if seq.status == Status.WAITING:
+                self._count_admission(seq)
                 self.waiting.remove(seq)
                 self.add_sequence(seq.seq_id)
                 seq.status = Status.RUNNING
