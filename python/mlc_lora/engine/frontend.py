@@ -138,15 +138,19 @@ class MLCEngine:
     from several threads (or an AsyncMLCEngine's tasks) batch together; `adapter_id=NAME` picks a
     LoRA adapter loaded with `load_adapter` per request (None: the base model). `params`: the
     weights already on the device, in the config's `param_names` order (ModelRunner's `params`).
+    `enable_prefix_caching`: keep full KV pages of finished prompts in the pool, per adapter, and
+    start later requests with the same prefix after them (engine/core.py).
     """
 
     def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
                  max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
                  prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
-                 max_lora_rank: int = 0, lora_pool_pages: int = 0, params=None):
+                 max_lora_rank: int = 0, lora_pool_pages: int = 0, params=None,
+                 enable_prefix_caching: bool = False):
         model_dir = compiled_folder(model, device, progress=progress, dtype=dtype,
                                     max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
-        self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size, params)
+        self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size, params,
+                                enable_prefix_caching=enable_prefix_caching)
         self.model_name = self.engine.model_name or str(model)
         self._loop = EngineLoop(self.engine)
         self.chat = Chat(Completions(self, chat=True))

@@ -47,20 +47,24 @@ def log_engine(engine) -> None:
     logger.info("pool: %d pages of %d tokens (%s), up to %d sequences, %d tokens at most per sequence",
                 core.kv_pages_total, PAGE_SIZE, "KV cache" if lora is None else "KV cache and adapter weights",
                 core.max_num_seqs, core.max_seq_len)
+    logger.info("prefix caching: %s", "on (KV of shared prompt prefixes reused, per adapter)" if core.prefix_caching
+                else "off (--enable-prefix-caching turns it on)")
 
 
 def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapter_dirs: Optional[list[str]] = None,
           host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None, device: str = "cpu",
           served_model_name: Optional[str] = None, max_num_seqs: Optional[int] = None,
           max_total_tokens: Optional[int] = None, log_level: str = "info", guard_all: bool = False,
-          max_body_bytes: Optional[int] = None, drain_timeout_s: Optional[float] = None) -> None:
+          max_body_bytes: Optional[int] = None, drain_timeout_s: Optional[float] = None,
+          enable_prefix_caching: bool = False) -> None:
     """Serve `model` (a compiled folder, or anything MLCEngine compiles) until interrupted.
 
     `adapters` (name -> PEFT folder) are trusted operator input and load from anywhere; adapters
     loaded later through the API must lie inside `adapter_dirs`. `api_key` guards /v1/*;
     `guard_all` also /metrics and the docs (/health stays open). `max_body_bytes`: larger request
     bodies get 413; `drain_timeout_s`: on SIGTERM, how long running requests may finish (None: the
-    defaults of serve/app.py).
+    defaults of serve/app.py); `enable_prefix_caching`: reuse cached KV of shared prompt prefixes,
+    per adapter.
     """
     import uvicorn  # pylint: disable=import-outside-toplevel
 
@@ -73,7 +77,8 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
     roots = AdapterRoots(adapter_dirs or [])
     start = time.perf_counter()
     logger.info("loading %s on %s", model, device)
-    engine = AsyncMLCEngine(model, device, max_num_seqs=max_num_seqs, max_total_tokens=max_total_tokens)
+    engine = AsyncMLCEngine(model, device, max_num_seqs=max_num_seqs, max_total_tokens=max_total_tokens,
+                            enable_prefix_caching=enable_prefix_caching)
     try:
         log_engine(engine)
         name = served_model_name or engine.model_name
