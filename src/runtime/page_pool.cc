@@ -474,14 +474,30 @@ int64_t PagePool::InsertPrefix(int64_t seq, int64_t start, const std::vector<int
     const uint64_t h = BlockHash(parent < 0 ? 0 : cache_.at(parent).hash, block, page_size_);
     auto it = cache_index_.find({s.adapter, h});
     if (it != cache_index_.end()) {
-      const CachedPage& c = cache_.at(it->second);
-      if (it->second == page && c.parent == parent &&
-          std::equal(block, block + page_size_, c.tokens.begin())) {
-        ++s.prefix_pages;  // a sequence sharing this page keyed it already
-        continue;
+      const int32_t keyed = it->second;
+      const CachedPage& c = cache_.at(keyed);
+      if (c.parent != parent || !std::equal(block, block + page_size_, c.tokens.begin())) {
+        s.prefix_open = false;  // a hash collision: key nothing more, stay exact
+        return -1;
       }
-      s.prefix_open = false;  // the same prefix is keyed on another page: this chain ends
-      return -1;
+      if (keyed != page) {
+        // A copy a fork shares, or keyed elsewhere: its later pages could not be keyed after the
+        // keyed one (a sequence holding a keyed page holds its whole chain).
+        if (kv_refs_[page] > 1 || PageCached(page)) {
+          s.prefix_open = false;
+          return -1;
+        }
+        // The same page computed twice (both started before either was keyed): take the keyed
+        // one, as a hit would have, and give back the copy; the chain goes on.
+        if (kv_refs_[keyed]++ == 0) {
+          idle_cache_.erase(IdleKey(keyed));
+          owner_[keyed] = Owner::kKV;
+        }
+        ReleaseKVPage(page);
+        s.pages[i] = keyed;
+      }
+      ++s.prefix_pages;
+      continue;
     }
     if (PageCached(page)) {  // keyed under another chain (not expected): end here, stay exact
       s.prefix_open = false;

@@ -131,8 +131,9 @@ class PagePool {
   /*!
    * \brief Key the sequence's full pages after those already keyed: `tokens` are its tokens
    * from position `start` (a multiple of the page size) on. A page whose key another page has
-   * already (the same prefix computed twice) ends the sequence's chain: nothing after it is keyed.
-   * Returns the sequence's leading keyed pages, or -1 once its chain has ended.
+   * already (the same prefix computed twice) is replaced by that page, as a hit would have given
+   * it, and freed. Returns the sequence's leading keyed pages, or -1 once its chain has ended
+   * (its adapter changed, a hash collision, or such a copy shared with a fork).
    */
   int64_t InsertPrefix(int64_t seq, int64_t start, const std::vector<int32_t>& tokens);
   bool PageCached(int32_t page) const { return cache_.count(page) != 0; }

@@ -151,7 +151,8 @@ class AdapterTable:
     def available_pages(self) -> int:
         """Pages a batch can take: free ones plus those of idle unpinned adapters and of cached
         prefixes no sequence holds (evicted LRU)."""
-        return self.pool.available_pages() + self.pool.stats().evictable_pages
+        free = self.pool.available_pages()
+        return free + (self.pool.stats().evictable_pages if self.runner.lora is not None else 0)
 
     def pages_to_run(self, slot: int) -> int:
         """Pages a batch must find for adapter `slot`: all of them unless it is resident and kept
@@ -162,6 +163,7 @@ class AdapterTable:
 
     def exhausted(self, seq: Sequence) -> PoolExhaustedError:
         s = self.pool.stats()
+        busy = s.adapter_pages - (s.evictable_pages - s.cached_idle_pages)  # pinned or in-use adapters' pages
         what = "its KV"
         if seq.adapter_slot is not None:
             a = self.by_slot[seq.adapter_slot]
@@ -169,7 +171,7 @@ class AdapterTable:
         return PoolExhaustedError(
             f"request cannot run: {what} need more pages than the pool can give with nothing else "
             f"running ({s.free_pages} free, {s.evictable_pages} held by idle adapters and cached prefixes, "
-            f"{s.adapter_pages - (s.evictable_pages - s.cached_idle_pages)} by pinned or busy adapters, {s.total_pages} "
+            f"{busy} by pinned or busy adapters, {s.total_pages} "
             "in total); unpin or unload adapters, or compile with more --lora-pool-pages")
 
     def stats(self) -> dict[str, Any]:

@@ -87,10 +87,12 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.max_seq_len = min(self.context_window, (self.kv_pages_total - 1) * PAGE_SIZE)
         ad = self.adapters
         self.prefix_caching = bool(enable_prefix_caching)
-        prefix = {}
+        prefix, free_pages = {}, ad.available_pages
         if self.prefix_caching:
             prefix = dict(prefix_lookup=self._prefix_lookup, prefix_attach=self._prefix_attach)
-        self.scheduler = Scheduler(ad.available_pages, ad.add_sequence, self.pool.remove_sequence,
+            if lora is None:  # without adapters, cached pages are all a batch can evict
+                free_pages = lambda: self.pool.available_pages() + self.pool.stats().cached_idle_pages  # noqa: E731
+        self.scheduler = Scheduler(free_pages, ad.add_sequence, self.pool.remove_sequence,
                                    self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
                                    one_adapter_per_batch=lora is not None and lora.kernel == "single", **prefix)
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,

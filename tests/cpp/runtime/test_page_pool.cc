@@ -230,12 +230,17 @@ static void TestPrefixCache() {
   }
   CHECK(pool.Stats().cached == 9);
   CHECK(pool.LookupPrefix(2, prompt).tokens == 12 && pool.LookupPrefix(-1, prompt).tokens == 12);
-  // the same prefix computed twice (no attach) is not keyed twice: that chain ends
+  // the same prefix computed twice (no attach) is keyed once: the second sequence takes the keyed
+  // pages and frees its copies
   pool.AddSequence(4);
   pool.SetSequenceAdapter(4, 1);
   pool.ReserveAppend({4}, {14});
-  CHECK(pool.InsertPrefix(4, 0, prompt) == -1);
-  CHECK(pool.InsertPrefix(4, 0, prompt) == -1 && pool.Stats().cached == 9);
+  int32_t free_before = pool.num_free();
+  int32_t last = pool.SequencePages(4)[3];
+  CHECK(pool.InsertPrefix(4, 0, prompt) == 3);
+  CHECK(pool.num_free() == free_before + 3 && pool.Stats().cached == 9);
+  CHECK((pool.SequencePages(4) == std::vector<int32_t>{keyed[0], keyed[1], keyed[2], last}));
+  pool.CheckInvariants();
   pool.RemoveSequence(4);
   // keys are added page by page as a sequence grows; a prefix of it hits at once
   std::vector<int32_t> longer = prompt;
@@ -405,6 +410,8 @@ static void TestRandomPrefix() {
           for (int i = pick(6); i > 0; --i) t.push_back(static_cast<int32_t>(pick(3)));
           if (pool.HasSequence(a)) pool.RemoveSequence(a);
           pool.AddSequence(a);
+          toks[a].clear();
+          pending[a].clear();
           pool.SetSequenceAdapter(a, pick(4) ? pick(3) : -1);
           auto before = pool.LookupPrefix(pool.SequenceAdapter(a), t);
           int64_t n = pool.AttachPrefix(a, t);

@@ -118,7 +118,8 @@ def test_same_adapter_hits_other_adapters_and_the_base_model_never_share(setup):
         assert hits(eng) - before == PAGE_SIZE
         s = eng.stats()
         assert s["prefix_cache_queries"] == 8
-        assert s["prefix_cache_hit_rate"] == pytest.approx(s["prefix_cache_hit_tokens"] / s["prefix_cache_query_tokens"])
+        rate = s["prefix_cache_hit_tokens"] / s["prefix_cache_query_tokens"]
+        assert s["prefix_cache_hit_rate"] == pytest.approx(rate)
         assert s["pool_pages_kv"] == 0 and s["prefix_cache_idle_pages"] == s["prefix_cache_pages"]
         assert s["pool_pages_free"] + s["pool_pages_adapter"] + s["prefix_cache_idle_pages"] == s["pool_pages_total"]
 
@@ -275,3 +276,21 @@ def test_random_mixed_run_keeps_the_pool_consistent_and_matches_peft(setup):
     assert s["prefix_cache_hit_tokens"] > 0 and s["prefix_cache_evictions"] > 0
     assert s["adapter_evictions"] > 0 and s["num_preemptions"] > 0 and reloaded
     assert s["pool_pages_kv"] == 0 and s["running"] == s["waiting"] == 0
+
+
+def test_model_without_lora_reuses_and_evicts_base_prefixes(tiny_models):
+    """A model compiled without LoRA on a 10-page cache: repeated system prompts hit, cached pages
+    are evicted for running requests (which also preempt each other), outputs stay HF's."""
+    hf, lib = tiny_models["gqa"]
+    eng = LLMEngine(lib, "cpu", max_total_tokens=9 * PAGE_SIZE, enable_prefix_caching=True)
+    refs = {None: hf}
+    outs = []
+    for rnd in range(3):
+        for i in range(4):
+            prompt = SYSTEM + [(17 * i + rnd + j) % 128 for j in range(4 + 3 * i)]
+            add(eng, prompt, None, 40, outs)
+        run_to_end(eng, check=True)
+    for _, adapter, prompt, n, toks in outs:
+        assert toks == want(refs, adapter, prompt, n)
+    s = eng.stats()
+    assert s["prefix_cache_hit_tokens"] > 0 and s["prefix_cache_evictions"] > 0 and s["num_preemptions"] > 0
