@@ -149,7 +149,8 @@ class AdapterTable:
     # --- pages --------------------------------------------------------------------------------
 
     def available_pages(self) -> int:
-        """Pages a batch can take: free ones plus those of idle unpinned adapters (evicted LRU)."""
+        """Pages a batch can take: free ones plus those of idle unpinned adapters and of cached
+        prefixes no sequence holds (evicted LRU)."""
         free = self.pool.available_pages()
         return free + (self.pool.stats().evictable_pages if self.runner.lora is not None else 0)
 
@@ -162,14 +163,15 @@ class AdapterTable:
 
     def exhausted(self, seq: Sequence) -> PoolExhaustedError:
         s = self.pool.stats()
+        busy = s.adapter_pages - (s.evictable_pages - s.cached_idle_pages)  # pinned or in-use adapters' pages
         what = "its KV"
         if seq.adapter_slot is not None:
             a = self.by_slot[seq.adapter_slot]
             what = f"adapter {a.name!r} ({a.num_pages} pages) and its KV"
         return PoolExhaustedError(
             f"request cannot run: {what} need more pages than the pool can give with nothing else "
-            f"running ({s.free_pages} free, {s.evictable_pages} held by idle adapters, "
-            f"{s.adapter_pages - s.evictable_pages} by pinned or busy adapters, {s.total_pages} "
+            f"running ({s.free_pages} free, {s.evictable_pages} held by idle adapters and cached prefixes, "
+            f"{busy} by pinned or busy adapters, {s.total_pages} "
             "in total); unpin or unload adapters, or compile with more --lora-pool-pages")
 
     def stats(self) -> dict[str, Any]:

@@ -6,6 +6,14 @@ The front ends (frontend.py) own the thread that steps it (loop.py).
 
 Fair share (`fair_share`, off by default): admission by the virtual token counter, per adapter
 (scheduler.py); the tokens served per adapter are in stats() either way.
+
+Prefix caching (`enable_prefix_caching`, off by default): every full KV page a sequence computes is
+keyed in the pool by (its adapter, its token chain) and kept after the sequence ends; a request of
+the same adapter (or of the base model) whose prompt starts with those tokens takes the pages and
+prefills only the rest. KV of one adapter is never reused for another, nor for an adapter loaded
+again (keys name the pool slot, which is never reused, and unloading drops them). Cached pages no
+request holds are evicted with idle adapters, least recently used first. Requests that ask for
+prompt logprobs compute their whole prompt.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
 
     def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
                  max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
-                 params=None, fair_share: bool = False):
+                 params=None, fair_share: bool = False, enable_prefix_caching: bool = False):
         # tensor-parallel models: one worker per shard
         self.runner = open_runner(model_dir, device, params=params)
         compiled = self.runner.compiled
@@ -81,10 +89,16 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         # the longest sequence the engine can hold: the context window or the whole pool
         self.max_seq_len = min(self.context_window, (self.kv_pages_total - 1) * PAGE_SIZE)
         ad = self.adapters
-        self.scheduler = Scheduler(ad.available_pages, ad.add_sequence, self.pool.remove_sequence,
+        self.prefix_caching = bool(enable_prefix_caching)
+        prefix, free_pages = {}, ad.available_pages
+        if self.prefix_caching:
+            prefix = dict(prefix_lookup=self._prefix_lookup, prefix_attach=self._prefix_attach)
+            if lora is None:  # without adapters, cached pages are all a batch can evict
+                free_pages = lambda: self.pool.available_pages() + self.pool.stats().cached_idle_pages  # noqa: E731
+        self.scheduler = Scheduler(free_pages, ad.add_sequence, self.pool.remove_sequence,
                                    self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
                                    one_adapter_per_batch=lora is not None and lora.kernel == "single",
-                                   fair_share=fair_share)
+                                   fair_share=fair_share, **prefix)
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
@@ -153,7 +167,38 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                     kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
                     num_preemptions=self.scheduler.num_preemptions, **self.counters,
                     step_times={k: dict(steps=n, seconds=round(t, 6)) for k, (n, t) in self.step_times.items()},
-                    **self.adapters.stats())
+                    **self.adapters.stats(), **self._prefix_stats())
+
+    # --- the prefix cache ---------------------------------------------------------------------
+
+    def _prefix_stats(self) -> dict[str, Any]:
+        s = self.pool.stats()
+        return dict(prefix_caching=self.prefix_caching, prefix_cache_queries=s.prefix_queries,
+                    prefix_cache_query_tokens=s.prefix_query_tokens, prefix_cache_hit_tokens=s.prefix_hit_tokens,
+                    prefix_cache_hit_rate=s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0,
+                    prefix_cache_pages=s.cached_pages, prefix_cache_idle_pages=s.cached_idle_pages,
+                    prefix_cache_evictions=s.cached_page_evictions)
+
+    def _prefix_lookup(self, seq: Sequence) -> tuple[int, int]:
+        """The scheduler's lookup: cached tokens a waiting sequence would start after, idle pages."""
+        if seq.params.prompt_logprobs:  # every prompt position needs its logits
+            return 0, 0
+        return self.pool.prefix_lookup(seq.adapter_slot, seq.tokens)
+
+    def _prefix_attach(self, seq: Sequence) -> int:
+        """The scheduler's attach, once the sequence has its place in the pool (bound to its adapter)."""
+        n = 0 if seq.params.prompt_logprobs else self.pool.prefix_attach(seq.seq_id, seq.tokens)
+        seq.prefix_pages = n // PAGE_SIZE
+        return n
+
+    def _prefix_insert(self, seq: Sequence) -> None:
+        """Key the full pages the sequence's KV gained this step."""
+        full = seq.num_cached // PAGE_SIZE
+        if seq.prefix_pages is None or full <= seq.prefix_pages:
+            return
+        start = seq.prefix_pages * PAGE_SIZE
+        n = self.pool.prefix_insert(seq.seq_id, start, seq.tokens[start:full * PAGE_SIZE])
+        seq.prefix_pages = None if n < 0 else n
 
     def tokens_served(self) -> dict[str, Any]:
         """Prompt and generated tokens served (and the fair-share counter `service`) of the base
@@ -204,6 +249,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self._time_step(batch, time.perf_counter() - t0)
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
+            if self.prefix_caching:
+                self._prefix_insert(seq)
         for i, s in zip(rows, sampled):
             if isinstance(s, Exception):  # this row's sampling failed; the others go on
                 self._fail(batch.seqs[i], MLCLoraError(f"sampling failed: {s}"))

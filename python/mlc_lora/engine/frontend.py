@@ -140,17 +140,19 @@ class MLCEngine:
     weights already on the device, in the config's `param_names` order (ModelRunner's `params`).
     `fair_share`: under overload, admit requests of the adapter (or base model) served least so
     far, by the virtual token counter (engine/scheduler.py), instead of first come first served.
+    `enable_prefix_caching`: keep full KV pages of finished prompts in the pool, per adapter, and
+    start later requests with the same prefix after them (engine/core.py).
     """
 
     def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
                  max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
                  prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
                  max_lora_rank: int = 0, lora_pool_pages: int = 0, params=None,
-                 fair_share: bool = False):
+                 fair_share: bool = False, enable_prefix_caching: bool = False):
         model_dir = compiled_folder(model, device, progress=progress, dtype=dtype,
                                     max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
         self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size, params,
-                                fair_share=fair_share)
+                                fair_share=fair_share, enable_prefix_caching=enable_prefix_caching)
         self.model_name = self.engine.model_name or str(model)
         self._loop = EngineLoop(self.engine)
         self.chat = Chat(Completions(self, chat=True))

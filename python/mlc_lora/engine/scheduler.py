@@ -1,5 +1,7 @@
 """Sequences and the continuous-batching scheduler (decodes first, then chunked prefills, bounded
-by free KV pages; preemption by recompute when the pages run out).
+by free KV pages; preemption by recompute when the pages run out). With the prefix cache, a request
+is admitted after its cached prefix (whole pages of its adapter's KV kept from earlier requests) and
+prefills only the rest.
 
 LoRA: KV and adapters share the unified pool's pages. A batch counts, beside its KV pages, the
 pages of every adapter it must page in or keep from eviction; a request that cannot fit even with
@@ -80,6 +82,7 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
         self.adapter_slot: Optional[int] = None  # its id in the pool, once the engine takes it
         self.status = Status.WAITING
         self.num_cached = 0  # tokens whose KV is in the cache
+        self.prefix_pages: Optional[int] = 0  # leading pages keyed in the prefix cache (None: no more)
         self.finish_reason: Optional[str] = None
         self.rng = np.random.default_rng(params.seed)
         self.sink = sink  # receives this sequence's outputs (set by the engine front end)
@@ -187,14 +190,21 @@ class Scheduler:
     def __init__(self, free_pages: Callable[[], int], add_sequence: Callable[[int], None],
                  remove_sequence: Callable[[int], None], max_num_seqs: int, max_step_tokens: int,
                  adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False,
-                 fair_share: bool = False):
+                 fair_share: bool = False,
+                 prefix_lookup: Optional[Callable[[Sequence], tuple[int, int]]] = None,
+                 prefix_attach: Optional[Callable[[Sequence], int]] = None):
         """The pool's side: `free_pages()` counts the pages a batch can take (LoRA: with those idle
-        adapters would give back), `add_sequence` / `remove_sequence` take and drop a sequence's
-        place in it, `adapter_pages(slot)` is what a batch must find for an adapter (its pages
-        unless resident and held by a running sequence); `one_adapter_per_batch` for stage-1
-        (`single`) libraries; `fair_share`: admission by the virtual token counter (module doc)."""
+        adapters and cached prefixes would give back), `add_sequence` / `remove_sequence` take and
+        drop a sequence's place in it, `adapter_pages(slot)` is what a batch must find for an
+        adapter (its pages unless resident and held by a running sequence); `one_adapter_per_batch`
+        for stage-1 (`single`) libraries; `fair_share`: admission by the virtual token counter
+        (module doc). The prefix cache: `prefix_lookup(seq)` gives the cached tokens a waiting
+        sequence would start after and how many of their pages are idle (taking them costs free
+        pages), `prefix_attach(seq)`, once it has its place, gives it those tokens (returns them)."""
         self.free_pages = free_pages
         self.adapter_pages = adapter_pages or (lambda a: 0)
+        self.prefix_lookup = prefix_lookup
+        self.prefix_attach = prefix_attach
         self.one_adapter = one_adapter_per_batch
         self.rejected: list[Sequence] = []  # waiting requests that can never fit; the engine fails them
         self.add_sequence = add_sequence
@@ -337,10 +347,14 @@ class Scheduler:
             if seq.status == Status.WAITING and len(self.running) >= self.max_num_seqs:
                 stuck = seq  # (stage 1: the running ones may all be paused for another adapter)
                 break
-            n = min(seq.num_tokens - seq.num_cached, budget)
+            hit, held = 0, 0  # cached prefix tokens; its idle pages, which the sequence takes
+            if seq.status == Status.WAITING and self.prefix_lookup is not None:
+                hit, held = self.prefix_lookup(seq)
+            start = seq.num_cached + hit
+            n = min(seq.num_tokens - start, budget)
             # as many tokens as the free pages (and the last page's slack) can hold
-            c = cost(seq)
-            slack = -seq.num_cached % PAGE_SIZE
+            c = cost(seq) + held
+            slack = -start % PAGE_SIZE
             n = min(n, slack + (free - c) * PAGE_SIZE)
             if n <= 0:
                 stuck = seq
@@ -351,6 +365,9 @@ class Scheduler:
                 self.add_sequence(seq.seq_id)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+                if self.prefix_attach is not None:
+                    seq.num_cached = self.prefix_attach(seq)
+                    assert seq.num_cached == start, "the cached prefix changed between lookup and attach"
             need = new_pages(seq.num_cached, n) + c
             free -= need
             used += need

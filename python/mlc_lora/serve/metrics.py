@@ -20,15 +20,17 @@ MODEL_SERIES_MAX = 256
 
 
 def pool_pages(stats: dict[str, Any]) -> dict[str, int]:
-    """Pages of the unified pool by kind (kv / adapter / free) from an engine stats() snapshot.
+    """Pages of the unified pool by kind (kv / adapter / cached / free) from an engine stats()
+    snapshot; `cached`: prefix-cache pages no request holds (those requests hold count as kv).
 
     A LoRA engine reports its pool (`pool_pages_kv`, `pool_pages_adapter`, `pool_pages_free`); an
     engine without adapters only its KV cache (`kv_pages_total`, `kv_pages_free`).
     """
+    cached = int(stats.get("prefix_cache_idle_pages", 0))
     if "pool_pages_kv" in stats:
-        return {kind: int(stats[f"pool_pages_{kind}"]) for kind in ("kv", "adapter", "free")}
+        return {kind: int(stats[f"pool_pages_{kind}"]) for kind in ("kv", "adapter", "free")} | {"cached": cached}
     total, free = int(stats["kv_pages_total"]), int(stats["kv_pages_free"])
-    return {"kv": total - free, "adapter": 0, "free": free}
+    return {"kv": total - free - cached, "adapter": 0, "cached": cached, "free": free}
 
 
 def tokens_served(stats: dict[str, Any], base_name: str, limit: int = MODEL_SERIES_MAX):
@@ -133,6 +135,17 @@ class _EngineCollector:
                 served.add_metric([name, "prompt"], prompt)
                 served.add_metric([name, "generated"], generated)
             yield served
+        if s.get("prefix_caching"):
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", value=s["prefix_cache_query_tokens"])
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                      "(not computed)", value=s["prefix_cache_hit_tokens"])
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate", "Prefix cache hit tokens / query tokens "
+                                    "since start", value=s["prefix_cache_hit_rate"])
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_pages", "Pool pages keyed in the prefix cache "
+                                    "(held by requests or idle)", value=s["prefix_cache_pages"])
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions", "Prefix cache pages evicted for room",
+                                      value=s["prefix_cache_evictions"])
         # everything else the engine reports, under its own name
         for k, v in sorted(s.items()):
             if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -49,6 +49,8 @@ def log_engine(engine) -> None:
                 core.max_num_seqs, core.max_seq_len)
     logger.info("admission: %s", "fair share across adapters (virtual token counter)" if core.scheduler.fair_share
                 else "first come first served")
+    logger.info("prefix caching: %s", "on (KV of shared prompt prefixes reused, per adapter)" if core.prefix_caching
+                else "off (--enable-prefix-caching turns it on)")
 
 
 def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapter_dirs: Optional[list[str]] = None,
@@ -56,14 +58,15 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
           served_model_name: Optional[str] = None, max_num_seqs: Optional[int] = None,
           max_total_tokens: Optional[int] = None, log_level: str = "info", guard_all: bool = False,
           max_body_bytes: Optional[int] = None, drain_timeout_s: Optional[float] = None,
-          fair_share: bool = False) -> None:
+          fair_share: bool = False, enable_prefix_caching: bool = False) -> None:
     """Serve `model` (a compiled folder, or anything MLCEngine compiles) until interrupted.
 
     `adapters` (name -> PEFT folder) are trusted operator input and load from anywhere; adapters
     loaded later through the API must lie inside `adapter_dirs`. `api_key` guards /v1/*;
     `guard_all` also /metrics and the docs (/health stays open). `max_body_bytes`: larger request
     bodies get 413; `drain_timeout_s`: on SIGTERM, how long running requests may finish (None: the
-    defaults of serve/app.py); `fair_share`: the engine admits by the virtual token counter.
+    defaults of serve/app.py); `fair_share`: the engine admits by the virtual token counter;
+    `enable_prefix_caching`: reuse cached KV of shared prompt prefixes, per adapter.
     """
     import uvicorn  # pylint: disable=import-outside-toplevel
 
@@ -77,7 +80,7 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
     start = time.perf_counter()
     logger.info("loading %s on %s", model, device)
     engine = AsyncMLCEngine(model, device, max_num_seqs=max_num_seqs, max_total_tokens=max_total_tokens,
-                            fair_share=fair_share)
+                            fair_share=fair_share, enable_prefix_caching=enable_prefix_caching)
     try:
         log_engine(engine)
         name = served_model_name or engine.model_name
