@@ -72,7 +72,8 @@ class AsyncCompletions:
         # never stalls the event loop (other streams, health checks)
         box = self.owner.mailbox(loop)
         fut = loop.run_in_executor(None, functools.partial(
-            Request, self.owner, self.chat, stream, functools.partial(box.put, q), messages, prompt, adapter_id, **kw))
+            Request, self.owner, self.chat, stream, functools.partial(box.put, q), messages, prompt, adapter_id,
+            alive=box.alive, **kw))
         try:
             req = await asyncio.shield(fut)
         except asyncio.CancelledError:  # the caller left while its request was being prepared
