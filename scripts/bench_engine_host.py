@@ -18,7 +18,7 @@ Prints per step, for each of --repeat runs and the best: the wall time outside t
 run's wall time less the engine's `stats()["step_times"]`, forward + sampling), the engine
 thread's CPU time outside the forward and sampling, and the asyncio thread's CPU time; then the
 engine thread's time by part (schedule, append: stop checks, detokenize, emit: hand the output
-to the request). `--profile` adds cProfile's top functions of the engine thread
+to the request; with `--parts`, which adds a timer to each of those calls). `--profile` adds cProfile's top functions of the engine thread
 (`--profile-main`: of the asyncio thread).
 """
 
@@ -132,6 +132,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", choices=["smollm2", "none"], default="smollm2")
     p.add_argument("--stream", action="store_true", help="stream every request (one chunk per token)")
     p.add_argument("--repeat", type=int, default=2, help="timed runs (the best is reported)")
+    p.add_argument("--parts", action="store_true", help="also time append, emit and detokenize (per token)")
     p.add_argument("--profile", action="store_true", help="cProfile the engine thread over the timed runs")
     p.add_argument("--profile-main", action="store_true", help="cProfile the asyncio thread instead")
     p.add_argument("--seed", type=int, default=0)
@@ -163,11 +164,12 @@ def main(argv=None) -> int:
     timers, eng = Timers(), engine.engine  # the engine thread's time, by part (its calls looked up per call)
     timers.wrap(eng, "step", "step")
     timers.wrap(eng.scheduler, "schedule", "schedule")
-    timers.wrap(eng, "_append", "append")
-    timers.wrap(eng, "_emit", "emit")
-    timers.wrap(Detokenizer, "push", "detokenize")
     timers.wrap(eng, "_forward", "forward")
     timers.wrap(eng.sampler, "sample", "sample")
+    if a.parts:  # per token: their timers cost the engine thread about a microsecond a call
+        timers.wrap(eng, "_append", "append")
+        timers.wrap(eng, "_emit", "emit")
+        timers.wrap(Detokenizer, "push", "detokenize")
 
     async def one(prompt, n, adapter):
         kw = dict(prompt=prompt, max_tokens=n, temperature=1.0, top_p=1.0, ignore_eos=True, seed=len(prompt),
@@ -225,6 +227,12 @@ def main(argv=None) -> int:
             print(f"wall {wall:6.2f} s, {steps} steps, forward + sampling {step_s:6.2f} s; per step: outside the "
                   f"forward {r['outside']:.2f} ms (wall); CPU: engine thread {r['engine_cpu']:.2f} ms, asyncio "
                   f"thread {r['main_cpu']:.2f} ms", flush=True)
+            print(f"  wall ms/step: step() {ms['step'][0]:.2f} = schedule {ms['schedule'][0]:.2f} + forward/sampling "
+                  f"{fwd:.2f} + the rest {ms['step'][0] - ms['schedule'][0] - fwd:.2f}; between steps "
+                  f"{wall / steps * 1e3 - ms['step'][0]:.2f}; engine thread CPU ms/step: schedule "
+                  f"{ms['schedule'][1]:.2f}", flush=True)
+            if not a.parts:
+                continue
             print(f"  wall ms/step: step() {ms['step'][0]:.2f} = schedule {ms['schedule'][0]:.2f} + forward/sampling "
                   f"{fwd:.2f} + append {ms['append'][0]:.2f} (emit {ms['emit'][0]:.2f}, detokenize "
                   f"{ms['detokenize'][0]:.2f}) + other {ms['step'][0] - ms['schedule'][0] - ms['append'][0] - fwd:.2f}; "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import heapq
 import itertools
 from collections import Counter, deque
@@ -94,6 +95,10 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def greedy(self) -> bool:
         return self.params.temperature <= 0
 
@@ -108,8 +113,8 @@ class Batch:
     seqs: list[Sequence]
     chunks: list[list[int]]  # tokens each sequence appends this step
 
-    @property
-    def is_decode(self) -> bool:
+    @functools.cached_property
+    def is_decode(self) -> bool:  # (asked several times a step: computed once, before the step runs)
         return all(len(c) == 1 and s.num_cached == s.num_tokens - 1 for s, c in zip(self.seqs, self.chunks))
 
     def samples(self, i: int) -> bool:
@@ -325,7 +330,7 @@ class Scheduler:
             used += need
             budget -= 1
             charged.add(seq.adapter_slot)
-            rows.append((seq, seq.tokens[-1:]))
+            rows.append((seq, [seq.last_token]))
         # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
         stuck = None  # the first sequence that found no pages
