@@ -9,17 +9,18 @@ import functools
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Optional
 
 from .frontend import Chat, MLCEngine, Request
 
 
 class Mailbox:
     """The engine thread's outputs for the requests of one event loop. `put` (engine thread) queues
-    an item for a request's asyncio.Queue; the loop wakes once for all the items queued before it
-    gets to them (a step's outputs for every request), not once per item, and hands each to its
-    queue in the order put. `put` raises once the loop is closed (the engine then drops that
-    request), as `call_soon_threadsafe` does."""
+    an item for a request's asyncio.Queue and returns `wake` when the loop must be woken for it
+    (nothing was queued since the last hand-over): the engine calls it once after the step's
+    outputs (LLMEngine._deliver), so the loop wakes once a step, not once per item, and hands
+    each item to its queue in the order put. `put` raises once the loop is closed (the engine then
+    drops that request), as `call_soon_threadsafe` does."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)  # (the engine's mailboxes are keyed by their loop, weakly)
@@ -33,13 +34,15 @@ class Mailbox:
             raise RuntimeError("Event loop is closed")
         return loop
 
-    def put(self, q: asyncio.Queue, item) -> None:
-        loop = self.alive()
+    def put(self, q: asyncio.Queue, item) -> Optional[Callable[[], None]]:
+        self.alive()
         with self._lock:
             self._items.append((q, item))
-            wake = len(self._items) == 1
-        if wake:  # the first item since the last hand-over
-            loop.call_soon_threadsafe(self._hand_over)
+            first = len(self._items) == 1  # the first since the last hand-over: the loop must wake
+        return self.wake if first else None
+
+    def wake(self) -> None:
+        self.alive().call_soon_threadsafe(self._hand_over)
 
     def _hand_over(self) -> None:
         with self._lock:

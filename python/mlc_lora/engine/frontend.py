@@ -40,11 +40,12 @@ class Request:  # pylint: disable=too-many-instance-attributes
     """One create(...) call: its sequences (for each prompt, n choices; choice j samples with
     seed + j), submitted to the loop; `take` turns each (choice, output) that `put` received into
     the response. `unknown_ok`: unknown arguments are ignored (the server's way, as vLLM's) rather
-    than refused. Whole responses gather their outputs on the engine thread and `put` only each
-    choice's last one; `alive()` (raising once the waiting side is gone, as `put` would) is called
-    for the others."""
+    than refused. `put` runs on the engine thread; what it returns, if not None, the engine calls
+    once after the step's outputs (LLMEngine._deliver). Whole responses gather their outputs on the
+    engine thread and `put` only each choice's last one; `alive()` (raising once the waiting side
+    is gone, as `put` would) is called for the others."""
 
-    def __init__(self, owner: "MLCEngine", chat: bool, stream: bool, put: Callable[[tuple[int, StepOutput]], None],
+    def __init__(self, owner: "MLCEngine", chat: bool, stream: bool, put: Callable[[tuple[int, StepOutput]], Any],
                  messages=None, prompt=None, adapter_id: Optional[str] = None, unknown_ok: bool = False,
                  alive: Optional[Callable[[], Any]] = None, **kw):
         fields = {**kw, "messages": messages} if chat else {**kw, "prompt": prompt}
@@ -78,14 +79,14 @@ class Request:  # pylint: disable=too-many-instance-attributes
             self._loop.submit(seq)
 
     @staticmethod
-    def _gather(outs: list[StepOutput], put, alive, i: int, out: StepOutput) -> None:
+    def _gather(outs: list[StepOutput], put, alive, i: int, out: StepOutput):
         """A whole response's sink (engine thread): outputs gather in `outs`, the last one goes to `put`."""
         if out.finish_reason is not None or out.error is not None:
-            put((i, out))
-            return
+            return put((i, out))
         if alive is not None:
             alive()
         outs.append(out)
+        return None
 
     @property
     def done(self) -> bool:
