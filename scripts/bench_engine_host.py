@@ -135,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--parts", action="store_true", help="also time append, emit and detokenize (per token)")
     p.add_argument("--profile", action="store_true", help="cProfile the engine thread over the timed runs")
     p.add_argument("--profile-main", action="store_true", help="cProfile the asyncio thread instead")
+    p.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumulative...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "mlc_lora_bench_engine_host"))
     a = p.parse_args(argv)
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
           f"forward (wall), host CPU {best['engine_cpu']:.2f} ms engine thread + {best['main_cpu']:.2f} ms asyncio "
           f"thread ({best['steps']} steps, wall {best['wall']:.2f} s)")
     if prof is not None:
-        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(30)
+        pstats.Stats(prof, stream=sys.stdout).sort_stats(a.sort).print_stats(30)
     return 0
 
 
