@@ -72,7 +72,7 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
     """One request's tokens, its place in the KV cache, and its sampling state."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, adapter_name: Optional[str] = None,
-                 sink: Optional[Callable[[Any], None]] = None):
+                 sink: Optional[Callable[[Any], Any]] = None):
         self.seq_id = next(_seq_ids)
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -83,7 +83,9 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
         self.num_cached = 0  # tokens whose KV is in the cache
         self.finish_reason: Optional[str] = None
         self.rng = np.random.default_rng(params.seed)
-        self.sink = sink  # receives this sequence's outputs (set by the engine front end)
+        # receives this sequence's outputs (set by the engine front end); what it returns, if not
+        # None, is called once after the step's outputs (LLMEngine._deliver)
+        self.sink = sink
         self.state: Any = None  # the engine's per-request text state (detokeniser, stop strings)
 
     @property
