@@ -1,7 +1,8 @@
 """`LLMEngine`: the runner, its pool, the scheduler and the sampler; `step()` runs one batch.
 
 Each step schedules a batch (decodes + chunked prefills), runs `prefill` or `decode`, samples on
-the device and hands each sequence its `StepOutput` (new text, tokens, finish) through its sink.
+the device and hands each sequence its `StepOutput` (new text, tokens, finish) through its sink,
+all of them together once the step's work is done (`_deliver`).
 The front ends (frontend.py) own the thread that steps it (loop.py).
 
 Fair share (`fair_share`, off by default): admission by the virtual token counter, per adapter
@@ -102,6 +103,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
+        self._outbox: list[tuple[Sequence, StepOutput]] = []  # the step's outputs, delivered as it ends
         self.step_times: dict[str, list] = {}  # "decode_<=64" -> [steps, seconds]
 
     @property
@@ -148,6 +150,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         except RequestError as e:
             seq.status = Status.FINISHED
             self._emit(seq, StepOutput("", [], "error", error=e))
+            self._deliver()
             return
         self.scheduler.add(seq)
 
@@ -214,6 +217,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         try:
             self._step()
         finally:
+            self._deliver()
             orphans, self._orphans = self._orphans, []
             for seq in orphans:
                 self.abort(seq)
@@ -375,14 +379,33 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self._emit(seq, StepOutput(delta, [s], finish, usage=usage, prompt_logprobs=prompt_lps))
 
     def _emit(self, seq: Sequence, out: StepOutput) -> None:
-        """Hand `out` to the request's sink. A sink that raises (its caller gone, e.g. its event
-        loop closed) ends that request alone: it is aborted after the step, the others go on."""
-        if seq.sink is None:
-            return
-        try:
-            seq.sink(out)
-        except Exception as e:  # pylint: disable=broad-except
-            seq.sink = None
-            log.warning("dropping a request whose output callback raised: %s: %s", type(e).__name__, e)
-            if out.finish_reason is None:
-                self._orphans.append(seq)
+        """Queue `out` for the request's sink; `_deliver` hands the step's outputs over together
+        when the step ends (the callers wake once, not during the step's work)."""
+        if seq.sink is not None:
+            self._outbox.append((seq, out))
+
+    def _deliver(self) -> None:
+        """Hand each queued output to its request's sink, in order. A sink may return a callable
+        (AsyncMLCEngine's: wake my event loop), called once after all of them (each reader wakes
+        once a step). A sink that raises (its caller gone, e.g. its event loop closed) ends that
+        request alone: it is aborted after the step, the others go on."""
+        outbox, self._outbox = self._outbox, []
+        wakes: dict = {}
+        for seq, out in outbox:
+            if seq.sink is None:  # (raised at an earlier output)
+                continue
+            try:
+                wake = seq.sink(out)
+            except Exception as e:  # pylint: disable=broad-except
+                seq.sink = None
+                log.warning("dropping a request whose output callback raised: %s: %s", type(e).__name__, e)
+                if out.finish_reason is None:
+                    self._orphans.append(seq)
+                continue
+            if wake is not None:
+                wakes[wake] = None
+        for wake in wakes:
+            try:
+                wake()
+            except Exception as e:  # pylint: disable=broad-except
+                log.warning("an output callback's wake-up raised: %s: %s", type(e).__name__, e)

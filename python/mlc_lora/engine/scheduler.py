@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import heapq
 import itertools
 from collections import Counter, deque
@@ -73,7 +74,7 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
     """One request's tokens, its place in the KV cache, and its sampling state."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, adapter_name: Optional[str] = None,
-                 sink: Optional[Callable[[Any], None]] = None):
+                 sink: Optional[Callable[[Any], Any]] = None):
         self.seq_id = next(_seq_ids)
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -85,7 +86,9 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
         self.prefix_pages: Optional[int] = 0  # leading pages keyed in the prefix cache (None: no more)
         self.finish_reason: Optional[str] = None
         self.rng = np.random.default_rng(params.seed)
-        self.sink = sink  # receives this sequence's outputs (set by the engine front end)
+        # receives this sequence's outputs (set by the engine front end); what it returns, if not
+        # None, is called once after the step's outputs (LLMEngine._deliver)
+        self.sink = sink
         self.state: Any = None  # the engine's per-request text state (detokeniser, stop strings)
 
     @property
@@ -95,6 +98,10 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def greedy(self) -> bool:
@@ -111,8 +118,8 @@ class Batch:
     seqs: list[Sequence]
     chunks: list[list[int]]  # tokens each sequence appends this step
 
-    @property
-    def is_decode(self) -> bool:
+    @functools.cached_property
+    def is_decode(self) -> bool:  # (asked several times a step: computed once, before the step runs)
         return all(len(c) == 1 and s.num_cached == s.num_tokens - 1 for s, c in zip(self.seqs, self.chunks))
 
     def samples(self, i: int) -> bool:
@@ -335,7 +342,7 @@ class Scheduler:
             used += need
             budget -= 1
             charged.add(seq.adapter_slot)
-            rows.append((seq, seq.tokens[-1:]))
+            rows.append((seq, [seq.last_token]))
         # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
         stuck = None  # the first sequence that found no pages

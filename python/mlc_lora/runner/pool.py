@@ -186,8 +186,11 @@ class Pool(abc.ABC):
 
     def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
         """Reserve the batch's KV (evicting idle adapters as needed) and build its LoRA tables."""
-        shape = _tvm().runtime.ShapeTuple
-        self._run(KV_BEGIN, shape(list(seq_ids)), shape(list(lengths)))
+        # tvm-ffi's Shape constructor itself: ShapeTuple(...) first checks each element in Python
+        # (isinstance Integral, ~0.5 us each: every sequence, every step); this one refuses a
+        # non-integer as well
+        shape = _tvm().get_global_func("ffi.Shape")
+        self._run(KV_BEGIN, shape(*seq_ids), shape(*lengths))
 
     def end_forward(self) -> None:
         self._run(KV_END)
