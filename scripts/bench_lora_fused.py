@@ -153,10 +153,13 @@ def _linear_configs(LT, pt, bm):
     shapes = ([(bn, bk, 4, 4, sp) for bn in (16, 32) for bk in (128, 256) for sp in (1, 2, 3, 4, 8)] if narrow else
               [(bn, bk, st, w, 1) for bn in (64, 128) for bk in (64, 128)
                for st, w in ((4, 4), (6, 4), (8, 4), (4, 8), (6, 8))])
-    for bn, bk, stages, w, split in shapes:
+    # the products transposed (the outputs on the warpgroup MMA's 64 rows, the tokens its columns)
+    shapes = [(bn, bk, st, w, sp, 0) for bn, bk, st, w, sp in shapes] + [
+        (bn, bk, 4, 4, sp, 1) for bn in (64, 128) for bk in (64, 128) for sp in ((1, 2, 4) if narrow else (1,))]
+    for bn, bk, stages, w, split, swap in shapes:
         if any(x % bn for x in widths) or in_f % bk or in_f // bk < split:
             continue
-        c = dict(cur, BN=bn, BK=bk, STAGES=stages, SPLIT=split)
+        c = dict(cur, BN=bn, BK=bk, STAGES=stages, SPLIT=split, SWAP=swap)
         if (c, w) not in out:
             out.append((c, w))
     return out
@@ -202,7 +205,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
             if T <= LT.FUSED_MAX_TOKENS:
                 bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
                 cfgs = _linear_configs(LT, pt, bm)
-                groups["linear"] = {f"BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}": (
+                groups["linear"] = {f"BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"
+                                    f"{' swap' if c['SWAP'] else ''}": (
                     lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in cfgs}
                 # the compiled shape with no adapter in the batch: the kernel's GEMM alone
                 groups["linear"]["compiled, no adapter"] = (lambda i, c=cfgs[0]: pt.launch_linear(i, c[0], c[1], 0))

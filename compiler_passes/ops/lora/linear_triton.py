@@ -87,7 +87,7 @@ def tile_config(in_f: int, widths: Sequence[int], bm: int) -> dict:
     prefer = 128 if split > 1 else 256 if (bn == 32 and bm == 16) else (64 if n_out >= 16384 else 128)
     bk = next((b for b in (256, 128, 64, 32, 16) if b <= prefer and in_f % b == 0), None)
     warps = 8 if (bn == 128 and bk == 128) else 4
-    return dict(BM=bm, BN=bn, BK=bk, STAGES=4, SPLIT=split, num_warps=warps)
+    return dict(BM=bm, BN=bn, BK=bk, STAGES=4, SPLIT=split, SWAP=0, num_warps=warps)
 
 
 def split_scratch_elems(in_f: int, widths: Sequence[int]) -> int:
@@ -162,6 +162,36 @@ if triton is not None:
         in2 = (n0 >= W0 + W1).to(tl.int32)
         return in1 + in2, m0 + in1 * (m1 - m0) + in2 * (m2 - m1), in1 * W0 + in2 * W1
 
+    @triton.jit
+    def _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo, k_hi, K: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr, STAGES: tl.constexpr,
+                SWAP: tl.constexpr):
+        """(x @ W.T, x @ A_cat.T) over inputs [k_lo, k_hi): (BM x BN, BM x RS) fp32. SWAP: the
+        products taken transposed (W @ x.T: the outputs are the MMA's rows, the tokens its columns,
+        so a block of few tokens still fills Hopper's 64-row warpgroup MMA), then transposed back."""
+        kk = tl.arange(0, BK)
+        if SWAP:
+            x_ptrs = x_ptr + rows[None, :].to(tl.int64) * K + kk[:, None]  # (BK, BM)
+            w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + kk[None, :]  # (BN, BK)
+            a_ptrs = arena_ptr + a_row[:, None] + kk[None, :]  # (RS, BK)
+            acc_t = tl.zeros((BN, BM), dtype=tl.float32)
+            xa_t = tl.zeros((RS, BM), dtype=tl.float32)
+            for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+                xt = tl.load(x_ptrs + k0, mask=rmask[None, :], other=0.0)
+                acc_t = tl.dot(tl.load(w_ptrs + k0), xt, acc_t)
+                xa_t = tl.dot(tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0), xt, xa_t)
+            return tl.trans(acc_t), tl.trans(xa_t)
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
+        a_ptrs = arena_ptr + a_row[None, :] + kk[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        xa = tl.zeros((BM, RS), dtype=tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
+            acc = tl.dot(xt, tl.load(w_ptrs + k0), acc)
+            xa = tl.dot(xt, tl.load(a_ptrs + k0, mask=valid[None, :], other=0.0), xa)
+        return acc, xa
+
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_linear", "x_ptr"))
     def lora_linear_kernel(x_ptr, w_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, boff_ptr, y_ptr,
                            ws_ptr, cnt_ptr, n, S, base,
@@ -169,7 +199,7 @@ if triton is not None:
                            m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr,
                            W1: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
-                           SPLIT: tl.constexpr):
+                           SPLIT: tl.constexpr, SWAP: tl.constexpr):
         """Grid (token tiles x SPLIT, N / BN). SPLIT > 1 (narrow linears: too few output tiles to
         keep the memory busy): split k of a tile sums inputs [k * PER, (k + 1) * PER) into its slot
         of ws (fp32 x @ W.T and xa) and counts itself in cnt[tile]; the block that counts last sums
@@ -185,17 +215,9 @@ if triton is not None:
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
         scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
         a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
-        kk = tl.arange(0, BK)
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
-        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
-        a_ptrs = arena_ptr + a_row[None, :] + kk[:, None]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        xa = tl.zeros((BM, RS), dtype=tl.float32)
         if SPLIT == 1:
-            for k0 in tl.range(0, K, BK, num_stages=STAGES):
-                xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
-                acc = tl.dot(xt, tl.load(w_ptrs + k0), acc)
-                xa = tl.dot(xt, tl.load(a_ptrs + k0, mask=valid[None, :], other=0.0), xa)
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, 0, K, K, BM, BN, BK, RS,
+                              STAGES, SWAP)
             delta, _ = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
                               o_p, x_ptr.dtype.element_ty, ALIGN)
             tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
@@ -204,10 +226,8 @@ if triton is not None:
             PER: tl.constexpr = (K // BK + SPLIT - 1) // SPLIT * BK  # inputs per split, a multiple of BK
             k_lo = tl.multiple_of(pid_k * PER, BK)
             # no mask along the inputs (a varying one makes scalar loads): the last split ends at K
-            for k0 in tl.range(k_lo, tl.minimum(K, k_lo + PER), BK, num_stages=STAGES):
-                xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
-                acc = tl.dot(xt, tl.load(w_ptrs + k0), acc)
-                xa = tl.dot(xt, tl.load(a_ptrs + k0, mask=valid[None, :], other=0.0), xa)
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo,
+                              tl.minimum(K, k_lo + PER), K, BM, BN, BK, RS, STAGES, SWAP)
             TILE: tl.constexpr = BM * (BN + RS)
             tile = pid_m * (N // BN) + pid_n
             r = tl.arange(0, BM)
@@ -311,7 +331,7 @@ def _signature(dtype: str) -> dict:
                aoff_ptr="*i32", boff_ptr="*i32", y_ptr=e, ws_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32",
                base="i64")
     sig.update({k: "constexpr" for k in ("K", "N", "M", "R", "m0", "m1", "m2", "W0", "W1", "BM", "BN", "BK",
-                                          "RS", "SC", "STAGES", "ALIGN", "SPLIT")})
+                                          "RS", "SC", "STAGES", "ALIGN", "SPLIT", "SWAP")})
     return sig
 
 
@@ -323,7 +343,7 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     w = (list(widths) + [0] * MAX_PARTS)[:2]
     consts = dict(K=in_f, N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
                   BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
-                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"])
+                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"])
     return consts, cfg["num_warps"]
 
 

@@ -36,13 +36,15 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
     return dict(x=x, w=w, arena=arena, base=base, slot=slot, rank=rank, scale=scale, a_off=a_off, b_off=b_off)
 
 
-@pytest.mark.parametrize("bm,n,split", [(16, 21, 1), (64, 70, 1), (16, 21, 2), (64, 70, 3), ("small", 70, 1),
-                                         ("large", 70, 1)])
+@pytest.mark.parametrize("bm,n,split,swap", [(16, 21, 1, 0), (64, 70, 1, 0), (16, 21, 2, 0), (64, 70, 3, 0),
+                                              (16, 21, 1, 1), (16, 21, 3, 1), ("small", 70, 1, 0),
+                                              ("large", 70, 1, 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_kernel_matches_reference(tmp_path, bm, n, split, dtype):
+def test_kernel_matches_reference(tmp_path, bm, n, split, swap, dtype):
     """bm 16/64: the fused kernel's block heights, its K loop in `split` blocks per tile (3: one
-    input step each, 2: two and one); "small"/"large": cuBLAS's product, then the shrink variant and
-    the in-place expand (the batches past FUSED_MAX_TOKENS)."""
+    input step each, 2: two and one), its products taken transposed (`swap`); "small"/"large":
+    cuBLAS's product, then the shrink variant and the in-place expand (the batches past
+    FUSED_MAX_TOKENS)."""
     rng = np.random.default_rng(3)
     widths, mods, R = (64, 32, 32), (0, -1, 2), 16  # q|k|v with k untargeted
     K = 192 if isinstance(bm, int) else 576  # the shrink splits 576 inputs in two (5 + 4 steps of 64)
@@ -58,7 +60,7 @@ def test_kernel_matches_reference(tmp_path, bm, n, split, dtype):
     c["a_off"] = np.concatenate([c["a_off"], np.full((1,) + c["a_off"].shape[1:], 50000, np.int32)])
     c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
     assert not (c["slot"] == stale).any()
-    kw = dict(bm=bm, split=split) if isinstance(bm, int) else dict(bm=64, variant=bm)
+    kw = dict(bm=bm, split=split, swap=swap) if isinstance(bm, int) else dict(bm=64, variant=bm)
     out = interpret(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)

@@ -38,6 +38,8 @@ def run_linear(inp: dict) -> dict:
         return run_cols(inp)
     if "split" in inp:
         consts["SPLIT"] = int(inp["split"])
+    if "swap" in inp:
+        consts["SWAP"] = int(inp["swap"])
     y = torch.full((n, sum(widths)), float("nan"), dtype=t(x).dtype)
     grid = (-(-n // consts["BM"]) * consts["SPLIT"], sum(widths) // consts["BN"])
     # the partial sums' slots hold garbage, the counters zeros (as the wrapper gets them)
