@@ -82,6 +82,7 @@ PoolStats PagePool::Stats() const {
     s.adapter += o == Owner::kAdapter;
   }
   for (const auto& [id, a] : adapters_) {
+    if (a.pinned) s.pinned += a.n_pages;
     if (!a.resident) continue;
     ++s.resident_adapters;
     if (!a.pinned && a.refs == 0) s.evictable += a.n_pages;
@@ -287,7 +288,7 @@ void PagePool::Evict(const std::vector<int64_t>& victims, std::vector<int64_t>* 
   }
 }
 
-void PagePool::AddAdapter(int64_t adapter, int32_t n_pages, bool pinned,
+bool PagePool::AddAdapter(int64_t adapter, int32_t n_pages, bool pinned,
                           std::vector<int64_t>* evicted) {
   if (adapter < 0) {
     throw PoolError(PoolError::kValue, Cat("adapter id must be >= 0, got ", adapter));
@@ -305,15 +306,39 @@ void PagePool::AddAdapter(int64_t adapter, int32_t n_pages, bool pinned,
     throw PoolError(PoolError::kValue, Cat("adapter ", adapter, " needs ", n_pages,
                                            " pages but the whole pool has only ", num_pages_));
   }
-  std::vector<int64_t> victims = PlanEviction(n_pages, {}, Cat("loading adapter ", adapter));
-  Evict(victims, evicted);
   Adapter a;
   a.n_pages = n_pages;
-  for (int32_t j = 0; j < n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
-  a.resident = true;
   a.pinned = pinned;
   a.last_use = ++clock_;
   adapters_.emplace(adapter, std::move(a));
+  int64_t page_ins = page_ins_;
+  bool resident = TryPageIn(adapter, {}, evicted);
+  page_ins_ = page_ins;  // a load is no page-in
+  return resident;
+}
+
+bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
+                         std::vector<int64_t>* evicted) {
+  Adapter& a = GetAdapter(adapter);
+  if (a.unloading) {
+    throw PoolError(PoolError::kValue, Cat("adapter ", adapter, " is being unloaded"));
+  }
+  if (a.resident) return true;
+  std::vector<int64_t> k(keep);
+  k.push_back(adapter);
+  std::vector<int64_t> victims;
+  try {
+    victims = PlanEviction(a.n_pages, k, Cat("paging in adapter ", adapter));
+  } catch (const PoolError& e) {
+    if (e.kind == PoolError::kExhausted) return false;
+    throw;
+  }
+  Evict(victims, evicted);
+  for (int32_t j = 0; j < a.n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
+  a.resident = true;
+  a.last_use = ++clock_;
+  ++page_ins_;
+  return true;
 }
 
 void PagePool::RemoveAdapter(int64_t adapter) {

@@ -9,7 +9,8 @@
  *  - adapters: a resident adapter owns a fixed number of page ids. Sequences hold references to
  *    adapters; an idle (no references), unpinned adapter may be evicted (least recently used
  *    first) when KV or another adapter needs pages, and is paged back in when a sequence using it
- *    enters a batch.
+ *    enters a batch. An adapter loaded while the pool is busy is registered without pages and
+ *    paged in the same way.
  * Every operation either succeeds or throws PoolError and leaves the state unchanged.
  */
 #ifndef MLC_LORA_RUNTIME_PAGE_POOL_H_
@@ -45,7 +46,8 @@ struct Reservation {
 
 struct PoolStats {
   int64_t total, free, kv, adapter, evictable, resident_adapters, loaded_adapters;
-  int64_t evictions, page_ins;  // cumulative: adapters evicted, evicted adapters paged back in
+  int64_t evictions, page_ins;  // cumulative: adapters evicted, adapters given pages after their load
+  int64_t pinned = 0;            // pages of pinned adapters, resident or not
 };
 
 class PagePool {
@@ -81,8 +83,18 @@ class PagePool {
   Reservation ReserveAppend(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens);
 
   // ---- adapters
-  /*! \brief Register an adapter of `n_pages` pages and give it pages now (evicting if needed). */
-  void AddAdapter(int64_t adapter, int32_t n_pages, bool pinned, std::vector<int64_t>* evicted);
+  /*!
+   * \brief Register an adapter of `n_pages` pages and give it pages now if free pages and idle
+   * adapters allow; else it waits without pages (a busy pool never refuses a load) and is paged in
+   * by the first batch that uses it, by TryPageIn or by PinAdapter. Returns whether it is resident.
+   */
+  bool AddAdapter(int64_t adapter, int32_t n_pages, bool pinned, std::vector<int64_t>* evicted);
+  /*!
+   * \brief Give a registered adapter without pages its pages now, evicting idle adapters that are
+   * not in `keep` (least recently used first). Returns false, changing nothing, when the free pages
+   * and those adapters are too few; true if it is resident afterwards. Counts as a page-in.
+   */
+  bool TryPageIn(int64_t adapter, const std::vector<int64_t>& keep, std::vector<int64_t>* evicted);
   /*! \brief Unload now if no sequence uses it, else when the last one lets go. */
   void RemoveAdapter(int64_t adapter);
   /*! \brief Pinning a non-resident adapter pages it in; returns true if it needs its weights. */

@@ -142,6 +142,46 @@ static void TestAdapters() {
   pool.CheckInvariants();
 }
 
+// A load while sequences hold the pool registers the adapter without pages; it is paged in by
+// TryPageIn once pages come free (never evicting what `keep` names) or by the first batch using it.
+static void TestLoadOnBusyPool() {
+  PagePool pool(10, 16);
+  std::vector<int64_t> ev;
+  CHECK(pool.AddAdapter(1, 2, /*pinned=*/false, &ev));
+  pool.AddSequence(0);
+  pool.ReserveAppend({0}, {7 * 16});  // KV holds 7 pages, adapter 1 two, one is free
+  CHECK(pool.num_free() == 1 && pool.AdapterResident(1));
+  // 1 free + 2 of the idle adapter 1 < 4: the loads succeed without pages, a pinned one too.
+  CHECK(!pool.AddAdapter(2, 4, /*pinned=*/false, &ev));
+  CHECK(!pool.AddAdapter(3, 4, /*pinned=*/true, &ev));
+  CHECK(pool.HasAdapter(2) && !pool.AdapterResident(2) && pool.AdapterResident(1));
+  auto s = pool.Stats();
+  CHECK(s.pinned == 4 && s.loaded_adapters == 3 && s.resident_adapters == 1);
+  CHECK(s.page_ins == 0 && s.evictions == 0 && ev.empty());
+  pool.CheckInvariants();
+  // KV shrinks: 2 free + 2 of adapter 1 give adapter 2 its pages, unless adapter 1 is kept.
+  pool.PopN(0, 16);
+  CHECK(!pool.TryPageIn(2, {1}, &ev));
+  CHECK(!pool.AdapterResident(2) && pool.AdapterResident(1) && pool.num_free() == 2);
+  CHECK(pool.TryPageIn(2, {}, &ev));
+  CHECK(ev == std::vector<int64_t>{1});
+  CHECK(pool.AdapterResident(2) && !pool.AdapterResident(1) && pool.num_free() == 0);
+  CHECK(pool.TryPageIn(2, {}, &ev));  // resident already: nothing changes
+  CHECK(pool.Stats().page_ins == 1 && pool.Stats().evictions == 1);
+  // The sequence ends: the pinned adapter 3 is paged in by the first batch that uses it.
+  pool.RemoveSequence(0);
+  pool.AddSequence(5);
+  pool.SetSequenceAdapter(5, 3);
+  auto r = pool.ReserveAppend({5}, {1});
+  CHECK(r.paged_in == std::vector<int64_t>{3});
+  CHECK(pool.AdapterResident(3) && pool.num_free() == 10 - 4 - 4 - 1);
+  CHECK(pool.Stats().page_ins == 2);
+  EXPECT_ERROR(pool, kValue, "unknown adapter", pool.TryPageIn(42, {}, &ev));
+  pool.RemoveAdapter(2);
+  EXPECT_ERROR(pool, kValue, "whole pool has only 10", pool.AddAdapter(8, 11, false, &ev));
+  pool.CheckInvariants();
+}
+
 // Random operations; the invariants (one owner per page, free+kv+adapter=total, refcounts) after
 // each one, and no state change when an operation fails.
 static void TestRandom() {
@@ -161,7 +201,13 @@ static void TestRandom() {
         case 4: pool.ReserveAppend({a, b}, {pick(40), 1}); break;
         case 5: pool.AddAdapter(adapter, 1 + pick(8), pick(4) == 0, &ev); break;
         case 6: pool.RemoveAdapter(adapter); break;
-        case 7: pool.PinAdapter(adapter, pick(2), &ev); break;
+        case 7:
+          if (pick(2)) {
+            pool.PinAdapter(adapter, pick(2), &ev);
+          } else {
+            pool.TryPageIn(adapter, {pick(6)}, &ev);
+          }
+          break;
         case 8: pool.SetSequenceAdapter(a, pick(3) ? adapter : -1); break;
         default: pool.ReserveAppend({a}, {1 + pick(3)}); break;
       }
@@ -175,7 +221,7 @@ static void TestRandom() {
 }
 
 int main() {
-  for (auto* t : {TestSequences, TestAdapters, TestRandom}) {
+  for (auto* t : {TestSequences, TestAdapters, TestLoadOnBusyPool, TestRandom}) {
     try {
       t();
     } catch (const std::exception& e) {
