@@ -4,7 +4,10 @@ by free KV pages; preemption by recompute when the pages run out).
 LoRA: KV and adapters share the unified pool's pages. A batch counts, beside its KV pages, the
 pages of every adapter it must page in or keep from eviction; a request that cannot fit even with
 nothing else running is rejected (PoolExhaustedError), never retried forever. Stage-1 (`single`)
-libraries get one adapter per batch (plus base-model rows): that of the oldest request on an adapter."""
+libraries get one adapter per batch (plus base-model rows): that of the oldest request on an adapter.
+Waiting requests whose adapter is resident are admitted before those whose adapter must be paged in;
+a request is passed over so at most MAX_SKIPS times, then it keeps its place in arrival order. A
+request whose adapter is still being read from disk waits without holding up the others."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import numpy as np
 
 from ..contract import PAGE_SIZE
 
+# times a waiting request may be passed over for later ones whose adapters are resident
+MAX_SKIPS = 8
 
 
 @dataclasses.dataclass
@@ -72,6 +77,7 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
         self.rng = np.random.default_rng(params.seed)
         self.sink = sink  # receives this sequence's outputs (set by the engine front end)
         self.state: Any = None  # the engine's per-request text state (detokeniser, stop strings)
+        self.skipped = 0  # admissions of later requests while it waited (bounded by MAX_SKIPS)
 
     @property
     def tokens(self) -> list[int]:
@@ -110,14 +116,19 @@ class Scheduler:
 
     def __init__(self, free_pages: Callable[[], int], add_sequence: Callable[[int], None],
                  remove_sequence: Callable[[int], None], max_num_seqs: int, max_step_tokens: int,
-                 adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False):
+                 adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False,
+                 adapter_ready: Optional[Callable[[int], bool]] = None,
+                 adapter_resident: Optional[Callable[[int], bool]] = None):
         """The pool's side: `free_pages()` counts the pages a batch can take (LoRA: with those idle
         adapters would give back), `add_sequence` / `remove_sequence` take and drop a sequence's
         place in it, `adapter_pages(slot)` is what a batch must find for an adapter (its pages
         unless resident and held by a running sequence); `one_adapter_per_batch` for stage-1
-        (`single`) libraries."""
+        (`single`) libraries; `adapter_ready(slot)`: a request on the adapter may be admitted (its
+        weights are on the host); `adapter_resident(slot)`: its pages are in the pool now."""
         self.free_pages = free_pages
         self.adapter_pages = adapter_pages or (lambda a: 0)
+        self.adapter_ready = adapter_ready or (lambda a: True)
+        self.adapter_resident = adapter_resident or (lambda a: True)
         self.one_adapter = one_adapter_per_batch
         self.rejected: list[Sequence] = []  # waiting requests that can never fit; the engine fails them
         self.add_sequence = add_sequence
@@ -161,6 +172,24 @@ class Scheduler:
                     key=lambda s: s.seq_id, default=None)
         return None if first is None else first.adapter_slot
 
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting requests in the order admission tries them: arrival order, but those whose
+        adapter must be paged in go after the rest until they have been passed over MAX_SKIPS times."""
+        warm, cold = [], []
+        for s in self.waiting:
+            a = s.adapter_slot
+            (warm if a is None or s.skipped >= MAX_SKIPS or self.adapter_resident(a) else cold).append(s)
+        return warm + cold
+
+    def _count_skips(self, waiting: list[Sequence], admitted: list[Sequence]) -> None:
+        """Every request still waiting that arrived before one admitted now was passed over."""
+        if admitted:
+            ids = {id(s) for s in admitted}
+            last = max(i for i, s in enumerate(waiting) if id(s) in ids)
+            for s in waiting[:last]:
+                if s.status == Status.WAITING:
+                    s.skipped += 1
+
     def _victim(self, rows: list, fits: Callable[[Sequence], bool]) -> Optional[Sequence]:
         """The running sequence to preempt for pages: one this batch does not serve, those paused
         for another adapter (stage 1) first, then the most recently admitted."""
@@ -203,14 +232,18 @@ class Scheduler:
             budget -= 1
             charged.add(seq.adapter_slot)
             rows.append((seq, seq.tokens[-1:]))
-        # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
+        # 2. chunked prefill: running sequences still prefilling, then waiting ones (_admission_order)
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
         stuck = None  # the first sequence that found no pages
-        for seq in prefilling + list(self.waiting):
+        arrived, admitted = list(self.waiting), []
+        for seq in prefilling + self._admission_order():
             if budget <= 0:
                 break
             if not fits(seq):
                 continue
+            if seq.status == Status.WAITING and seq.adapter_slot is not None and not self.adapter_ready(
+                    seq.adapter_slot):
+                continue  # its adapter is being read from disk
             if seq.status == Status.WAITING and len(self.running) >= self.max_num_seqs:
                 stuck = seq  # (stage 1: the running ones may all be paused for another adapter)
                 break
@@ -227,12 +260,14 @@ class Scheduler:
                 self.add_sequence(seq.seq_id)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+                admitted.append(seq)
             need = new_pages(seq.num_cached, n) + c
             free -= need
             used += need
             budget -= n
             charged.add(seq.adapter_slot)
             rows.append((seq, seq.tokens[seq.num_cached:seq.num_cached + n]))
+        self._count_skips(arrived, admitted)
         if not rows and stuck is not None:
             victim = next((s for s in reversed(self.running) if s is not stuck and not fits(s)), None) or next(
                 (s for s in reversed(self.running) if s is not stuck), None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlc_lora.contract import PAGE_SIZE
-from mlc_lora.engine.scheduler import SamplingParams, Scheduler, Sequence, Status, new_pages
+from mlc_lora.engine.scheduler import MAX_SKIPS, SamplingParams, Scheduler, Sequence, Status, new_pages
 
 
 class FakePool:
@@ -24,6 +24,7 @@ class FakePool:
         self.len: dict[int, int] = {}
         self.seq_adapter: dict[int, int] = {}
         self.clock = 0
+        self.admitted: list[int] = []  # sequence ids in the order the scheduler admitted them
         for a in pinned:
             self.adapters[a]["resident"] = True
 
@@ -43,6 +44,7 @@ class FakePool:
         return 0 if a["resident"] and (a["pinned"] or a["refs"] > 0) else a["pages"]
 
     def add_sequence(self, seq: Sequence) -> None:
+        self.admitted.append(seq.seq_id)
         self.kv[seq.seq_id], self.len[seq.seq_id] = 0, 0
         if seq.adapter_slot is not None:
             self.seq_adapter[seq.seq_id] = seq.adapter_slot
@@ -79,12 +81,13 @@ class FakePool:
             self.len[s.seq_id] += len(c)
 
 
-def simulate(pool: FakePool, requests, one_adapter: bool, max_num_seqs=16, max_step_tokens=128):
+def simulate(pool: FakePool, requests, one_adapter: bool, max_num_seqs=16, max_step_tokens=128, **kw):
     """Run `requests` [(adapter slot or None, prompt length, max_tokens)] to the end; returns the
-    scheduler (its rejected list and preemption count) and the finished sequences."""
+    scheduler (its rejected list and preemption count) and the finished sequences. `kw`: more of the
+    Scheduler's arguments (adapter_ready, adapter_resident)."""
     sched = Scheduler(pool.available_pages, lambda sid: pool.add_sequence(by_id[sid]), pool.remove_sequence,
                       max_num_seqs, max_step_tokens, adapter_pages=pool.pages_to_run,
-                      one_adapter_per_batch=one_adapter)
+                      one_adapter_per_batch=one_adapter, **kw)
     by_id, done = {}, []
     for slot, n, m in requests:
         s = Sequence(list(range(n)), SamplingParams(max_tokens=m))
@@ -161,3 +164,37 @@ def test_single_needs_few_preemptions_on_a_loaded_pool():
     assert gather.num_preemptions > 0  # the pool is tight
     assert single.num_preemptions <= 1.5 * gather.num_preemptions, (single.num_preemptions,
                                                                      gather.num_preemptions)
+
+
+def test_resident_adapters_go_first_and_a_passed_over_request_waits_at_most_max_skips():
+    """One request whose adapter must be paged in, then twenty on a resident adapter, one running
+    at a time: the resident ones go first, but the first request is passed over MAX_SKIPS times at
+    most. Without the residency callback admission stays first come, first served."""
+    reqs = [(0, 20, 2)] + [(1, 20, 2)] * 20
+    pool = FakePool(total=64, adapters={0: 2, 1: 2}, pinned=(1,))
+    sched, done, rejected = simulate(pool, reqs, False, max_num_seqs=1,
+                                     adapter_resident=lambda a: pool.adapters[a]["resident"])
+    assert rejected == [] and len(done) == 21
+    first = min(pool.admitted)  # seq ids grow with arrival
+    assert pool.admitted.index(first) == MAX_SKIPS
+    assert pool.admitted[:MAX_SKIPS] == sorted(pool.admitted[:MAX_SKIPS])  # the others in arrival order
+    fifo = FakePool(total=64, adapters={0: 2, 1: 2}, pinned=(1,))
+    simulate(fifo, reqs, False, max_num_seqs=1)
+    assert fifo.admitted == sorted(fifo.admitted)
+
+
+def test_a_request_whose_adapter_is_not_ready_waits_without_holding_up_the_others():
+    """Adapter 0 is being read from disk for two scheduling rounds: its request waits at the head of
+    the queue while the requests behind it are admitted; then it runs too."""
+    calls = []
+
+    def ready(slot):
+        calls.append(slot)
+        return slot != 0 or calls.count(0) > 2
+
+    pool = FakePool(total=64, adapters={0: 2, 1: 1})
+    reqs = [(0, 20, 3), (None, 20, 3), (1, 20, 3)]
+    sched, done, rejected = simulate(pool, reqs, False, max_num_seqs=4, adapter_ready=ready)
+    assert rejected == [] and len(done) == 3
+    first = min(pool.admitted)
+    assert pool.admitted.index(first) == 2 and calls.count(0) == 3
