@@ -18,8 +18,12 @@ pool_set_sequence_adapter(kv, seq, id)     -1: base model
 pool_lora_tables(kv)                       the batch's tables, contract.LORA_TABLE_INPUTS order
 pool_lora_num_slots(kv)                    distinct adapters of the batch (0: base model only)
 pool_lora_rank_total(kv)                   the sum of their ranks
-pool_stats(kv)                             {total,free,kv,adapter,evictable,pinned}_pages, adapter counts
+pool_stats(kv)                             {total,free,kv,adapter,evictable,pinned}_pages, adapter counts,
+                                           the prefix cache's pages and counters
 pool_adapter_info(kv, id), pool_sequence_pages(kv, seq), pool_check_invariants(kv)   (tests)
+pool_prefix_lookup(kv, adapter, tokens)    -> [matched tokens, idle pages among them]; -1: base model
+pool_prefix_attach(kv, seq, tokens)        an empty sequence takes its cached prefix; -> matched tokens
+pool_prefix_insert(kv, seq, start, tokens) key its full pages; -> keyed pages, -1 once its chain ended
 upload_async(dst, host_array)              host -> device without a stream synchronization
 
 Adapter packing (what pool_load_adapter takes; wrapped by mlc_lora.lora):

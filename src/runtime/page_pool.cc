@@ -60,6 +60,10 @@ int32_t PagePool::TakePage(Owner owner) {
 
 void PagePool::ReleaseKVPage(int32_t page) {
   if (--kv_refs_[page] == 0) {
+    if (PageCached(page)) {
+      IdleCachedPage(page);  // keyed: kept for later sequences of its adapter
+      return;
+    }
     owner_[page] = Owner::kFree;
     free_.push_back(page);
   }
@@ -76,7 +80,10 @@ void PagePool::ReleaseAdapterPages(Adapter* a) {
 
 PoolStats PagePool::Stats() const {
   PoolStats s{num_pages_, num_free(), 0, 0, 0, 0, static_cast<int64_t>(adapters_.size()),
-              evictions_, page_ins_};
+              evictions_, page_ins_, static_cast<int64_t>(cache_.size()),
+              static_cast<int64_t>(idle_cache_.size()), prefix_queries_, prefix_query_tokens_,
+              prefix_hit_tokens_, cached_evictions_};
+  s.evictable = s.cached_idle;
   for (Owner o : owner_) {
     s.kv += o == Owner::kKV;
     s.adapter += o == Owner::kAdapter;
@@ -95,6 +102,14 @@ void PagePool::Clear() {
     for (int32_t p : s.pages) ReleaseKVPage(p);
   }
   seqs_.clear();
+  // the prefix cache goes too: every keyed page is idle now
+  for (const auto& [page, c] : cache_) {
+    owner_[page] = Owner::kFree;
+    free_.push_back(page);
+  }
+  cache_.clear();
+  cache_index_.clear();
+  idle_cache_.clear();
   for (auto it = adapters_.begin(); it != adapters_.end();) {
     it->second.refs = 0;
     if (it->second.unloading) {
@@ -116,6 +131,7 @@ void PagePool::AddSequence(int64_t seq) {
 
 void PagePool::RemoveSequence(int64_t seq) {
   Seq& s = GetSeq(seq);
+  ++clock_;  // its keyed pages become idle now (one time: a chain is evicted from its tail)
   for (int32_t p : s.pages) ReleaseKVPage(p);
   int64_t adapter = s.adapter;
   seqs_.erase(seq);
@@ -138,6 +154,8 @@ void PagePool::ForkSequence(int64_t parent, int64_t child, int64_t fork_pos) {
   c.pages.assign(p.pages.begin(), p.pages.begin() + PagesFor(fork_pos));
   for (int32_t page : c.pages) ++kv_refs_[page];
   c.adapter = p.adapter;
+  c.prefix_pages = std::min<int32_t>(p.prefix_pages, static_cast<int32_t>(fork_pos / page_size_));
+  c.prefix_open = p.prefix_open;
   if (c.adapter >= 0) ++GetAdapter(c.adapter).refs;
   seqs_.emplace(child, std::move(c));
 }
@@ -149,7 +167,9 @@ void PagePool::PopN(int64_t seq, int64_t n) {
                                            " of length ", s.length));
   }
   s.length -= n;
+  s.prefix_pages = std::min<int32_t>(s.prefix_pages, static_cast<int32_t>(s.length / page_size_));
   size_t keep = PagesFor(s.length);
+  ++clock_;
   for (size_t i = keep; i < s.pages.size(); ++i) ReleaseKVPage(s.pages[i]);
   s.pages.resize(keep);
 }
@@ -167,15 +187,20 @@ void PagePool::SetSequenceAdapter(int64_t seq, int64_t adapter) {
   }
   int64_t old = s.adapter;
   s.adapter = adapter;
+  // its keyed pages hold the old adapter's KV: none of its later pages may extend that chain
+  if (old != adapter && !s.pages.empty()) s.prefix_open = false;
   if (old >= 0) DropRef(old);
 }
 
 void PagePool::DropRef(int64_t adapter) {
   Adapter& a = GetAdapter(adapter);
-  if (--a.refs == 0 && a.unloading) {
-    ReleaseAdapterPages(&a);
-    adapters_.erase(adapter);
-  }
+  if (--a.refs == 0 && a.unloading) EraseAdapter(adapter);
+}
+
+void PagePool::EraseAdapter(int64_t adapter) {
+  ReleaseAdapterPages(&adapters_.at(adapter));
+  DropCachedPrefixes(adapter);
+  adapters_.erase(adapter);
 }
 
 int64_t PagePool::TotalSequenceLength() const {
@@ -203,8 +228,10 @@ Reservation PagePool::ReserveAppend(const std::vector<int64_t>& seqs,
     if (lens[i] < 0) {
       throw PoolError(PoolError::kValue, Cat("negative append length ", lens[i]));
     }
+    // a keyed page is never written: appending to it copies it, as to a shared one
     bool cow = lens[i] > 0 && s.length % page_size_ != 0 &&
-               kv_refs_[s.pages.back()] - copied[s.pages.back()] > 1;
+               (kv_refs_[s.pages.back()] - copied[s.pages.back()] > 1 ||
+                PageCached(s.pages.back()));
     if (cow) ++copied[s.pages.back()];
     need += cow + PagesFor(s.length + lens[i]) - PagesFor(s.length);
     if (s.adapter >= 0 &&
@@ -214,25 +241,24 @@ Reservation PagePool::ReserveAppend(const std::vector<int64_t>& seqs,
       if (!a.resident) need += a.n_pages;
     }
   }
-  std::vector<int64_t> victims = PlanEviction(need, batch_adapters, "this batch");
+  EvictionPlan victims = PlanEviction(need, batch_adapters, "this batch");
 
   // Commit.
   Reservation r;
   Evict(victims, &r.evicted);
+  ++clock_;  // keyed pages copied away from below become idle now
   for (int64_t id : batch_adapters) {
     Adapter& a = GetAdapter(id);
     a.last_use = ++clock_;
     if (a.resident) continue;
-    for (int32_t j = 0; j < a.n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
-    a.resident = true;
+    TakeAdapterPages(&a);
     r.paged_in.push_back(id);
-    ++page_ins_;
   }
   for (size_t i = 0; i < seqs.size(); ++i) {
     Seq& s = GetSeq(seqs[i]);
     if (lens[i] == 0) continue;
     int32_t used = static_cast<int32_t>(s.length % page_size_);
-    if (used != 0 && kv_refs_[s.pages.back()] > 1) {
+    if (used != 0 && (kv_refs_[s.pages.back()] > 1 || PageCached(s.pages.back()))) {
       int32_t src = s.pages.back();
       int32_t dst = TakePage(Owner::kKV);
       r.copies.push_back({src, dst, used});
@@ -250,9 +276,10 @@ Reservation PagePool::ReserveAppend(const std::vector<int64_t>& seqs,
 // ---------------------------------------------------------------------------------------------
 // Adapters
 
-std::vector<int64_t> PagePool::PlanEviction(int64_t need, const std::vector<int64_t>& keep,
-                                            const std::string& what) const {
-  if (need <= num_free()) return {};
+PagePool::EvictionPlan PagePool::PlanEviction(int64_t need, const std::vector<int64_t>& keep,
+                                              const std::string& what) const {
+  EvictionPlan plan;
+  if (need <= num_free()) return plan;
   std::vector<std::pair<uint64_t, int64_t>> idle;  // (last use, id)
   for (const auto& [id, a] : adapters_) {
     if (a.resident && !a.pinned && a.refs == 0 &&
@@ -261,30 +288,46 @@ std::vector<int64_t> PagePool::PlanEviction(int64_t need, const std::vector<int6
     }
   }
   std::sort(idle.begin(), idle.end());
-  std::vector<int64_t> victims;
+  // One least-recently-used order over idle adapters and idle keyed pages. A keyed page's
+  // children are idle too and sort before it (older or as old, deeper), so a chain goes tail first.
   int64_t avail = num_free();
-  for (const auto& [t, id] : idle) {
-    if (avail >= need) break;
-    avail += adapters_.at(id).n_pages;
-    victims.push_back(id);
+  auto a = idle.begin();
+  auto c = idle_cache_.begin();
+  while (avail < need && (a != idle.end() || c != idle_cache_.end())) {
+    if (c == idle_cache_.end() || (a != idle.end() && a->first < std::get<0>(*c))) {
+      avail += adapters_.at(a->second).n_pages;
+      plan.adapters.push_back(a->second);
+      ++a;
+    } else {
+      avail += 1;
+      plan.pages.push_back(std::get<2>(*c));
+      ++c;
+    }
   }
   if (avail < need) {
     PoolStats s = Stats();
     throw PoolError(PoolError::kExhausted,
                     Cat("page pool exhausted: ", what, " needs ", need, " pages but only ",
                         s.free, " are free and ", s.evictable,
-                        " can be freed by evicting idle adapters (", s.kv, " pages hold KV, ",
-                        s.adapter - s.evictable, " hold pinned or in-use adapters, ", s.total,
-                        " in total)"));
+                        " can be freed by evicting idle adapters and cached prefixes (", s.kv,
+                        " pages hold KV, ", s.adapter - (s.evictable - s.cached_idle),
+                        " hold pinned or in-use adapters, ", s.total, " in total)"));
   }
-  return victims;
+  return plan;
 }
 
-void PagePool::Evict(const std::vector<int64_t>& victims, std::vector<int64_t>* evicted) {
-  for (int64_t id : victims) {
+void PagePool::Evict(const EvictionPlan& plan, std::vector<int64_t>* evicted) {
+  for (int64_t id : plan.adapters) {
     ReleaseAdapterPages(&adapters_.at(id));
     ++evictions_;
     if (evicted) evicted->push_back(id);
+  }
+  for (int32_t page : plan.pages) {
+    if (cache_.at(page).children != 0) {
+      throw std::logic_error(Cat("page pool: evicting keyed page ", page, " before its children"));
+    }
+    UncachePage(page);
+    ++cached_evictions_;
   }
 }
 
@@ -326,19 +369,28 @@ bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
   if (a.resident) return true;
   std::vector<int64_t> k(keep);
   k.push_back(adapter);
-  std::vector<int64_t> victims;
   try {
-    victims = PlanEviction(a.n_pages, k, Cat("paging in adapter ", adapter));
+    PageIn(adapter, k, Cat("paging in adapter ", adapter), evicted);
   } catch (const PoolError& e) {
     if (e.kind == PoolError::kExhausted) return false;
     throw;
   }
-  Evict(victims, evicted);
-  for (int32_t j = 0; j < a.n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
-  a.resident = true;
-  a.last_use = ++clock_;
-  ++page_ins_;
   return true;
+}
+
+void PagePool::PageIn(int64_t adapter, const std::vector<int64_t>& keep, const std::string& what,
+                      std::vector<int64_t>* evicted) {
+  Adapter& a = GetAdapter(adapter);
+  Evict(PlanEviction(a.n_pages, keep, what), evicted);
+  TakeAdapterPages(&a);
+  a.last_use = ++clock_;
+}
+
+void PagePool::TakeAdapterPages(Adapter* a) {
+  // Callers have made room (PlanEviction).
+  for (int32_t j = 0; j < a->n_pages; ++j) a->pages.push_back(TakePage(Owner::kAdapter));
+  a->resident = true;
+  ++page_ins_;
 }
 
 void PagePool::RemoveAdapter(int64_t adapter) {
@@ -350,8 +402,7 @@ void PagePool::RemoveAdapter(int64_t adapter) {
     a.pinned = false;
     return;
   }
-  ReleaseAdapterPages(&a);
-  adapters_.erase(adapter);
+  EraseAdapter(adapter);
 }
 
 bool PagePool::PinAdapter(int64_t adapter, bool pinned, std::vector<int64_t>* evicted) {
@@ -360,17 +411,159 @@ bool PagePool::PinAdapter(int64_t adapter, bool pinned, std::vector<int64_t>* ev
     throw PoolError(PoolError::kValue, Cat("adapter ", adapter, " is being unloaded"));
   }
   bool page_in = pinned && !a.resident;
-  if (page_in) {
-    std::vector<int64_t> victims =
-        PlanEviction(a.n_pages, {adapter}, Cat("pinning adapter ", adapter));
-    Evict(victims, evicted);
-    for (int32_t j = 0; j < a.n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
-    a.resident = true;
-    a.last_use = ++clock_;
-    ++page_ins_;
-  }
+  if (page_in) PageIn(adapter, {adapter}, Cat("pinning adapter ", adapter), evicted);
   a.pinned = pinned;
   return page_in;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefix cache
+
+uint64_t PagePool::BlockHash(uint64_t parent, const int32_t* tokens, int32_t n) {
+  // splitmix64 over the parent's hash and each token; a match is confirmed on the tokens
+  auto mix = [](uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  uint64_t h = mix(parent);
+  for (int32_t i = 0; i < n; ++i) h = mix(h ^ static_cast<uint32_t>(tokens[i]));
+  return h;
+}
+
+std::vector<int32_t> PagePool::MatchPrefix(int64_t adapter,
+                                           const std::vector<int32_t>& tokens) const {
+  std::vector<int32_t> pages;
+  if (tokens.empty()) return pages;
+  const size_t n_pages = (tokens.size() - 1) / page_size_;  // the last token is left to compute
+  int32_t parent = -1;
+  uint64_t h = 0;
+  for (size_t i = 0; i < n_pages; ++i) {
+    const int32_t* block = tokens.data() + i * page_size_;
+    h = BlockHash(h, block, page_size_);
+    auto it = cache_index_.find({adapter, h});
+    if (it == cache_index_.end()) break;
+    const CachedPage& c = cache_.at(it->second);
+    if (c.parent != parent || !std::equal(block, block + page_size_, c.tokens.begin())) break;
+    parent = it->second;
+    pages.push_back(parent);
+  }
+  return pages;
+}
+
+PrefixHit PagePool::LookupPrefix(int64_t adapter, const std::vector<int32_t>& tokens) const {
+  std::vector<int32_t> pages = MatchPrefix(adapter, tokens);
+  int32_t idle = 0;
+  for (int32_t p : pages) idle += kv_refs_[p] == 0;
+  return {static_cast<int64_t>(pages.size()) * page_size_, idle};
+}
+
+int64_t PagePool::AttachPrefix(int64_t seq, const std::vector<int32_t>& tokens) {
+  Seq& s = GetSeq(seq);
+  if (s.length != 0) {
+    throw PoolError(PoolError::kValue, Cat("a cached prefix is attached to an empty sequence; ",
+                                           "sequence ", seq, " has ", s.length, " tokens"));
+  }
+  std::vector<int32_t> pages = MatchPrefix(s.adapter, tokens);
+  for (int32_t p : pages) {
+    if (kv_refs_[p] == 0) {
+      idle_cache_.erase(IdleKey(p));
+      owner_[p] = Owner::kKV;
+    }
+    ++kv_refs_[p];
+  }
+  s.length = static_cast<int64_t>(pages.size()) * page_size_;
+  s.prefix_pages = static_cast<int32_t>(pages.size());
+  s.prefix_open = true;
+  s.pages = std::move(pages);
+  ++prefix_queries_;
+  prefix_query_tokens_ += static_cast<int64_t>(tokens.size());
+  prefix_hit_tokens_ += s.length;
+  return s.length;
+}
+
+int64_t PagePool::InsertPrefix(int64_t seq, int64_t start, const std::vector<int32_t>& tokens) {
+  Seq& s = GetSeq(seq);
+  const int64_t end = start + static_cast<int64_t>(tokens.size());
+  if (start < 0 || start % page_size_ != 0 || end > s.length) {
+    throw PoolError(PoolError::kValue,
+                    Cat("tokens [", start, ", ", end, ") to key are not whole pages from a page ",
+                        "start inside sequence ", seq, " of length ", s.length));
+  }
+  if (!s.prefix_open) return -1;
+  for (int64_t i = s.prefix_pages; i < end / page_size_ && i * page_size_ >= start; ++i) {
+    const int32_t* block = tokens.data() + (i * page_size_ - start);
+    const int32_t page = s.pages[i];
+    const int32_t parent = i == 0 ? -1 : s.pages[i - 1];
+    const uint64_t h = BlockHash(parent < 0 ? 0 : cache_.at(parent).hash, block, page_size_);
+    auto it = cache_index_.find({s.adapter, h});
+    if (it != cache_index_.end()) {
+      const int32_t keyed = it->second;
+      const CachedPage& c = cache_.at(keyed);
+      if (c.parent != parent || !std::equal(block, block + page_size_, c.tokens.begin())) {
+        s.prefix_open = false;  // a hash collision: key nothing more, stay exact
+        return -1;
+      }
+      if (keyed != page) {
+        // A copy a fork shares, or keyed elsewhere: its later pages could not be keyed after the
+        // keyed one (a sequence holding a keyed page holds its whole chain).
+        if (kv_refs_[page] > 1 || PageCached(page)) {
+          s.prefix_open = false;
+          return -1;
+        }
+        // The same page computed twice (both started before either was keyed): take the keyed
+        // one, as a hit would have, and give back the copy; the chain goes on.
+        if (kv_refs_[keyed]++ == 0) {
+          idle_cache_.erase(IdleKey(keyed));
+          owner_[keyed] = Owner::kKV;
+        }
+        ReleaseKVPage(page);
+        s.pages[i] = keyed;
+      }
+      ++s.prefix_pages;
+      continue;
+    }
+    if (PageCached(page)) {  // keyed under another chain (not expected): end here, stay exact
+      s.prefix_open = false;
+      return -1;
+    }
+    cache_.emplace(page, CachedPage{s.adapter, h, parent, static_cast<int32_t>(i), 0, 0,
+                                    std::vector<int32_t>(block, block + page_size_)});
+    if (parent >= 0) ++cache_.at(parent).children;
+    cache_index_.emplace(CacheKey{s.adapter, h}, page);
+    ++s.prefix_pages;
+  }
+  return s.prefix_pages;
+}
+
+void PagePool::IdleCachedPage(int32_t page) {
+  owner_[page] = Owner::kCached;
+  cache_.at(page).last_use = clock_;
+  idle_cache_.insert(IdleKey(page));
+}
+
+void PagePool::UncachePage(int32_t page) {
+  auto it = cache_.find(page);
+  const CachedPage& c = it->second;
+  cache_index_.erase({c.adapter, c.hash});
+  if (auto parent = cache_.find(c.parent); parent != cache_.end()) --parent->second.children;
+  if (kv_refs_[page] == 0) {
+    idle_cache_.erase(IdleKey(page));
+    owner_[page] = Owner::kFree;
+    free_.push_back(page);
+  }
+  cache_.erase(it);
+}
+
+void PagePool::DropCachedPrefixes(int64_t adapter) {
+  std::vector<int32_t> pages;
+  for (const auto& [page, c] : cache_) {
+    if (c.adapter == adapter) pages.push_back(page);
+  }
+  // Every page of a chain goes; pages sequences still hold (ones that moved to another adapter)
+  // stay theirs, unkeyed.
+  for (int32_t p : pages) UncachePage(p);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -401,14 +594,71 @@ void PagePool::CheckInvariants() const {
   std::vector<int32_t> in_free(num_pages_, 0);
   for (int32_t p : free_) ++in_free.at(p);
   for (int32_t p = 0; p < num_pages_; ++p) {
-    int owners = (refs[p] > 0) + adapter_owner[p] + in_free[p];
+    const bool idle_cached = PageCached(p) && refs[p] == 0;
+    int owners = (refs[p] > 0) + adapter_owner[p] + in_free[p] + idle_cached;
     if (owners != 1) fail(Cat("page ", p, " has ", owners, " owners"));
     if (refs[p] != kv_refs_[p]) fail(Cat("page ", p, " KV refcount"));
-    Owner want = refs[p] > 0 ? Owner::kKV : adapter_owner[p] ? Owner::kAdapter : Owner::kFree;
+    Owner want = refs[p] > 0         ? Owner::kKV
+                 : adapter_owner[p]  ? Owner::kAdapter
+                 : idle_cached       ? Owner::kCached
+                                     : Owner::kFree;
     if (owner_[p] != want) fail(Cat("page ", p, " owner tag"));
   }
+  CheckPrefixCache();
   PoolStats s = Stats();
-  if (s.free + s.kv + s.adapter != s.total) fail("free + kv + adapter != total");
+  if (s.free + s.kv + s.adapter + s.cached_idle != s.total) {
+    fail("free + kv + adapter + idle cached != total");
+  }
+}
+
+void PagePool::CheckPrefixCache() const {
+  auto fail = [](const std::string& msg) { throw std::logic_error("page pool: prefix cache: " + msg); };
+  if (cache_index_.size() != cache_.size()) fail("index and pages differ in size");
+  std::unordered_map<int32_t, int32_t> children;
+  size_t idle = 0;
+  for (const auto& [page, c] : cache_) {
+    auto it = cache_index_.find({c.adapter, c.hash});
+    if (it == cache_index_.end() || it->second != page) fail(Cat("page ", page, " is not indexed"));
+    if (static_cast<int32_t>(c.tokens.size()) != page_size_) fail(Cat("page ", page, " tokens"));
+    uint64_t parent_hash = 0;
+    if (c.parent >= 0) {
+      auto p = cache_.find(c.parent);
+      if (p == cache_.end() || p->second.adapter != c.adapter || p->second.depth != c.depth - 1) {
+        fail(Cat("page ", page, " has no keyed parent of its adapter one page up"));
+      }
+      parent_hash = p->second.hash;
+      ++children[c.parent];
+      // a sequence holding a keyed page holds its whole chain; an idle chain goes tail first
+      if (kv_refs_[page] > 0 && kv_refs_[c.parent] == 0) fail(Cat("page ", page, " held, parent idle"));
+      if (kv_refs_[page] == 0 && kv_refs_[c.parent] == 0 && c.last_use > p->second.last_use) {
+        fail(Cat("idle page ", page, " was used after its parent"));
+      }
+    } else if (c.depth != 0) {
+      fail(Cat("page ", page, " starts a chain at depth ", c.depth));
+    }
+    if (BlockHash(parent_hash, c.tokens.data(), page_size_) != c.hash) fail(Cat("page ", page, " hash"));
+    if (kv_refs_[page] == 0) {
+      ++idle;
+      if (!idle_cache_.count(IdleKey(page))) fail(Cat("idle page ", page, " is not evictable"));
+    }
+    if (c.adapter >= 0 && !adapters_.count(c.adapter)) fail(Cat("page ", page, " of a removed adapter"));
+  }
+  for (const auto& [page, c] : cache_) {
+    auto it = children.find(page);
+    if (c.children != (it == children.end() ? 0 : it->second)) fail(Cat("page ", page, " children"));
+  }
+  if (idle != idle_cache_.size()) fail("evictable set size");
+  for (const auto& [id, s] : seqs_) {
+    if (s.prefix_pages > s.length / page_size_) fail(Cat("sequence ", id, " keys a partial page"));
+    if (!s.prefix_open) continue;
+    for (int32_t i = 0; i < s.prefix_pages; ++i) {
+      auto c = cache_.find(s.pages[i]);
+      if (c == cache_.end() || c->second.adapter != s.adapter ||
+          c->second.parent != (i == 0 ? -1 : s.pages[i - 1])) {
+        fail(Cat("sequence ", id, " page ", i, " is not its chain's"));
+      }
+    }
+  }
 }
 
 }  // namespace mlc_lora

@@ -11,14 +11,22 @@
  *    first) when KV or another adapter needs pages, and is paged back in when a sequence using it
  *    enters a batch. An adapter loaded while the pool is busy is registered without pages and
  *    paged in the same way.
+ *  - the prefix cache: a full KV page may be keyed by (adapter, hash of the token block chain up to
+ *    and including it; adapter -1 is the base model). Keyed pages outlive their sequences and are
+ *    reused by later sequences of the same adapter (AttachPrefix); a keyed page is never written
+ *    (an append to it copies it first, like a shared page). Keyed pages that no sequence holds and
+ *    idle unpinned adapters are evicted by one policy, least recently used first, from the one
+ *    free list; a chain is evicted from its tail. Removing an adapter drops its keyed pages.
  * Every operation either succeeds or throws PoolError and leaves the state unchanged.
  */
 #ifndef MLC_LORA_RUNTIME_PAGE_POOL_H_
 #define MLC_LORA_RUNTIME_PAGE_POOL_H_
 
 #include <cstdint>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -47,7 +55,19 @@ struct Reservation {
 struct PoolStats {
   int64_t total, free, kv, adapter, evictable, resident_adapters, loaded_adapters;
   int64_t evictions, page_ins;  // cumulative: adapters evicted, adapters given pages after their load
-  int64_t pinned = 0;            // pages of pinned adapters, resident or not
+  // prefix cache: keyed pages (held or idle), keyed pages no sequence holds (free + kv + adapter +
+  // cached_idle == total; they are part of evictable), and cumulative counters: AttachPrefix
+  // calls, the tokens they offered and matched, keyed pages evicted for room
+  int64_t cached, cached_idle, prefix_queries, prefix_query_tokens, prefix_hit_tokens,
+      cached_evictions;
+  int64_t pinned = 0;  // pages of pinned adapters, resident or not
+};
+
+/*! \brief A LookupPrefix result: matched tokens (whole pages) and how many of those pages no
+ *  sequence holds (attaching takes them out of the evictable ones). */
+struct PrefixHit {
+  int64_t tokens;
+  int32_t idle_pages;
 };
 
 class PagePool {
@@ -108,6 +128,28 @@ class PagePool {
     return GetAdapter(adapter).pages;
   }
 
+  // ---- prefix cache (keys of full KV pages; see the file comment)
+  /*!
+   * \brief The longest chain of keyed pages of `adapter` (-1: base model) holding the first
+   * tokens of `tokens`, in whole pages, leaving at least the last token out (its logits must be
+   * computed). Changes nothing.
+   */
+  PrefixHit LookupPrefix(int64_t adapter, const std::vector<int32_t>& tokens) const;
+  /*!
+   * \brief Give an empty sequence the pages of LookupPrefix(its adapter, tokens): its length
+   * becomes the matched tokens. Counts one query. Returns the matched tokens.
+   */
+  int64_t AttachPrefix(int64_t seq, const std::vector<int32_t>& tokens);
+  /*!
+   * \brief Key the sequence's full pages after those already keyed: `tokens` are its tokens
+   * from position `start` (a multiple of the page size) on. A page whose key another page has
+   * already (the same prefix computed twice) is replaced by that page, as a hit would have given
+   * it, and freed. Returns the sequence's leading keyed pages, or -1 once its chain has ended
+   * (its adapter changed, a hash collision, or such a copy shared with a fork).
+   */
+  int64_t InsertPrefix(int64_t seq, int64_t start, const std::vector<int32_t>& tokens);
+  bool PageCached(int32_t page) const { return cache_.count(page) != 0; }
+
   /*! \brief Recount every page from the owners; throws std::logic_error on any inconsistency. */
   void CheckInvariants() const;
 
@@ -116,6 +158,8 @@ class PagePool {
     std::vector<int32_t> pages;
     int64_t length = 0;
     int64_t adapter = -1;
+    int32_t prefix_pages = 0;  // leading pages that are keyed, a chain (prefix cache)
+    bool prefix_open = true;   // later full pages may be keyed (false: the chain ended)
   };
   struct Adapter {
     int32_t n_pages = 0;
@@ -126,7 +170,33 @@ class PagePool {
     int64_t refs = 0;
     uint64_t last_use = 0;
   };
-  enum class Owner : int8_t { kFree, kKV, kAdapter };
+  /*! \brief A keyed KV page (prefix cache). */
+  struct CachedPage {
+    int64_t adapter;
+    uint64_t hash;       // of the token chain up to and including this page
+    int32_t parent;      // the keyed page before it in the chain, -1: the first page
+    int32_t depth;       // its index in the chain
+    int32_t children;    // keyed pages whose parent it is
+    uint64_t last_use;   // when the last sequence holding it let go
+    std::vector<int32_t> tokens;  // page_size tokens
+  };
+  struct CacheKey {
+    int64_t adapter;
+    uint64_t hash;
+    bool operator==(const CacheKey& o) const { return adapter == o.adapter && hash == o.hash; }
+  };
+  struct CacheKeyHash {
+    size_t operator()(const CacheKey& k) const {
+      return static_cast<size_t>(k.hash ^ (static_cast<uint64_t>(k.adapter) * 0x9E3779B97F4A7C15ull));
+    }
+  };
+  /*! \brief What to evict: adapters and keyed pages (children before parents). */
+  struct EvictionPlan {
+    std::vector<int64_t> adapters;
+    std::vector<int32_t> pages;
+  };
+  // kCached: a keyed page no sequence holds (a keyed page that sequences hold is kKV)
+  enum class Owner : int8_t { kFree, kKV, kAdapter, kCached };
 
   const Seq& GetSeq(int64_t seq) const;
   Seq& GetSeq(int64_t seq);
@@ -139,10 +209,35 @@ class PagePool {
   void ReleaseKVPage(int32_t page);
   void ReleaseAdapterPages(Adapter* a);
   void DropRef(int64_t adapter);
-  /*! \brief Adapters to evict (LRU first) to get `need` free pages; throws if impossible. */
-  std::vector<int64_t> PlanEviction(int64_t need, const std::vector<int64_t>& keep,
-                                    const std::string& what) const;
-  void Evict(const std::vector<int64_t>& victims, std::vector<int64_t>* evicted);
+  /*!
+   * \brief Idle adapters (not in `keep`) and keyed pages no sequence holds to evict, least
+   * recently used first over both, to get `need` free pages; throws if impossible.
+   */
+  EvictionPlan PlanEviction(int64_t need, const std::vector<int64_t>& keep,
+                            const std::string& what) const;
+  void Evict(const EvictionPlan& plan, std::vector<int64_t>* evicted);
+  /*! \brief Evict for a non-resident adapter (throws like PlanEviction) and give it its pages. */
+  void PageIn(int64_t adapter, const std::vector<int64_t>& keep, const std::string& what,
+              std::vector<int64_t>* evicted);
+  /*! \brief Give a non-resident adapter pages from the free list (counts a page-in). */
+  void TakeAdapterPages(Adapter* a);
+
+  // prefix cache
+  static uint64_t BlockHash(uint64_t parent, const int32_t* tokens, int32_t n);
+  /*! \brief The keyed pages of LookupPrefix, in chain order. */
+  std::vector<int32_t> MatchPrefix(int64_t adapter, const std::vector<int32_t>& tokens) const;
+  /*! \brief A keyed page the last sequence let go of: idle, evictable. */
+  void IdleCachedPage(int32_t page);
+  /*! \brief Unkey a page (a leaf of its chain or one whose whole chain goes): freed if idle. */
+  void UncachePage(int32_t page);
+  /*! \brief Unkey every page of `adapter` (it is removed: a new adapter never reuses its KV). */
+  void DropCachedPrefixes(int64_t adapter);
+  void EraseAdapter(int64_t adapter);
+  void CheckPrefixCache() const;
+  std::tuple<uint64_t, int32_t, int32_t> IdleKey(int32_t page) const {
+    const CachedPage& c = cache_.at(page);
+    return {c.last_use, -c.depth, page};  // oldest first; a chain's tail before its head
+  }
 
   int32_t num_pages_, page_size_;
   std::vector<int32_t> free_;      // LIFO stack of free page ids
@@ -152,6 +247,12 @@ class PagePool {
   std::unordered_map<int64_t, Adapter> adapters_;
   uint64_t clock_ = 0;
   int64_t evictions_ = 0, page_ins_ = 0;
+  // prefix cache
+  std::unordered_map<int32_t, CachedPage> cache_;                  // keyed page -> its key
+  std::unordered_map<CacheKey, int32_t, CacheKeyHash> cache_index_;  // key -> page
+  std::set<std::tuple<uint64_t, int32_t, int32_t>> idle_cache_;    // IdleKey of idle keyed pages
+  int64_t prefix_queries_ = 0, prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0,
+          cached_evictions_ = 0;
 };
 
 }  // namespace mlc_lora

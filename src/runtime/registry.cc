@@ -265,6 +265,17 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_sequence_pages",
            [](Ref kv, int64_t seq) { return Pool(kv)->SequencePages(seq); })
       .def("mlc_lora.runtime.pool_check_invariants", [](Ref kv) { Pool(kv)->CheckInvariants(); })
+      // the prefix cache: full KV pages keyed by (adapter, token chain) (page_pool.h)
+      .def("mlc_lora.runtime.pool_prefix_lookup",
+           [](Ref kv, int64_t adapter, ffi::Shape tokens) {
+             return Pool(kv)->PrefixLookup(adapter, tokens);
+           })
+      .def("mlc_lora.runtime.pool_prefix_attach",
+           [](Ref kv, int64_t seq, ffi::Shape tokens) { return Pool(kv)->PrefixAttach(seq, tokens); })
+      .def("mlc_lora.runtime.pool_prefix_insert",
+           [](Ref kv, int64_t seq, int64_t start, ffi::Shape tokens) {
+             return Pool(kv)->PrefixInsert(seq, start, tokens);
+           })
       .def("mlc_lora.runtime.upload_async", UploadAsyncFn)
       // adapter packing (lora_layout.h, peft_adapter.h)
       .def("mlc_lora.runtime.pack_peft_adapter", PackPeftAdapterFn)

@@ -6,6 +6,7 @@
 #include "unified_kv_cache.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "tensor_util.h"
@@ -244,7 +245,40 @@ ffi::Map<ffi::String, int64_t> UnifiedKVCacheObj::Stats() const {
           {"adapter_page_ins", s.page_ins},
           {"pinned_pages", s.pinned},
           {"page_elems", page_elems_},
-          {"kv_tokens", pool_.TotalSequenceLength()}};
+          {"kv_tokens", pool_.TotalSequenceLength()},
+          {"cached_pages", s.cached},
+          {"cached_idle_pages", s.cached_idle},
+          {"prefix_queries", s.prefix_queries},
+          {"prefix_query_tokens", s.prefix_query_tokens},
+          {"prefix_hit_tokens", s.prefix_hit_tokens},
+          {"cached_page_evictions", s.cached_evictions}};
+}
+
+namespace {
+std::vector<int32_t> TokenIds(const ffi::Shape& tokens) {
+  std::vector<int32_t> out;
+  out.reserve(tokens.size());
+  for (int64_t t : tokens) {
+    if (t < 0 || t > INT32_MAX) TVM_FFI_THROW(ValueError) << "token id " << t << " is out of range";
+    out.push_back(static_cast<int32_t>(t));
+  }
+  return out;
+}
+}  // namespace
+
+ffi::Shape UnifiedKVCacheObj::PrefixLookup(int64_t adapter, const ffi::Shape& tokens) const {
+  PrefixHit hit = pool_.LookupPrefix(adapter, TokenIds(tokens));
+  return ffi::Shape({hit.tokens, static_cast<int64_t>(hit.idle_pages)});
+}
+
+int64_t UnifiedKVCacheObj::PrefixAttach(int64_t seq, const ffi::Shape& tokens) {
+  std::vector<int32_t> ids = TokenIds(tokens);
+  return Guard([&] { return pool_.AttachPrefix(seq, ids); });
+}
+
+int64_t UnifiedKVCacheObj::PrefixInsert(int64_t seq, int64_t start, const ffi::Shape& tokens) {
+  std::vector<int32_t> ids = TokenIds(tokens);
+  return Guard([&] { return pool_.InsertPrefix(seq, start, ids); });
 }
 
 ffi::Array<int64_t> UnifiedKVCacheObj::SequencePages(int64_t seq) const {

@@ -127,6 +127,12 @@ class UnifiedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   /*! \brief The sum of the ranks of those adapters. */
   int64_t LoraRankTotal() const;
   tvm::ffi::Map<tvm::ffi::String, int64_t> Stats() const;
+  /*! \brief The prefix cache (page_pool.h): [matched tokens, idle pages among them]. */
+  tvm::ffi::Shape PrefixLookup(int64_t adapter, const tvm::ffi::Shape& tokens) const;
+  /*! \brief An empty sequence takes its cached prefix; returns the matched tokens. */
+  int64_t PrefixAttach(int64_t seq, const tvm::ffi::Shape& tokens);
+  /*! \brief Key the sequence's full pages; returns its keyed pages, -1 once its chain ended. */
+  int64_t PrefixInsert(int64_t seq, int64_t start, const tvm::ffi::Shape& tokens);
   tvm::ffi::Array<int64_t> SequencePages(int64_t seq) const;
   /*! \brief The pool's bookkeeping and the adapters' host copies agree; throws InternalError. */
   void CheckInvariants() const;

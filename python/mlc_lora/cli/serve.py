@@ -1,5 +1,5 @@
 """`mlc_lora serve MODEL_DIR [--adapter NAME=PATH ...] [--adapter-dir DIR ...] [--host H] [--port P]
-[--api-key KEY [--api-key-all-routes]]`: an OpenAI-compatible server (chat, completions, models, LoRA load/unload, metrics)."""
+[--api-key KEY [--api-key-all-routes]] [--fair-share]`: an OpenAI-compatible server (chat, completions, models, LoRA load/unload, metrics)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ def parser() -> argparse.ArgumentParser:
                    help="most sequences running at once (default: the compiled max batch size)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="tokens the KV cache holds over all sequences (default: what the pool allows)")
+    p.add_argument("--fair-share", action="store_true",
+                   help="under overload admit requests of the adapter (or base model) served least so far "
+                        "(virtual token counter), not first come first served (default: off)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="keep the KV of full prompt pages in the pool, per adapter, and start later requests "
+                        "with the same prefix after them (default: off)")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="larger request bodies are refused with 413 (default: 8 MiB)")
     p.add_argument("--drain-timeout", type=float, default=None, metavar="SECONDS",
@@ -85,6 +91,7 @@ def main(argv: list[str]) -> int:
     serve(a.model, adapters=adapters, adapter_dirs=a.adapter_dir, host=a.host, port=a.port, api_key=a.api_key,
           device=a.device, served_model_name=a.served_model_name, max_num_seqs=a.max_num_seqs,
           max_total_tokens=a.max_total_tokens, log_level=a.log_level, guard_all=a.api_key_all_routes,
-          max_body_bytes=a.max_body_bytes, drain_timeout_s=a.drain_timeout,
-          adapter_host_bytes=a.adapter_host_bytes, prefetch_adapters=not a.no_adapter_prefetch)
+          max_body_bytes=a.max_body_bytes, drain_timeout_s=a.drain_timeout, fair_share=a.fair_share,
+          enable_prefix_caching=a.enable_prefix_caching, adapter_host_bytes=a.adapter_host_bytes,
+          prefetch_adapters=not a.no_adapter_prefetch)
     return 0

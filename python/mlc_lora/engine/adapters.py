@@ -24,7 +24,6 @@ import itertools
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
-from typing import Sequence as Sequence_
 
 from ..errors import LoraError, MLCLoraError, PoolExhaustedError, UnknownAdapterError
 from ..lora.peft import LoraAdapter
@@ -70,7 +69,6 @@ class Adapter:  # pylint: disable=too-many-instance-attributes
     reading: bool = False  # the reader thread is reading its folder
     read_error: Optional[MLCLoraError] = None  # its folder could not be read again
     last_use: int = 0  # host tier LRU clock
-    prefetched_at: Optional[float] = None  # perf_counter() of its prefetch page-in, until a request runs
 
 
 class AdapterTable:  # pylint: disable=too-many-instance-attributes
@@ -93,6 +91,7 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
         self._of_seq: dict[int, Adapter] = {}  # seq_id -> its adapter
         self._clock = itertools.count(1)
         self._resident: set[int] = set()  # slots resident at the start of this step
+        self._prefetched: dict[int, float] = {}  # slot -> perf_counter() of its prefetch page-in, until it runs
         self._reader = AdapterReader(self.pool.read_adapter)
         self.lead = LeadTimes()
         self.counters = dict(adapter_device_hits=0, adapter_host_hits=0, adapter_disk_hits=0,
@@ -214,13 +213,15 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
         if a.unloading and a.users == 0:
             self.pool.unload_adapter(a.slot)
             del self.by_slot[a.slot]
+            self._prefetched.pop(a.slot, None)
 
     # --- tiers, between steps ------------------------------------------------------------------
 
-    def prepare_step(self, waiting: Sequence_[Sequence], num_running: int, free_slots: int) -> None:
+    def prepare_step(self, waiting: Iterable[Sequence], num_running: int, free_slots: int) -> None:
         """Before a step is scheduled: take the reader's finished reads, note which adapters are
         resident, keep the host tier in its budget and (prefetch) read the adapters of the waiting
-        requests and page in those of the next `free_slots` to be admitted."""
+        requests (`waiting`: in the scheduler's queue order) and page in those of the next
+        `free_slots` to be admitted."""
         for slot, out in self._reader.take():
             a = self.by_slot.get(slot)
             if a is None:
@@ -266,19 +267,20 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
         return out
 
     def first_steps(self, seqs: Iterable[Sequence]) -> None:
-        """Requests in their first step: the lead time of the prefetch that paged their adapter in."""
+        """A batch about to run: the lead time of each prefetch page-in whose adapter runs now for
+        the first time since (prefetch pages in only adapters no running sequence uses, for the
+        requests about to be admitted)."""
+        if not self._prefetched:
+            return
         now = time.perf_counter()
         for seq in seqs:
-            if seq.num_cached or seq.adapter_slot is None:
+            at = self._prefetched.pop(seq.adapter_slot, None)
+            if at is None:
                 continue
-            a = self.by_slot[seq.adapter_slot]
-            if a.prefetched_at is None:
-                continue
-            if a.slot in self._resident:
-                self.lead.observe(now - a.prefetched_at)
+            if seq.adapter_slot in self._resident:
+                self.lead.observe(now - at)
             else:  # evicted again before its request ran
                 self.counters["adapter_prefetch_unused"] += 1
-            a.prefetched_at = None
 
     def reads_pending(self) -> bool:
         return self._reader.pending > 0
@@ -313,7 +315,7 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
         a.on_host, a.read_error = True, None
         self.counters["adapter_disk_reads"] += 1
 
-    def _prefetch(self, waiting: Sequence_[Sequence], num_running: int, free_slots: int) -> None:
+    def _prefetch(self, waiting: Iterable[Sequence], num_running: int, free_slots: int) -> None:
         """Read the adapters of the first PREFETCH_WINDOW waiting requests that are only on disk (the
         reader thread), and page in pinned adapters without pages and those of the next `free_slots`
         requests to be admitted, while the pool keeps a page for each running sequence's next token
@@ -339,7 +341,7 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
             if a.num_pages + 1 > room:
                 continue
             if self.pool.prefetch_adapter(slot, keep):
-                a.prefetched_at = time.perf_counter()
+                self._prefetched[slot] = time.perf_counter()
                 self.counters["adapter_prefetch_page_ins"] += 1
                 room -= a.num_pages
                 self._resident.add(slot)
@@ -370,7 +372,8 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
     # --- pages --------------------------------------------------------------------------------
 
     def available_pages(self) -> int:
-        """Pages a batch can take: free ones plus those of idle unpinned adapters (evicted LRU)."""
+        """Pages a batch can take: free ones plus those of idle unpinned adapters and of cached
+        prefixes no sequence holds (evicted LRU)."""
         free = self.pool.available_pages()
         return free + (self.pool.stats().evictable_pages if self.runner.lora is not None else 0)
 
@@ -383,14 +386,15 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
 
     def exhausted(self, seq: Sequence) -> PoolExhaustedError:
         s = self.pool.stats()
+        busy = s.adapter_pages - (s.evictable_pages - s.cached_idle_pages)  # pinned or in-use adapters' pages
         what = "its KV"
         if seq.adapter_slot is not None:
             a = self.by_slot[seq.adapter_slot]
             what = f"adapter {a.name!r} ({a.num_pages} pages) and its KV"
         return PoolExhaustedError(
             f"request cannot run: {what} need more pages than the pool can give with nothing else "
-            f"running ({s.free_pages} free, {s.evictable_pages} held by idle adapters, "
-            f"{s.adapter_pages - s.evictable_pages} by pinned or busy adapters, {s.total_pages} "
+            f"running ({s.free_pages} free, {s.evictable_pages} held by idle adapters and cached prefixes, "
+            f"{busy} by pinned or busy adapters, {s.total_pages} "
             "in total); unpin or unload adapters, or compile with more --lora-pool-pages")
 
     def stats(self) -> dict[str, Any]:

@@ -1,8 +1,20 @@
 """`LLMEngine`: the runner, its pool, the scheduler and the sampler; `step()` runs one batch.
 
 Each step schedules a batch (decodes + chunked prefills), runs `prefill` or `decode`, samples on
-the device and hands each sequence its `StepOutput` (new text, tokens, finish) through its sink.
+the device and hands each sequence its `StepOutput` (new text, tokens, finish) through its sink,
+all of them together once the step's work is done (`_deliver`).
 The front ends (frontend.py) own the thread that steps it (loop.py).
+
+Fair share (`fair_share`, off by default): admission by the virtual token counter, per adapter
+(scheduler.py); the tokens served per adapter are in stats() either way.
+
+Prefix caching (`enable_prefix_caching`, off by default): every full KV page a sequence computes is
+keyed in the pool by (its adapter, its token chain) and kept after the sequence ends; a request of
+the same adapter (or of the base model) whose prompt starts with those tokens takes the pages and
+prefills only the rest. KV of one adapter is never reused for another, nor for an adapter loaded
+again (keys name the pool slot, which is never reused, and unloading drops them). Cached pages no
+request holds are evicted with idle adapters, least recently used first. Requests that ask for
+prompt logprobs compute their whole prompt.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from .adapters import AdapterTable
 from .sampler import Sampled, Sampler
 
 log = logging.getLogger(__name__)
-from .scheduler import Batch, SamplingParams, Scheduler, Sequence, Status
+from .scheduler import Batch, SamplingParams, Scheduler, Sequence, Served, Status
 
 
 @dataclasses.dataclass
@@ -55,10 +67,12 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
 
     def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
                  max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
-                 params=None, adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True):
-        """`adapter_host_bytes`: the budget of the adapters' host copies (None: unlimited; engine/
-        adapters.py); `prefetch_adapters`: read and page in the adapters of waiting requests ahead of
-        scheduling (False: on the step that admits the request)."""
+                 params=None, fair_share: bool = False, enable_prefix_caching: bool = False,
+                 adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True):
+        """`fair_share`, `enable_prefix_caching`: the module doc; `adapter_host_bytes`: the budget of
+        the adapters' host copies (None: unlimited; engine/adapters.py); `prefetch_adapters`: read and
+        page in the adapters of waiting requests ahead of scheduling (False: on the step that admits
+        the request)."""
         # tensor-parallel models: one worker per shard
         self.runner = open_runner(model_dir, device, params=params)
         compiled = self.runner.compiled
@@ -81,13 +95,21 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         # the longest sequence the engine can hold: the context window or the whole pool
         self.max_seq_len = min(self.context_window, (self.kv_pages_total - 1) * PAGE_SIZE)
         ad = self.adapters
-        self.scheduler = Scheduler(ad.available_pages, ad.add_sequence, self.pool.remove_sequence,
+        self.prefix_caching = bool(enable_prefix_caching)
+        prefix, free_pages = {}, ad.available_pages
+        if self.prefix_caching:
+            prefix = dict(prefix_lookup=self._prefix_lookup, prefix_attach=self._prefix_attach)
+            if lora is None:  # without adapters, cached pages are all a batch can evict
+                free_pages = lambda: self.pool.available_pages() + self.pool.stats().cached_idle_pages  # noqa: E731
+        self.scheduler = Scheduler(free_pages, ad.add_sequence, self.pool.remove_sequence,
                                    self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
                                    one_adapter_per_batch=lora is not None and lora.kernel == "single",
-                                   adapter_ready=ad.ready, adapter_resident=ad.resident)
+                                   fair_share=fair_share, adapter_ready=ad.ready, adapter_resident=ad.resident,
+                                   **prefix)
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
+        self._outbox: list[tuple[Sequence, StepOutput]] = []  # the step's outputs, delivered as it ends
         self.step_times: dict[str, list] = {}  # "decode_<=64" -> [steps, seconds]
 
     @property
@@ -134,6 +156,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         except RequestError as e:
             seq.status = Status.FINISHED
             self._emit(seq, StepOutput("", [], "error", error=e))
+            self._deliver()
             return
         self.scheduler.add(seq)
 
@@ -148,11 +171,51 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def stats(self) -> dict[str, Any]:
-        return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+        return dict(fair_share=self.scheduler.fair_share, tokens_served=self.tokens_served(),
+                    running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
                     num_preemptions=self.scheduler.num_preemptions, **self.counters,
                     step_times={k: dict(steps=n, seconds=round(t, 6)) for k, (n, t) in self.step_times.items()},
-                    **self.adapters.stats())
+                    **self.adapters.stats(), **self._prefix_stats())
+
+    # --- the prefix cache ---------------------------------------------------------------------
+
+    def _prefix_stats(self) -> dict[str, Any]:
+        s = self.pool.stats()
+        return dict(prefix_caching=self.prefix_caching, prefix_cache_queries=s.prefix_queries,
+                    prefix_cache_query_tokens=s.prefix_query_tokens, prefix_cache_hit_tokens=s.prefix_hit_tokens,
+                    prefix_cache_hit_rate=s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0,
+                    prefix_cache_pages=s.cached_pages, prefix_cache_idle_pages=s.cached_idle_pages,
+                    prefix_cache_evictions=s.cached_page_evictions)
+
+    def _prefix_lookup(self, seq: Sequence) -> tuple[int, int]:
+        """The scheduler's lookup: cached tokens a waiting sequence would start after, idle pages."""
+        if seq.params.prompt_logprobs:  # every prompt position needs its logits
+            return 0, 0
+        return self.pool.prefix_lookup(seq.adapter_slot, seq.tokens)
+
+    def _prefix_attach(self, seq: Sequence) -> int:
+        """The scheduler's attach, once the sequence has its place in the pool (bound to its adapter)."""
+        n = 0 if seq.params.prompt_logprobs else self.pool.prefix_attach(seq.seq_id, seq.tokens)
+        seq.prefix_pages = n // PAGE_SIZE
+        return n
+
+    def _prefix_insert(self, seq: Sequence) -> None:
+        """Key the full pages the sequence's KV gained this step."""
+        full = seq.num_cached // PAGE_SIZE
+        if seq.prefix_pages is None or full <= seq.prefix_pages:
+            return
+        start = seq.prefix_pages * PAGE_SIZE
+        n = self.pool.prefix_insert(seq.seq_id, start, seq.tokens[start:full * PAGE_SIZE])
+        seq.prefix_pages = None if n < 0 else n
+
+    def tokens_served(self) -> dict[str, Any]:
+        """Prompt and generated tokens served (and the fair-share counter `service`) of the base
+        model and of each loaded adapter, by name (adapters no longer loaded are left out)."""
+        clients = self.scheduler.service.clients
+        zero = Served()
+        return dict(base=clients.get(None, zero).as_dict(),
+                    adapters={name: clients.get(name, zero).as_dict() for name in self.adapters.by_name})
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -160,6 +223,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         try:
             self._step()
         finally:
+            self._deliver()
             orphans, self._orphans = self._orphans, []
             for seq in orphans:
                 self.abort(seq)
@@ -168,7 +232,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         lora = self.runner.lora is not None
         if lora:
             sched = self.scheduler
-            self.adapters.prepare_step(sched.waiting, len(sched.running), self.max_num_seqs - len(sched.running))
+            self.adapters.prepare_step(sched.queue_order(), len(sched.running),
+                                       self.max_num_seqs - len(sched.running))
         batch = self.scheduler.schedule()
         for seq in self.scheduler.rejected:
             self._emit(seq, StepOutput("", [], "error", error=self.adapters.exhausted(seq)))
@@ -206,6 +271,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self._time_step(batch, time.perf_counter() - t0)
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
+            if self.prefix_caching:
+                self._prefix_insert(seq)
         for i, s in zip(rows, sampled):
             if isinstance(s, Exception):  # this row's sampling failed; the others go on
                 self._fail(batch.seqs[i], MLCLoraError(f"sampling failed: {s}"))
@@ -299,6 +366,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             st.matcher.accept(s.token)
         seq.output_ids.append(s.token)
         self.counters["num_generated_tokens"] += 1
+        self.scheduler.generated(seq)
         finish, cut = None, False
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else []
         if (s.token in eos and not p.ignore_eos) or s.token in p.stop_token_ids:
@@ -329,14 +397,33 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self._emit(seq, StepOutput(delta, [s], finish, usage=usage, prompt_logprobs=prompt_lps))
 
     def _emit(self, seq: Sequence, out: StepOutput) -> None:
-        """Hand `out` to the request's sink. A sink that raises (its caller gone, e.g. its event
-        loop closed) ends that request alone: it is aborted after the step, the others go on."""
-        if seq.sink is None:
-            return
-        try:
-            seq.sink(out)
-        except Exception as e:  # pylint: disable=broad-except
-            seq.sink = None
-            log.warning("dropping a request whose output callback raised: %s: %s", type(e).__name__, e)
-            if out.finish_reason is None:
-                self._orphans.append(seq)
+        """Queue `out` for the request's sink; `_deliver` hands the step's outputs over together
+        when the step ends (the callers wake once, not during the step's work)."""
+        if seq.sink is not None:
+            self._outbox.append((seq, out))
+
+    def _deliver(self) -> None:
+        """Hand each queued output to its request's sink, in order. A sink may return a callable
+        (AsyncMLCEngine's: wake my event loop), called once after all of them (each reader wakes
+        once a step). A sink that raises (its caller gone, e.g. its event loop closed) ends that
+        request alone: it is aborted after the step, the others go on."""
+        outbox, self._outbox = self._outbox, []
+        wakes: dict = {}
+        for seq, out in outbox:
+            if seq.sink is None:  # (raised at an earlier output)
+                continue
+            try:
+                wake = seq.sink(out)
+            except Exception as e:  # pylint: disable=broad-except
+                seq.sink = None
+                log.warning("dropping a request whose output callback raised: %s: %s", type(e).__name__, e)
+                if out.finish_reason is None:
+                    self._orphans.append(seq)
+                continue
+            if wake is not None:
+                wakes[wake] = None
+        for wake in wakes:
+            try:
+                wake()
+            except Exception as e:  # pylint: disable=broad-except
+                log.warning("an output callback's wake-up raised: %s: %s", type(e).__name__, e)

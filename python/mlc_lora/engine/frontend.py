@@ -9,6 +9,7 @@ front end (async_frontend.py) differs from this one only in how it waits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -39,10 +40,14 @@ class Request:  # pylint: disable=too-many-instance-attributes
     """One create(...) call: its sequences (for each prompt, n choices; choice j samples with
     seed + j), submitted to the loop; `take` turns each (choice, output) that `put` received into
     the response. `unknown_ok`: unknown arguments are ignored (the server's way, as vLLM's) rather
-    than refused."""
+    than refused. `put` runs on the engine thread; what it returns, if not None, the engine calls
+    once after the step's outputs (LLMEngine._deliver). Whole responses gather their outputs on the
+    engine thread and `put` only each choice's last one; `alive()` (raising once the waiting side
+    is gone, as `put` would) is called for the others."""
 
-    def __init__(self, owner: "MLCEngine", chat: bool, stream: bool, put: Callable[[tuple[int, StepOutput]], None],
-                 messages=None, prompt=None, adapter_id: Optional[str] = None, unknown_ok: bool = False, **kw):
+    def __init__(self, owner: "MLCEngine", chat: bool, stream: bool, put: Callable[[tuple[int, StepOutput]], Any],
+                 messages=None, prompt=None, adapter_id: Optional[str] = None, unknown_ok: bool = False,
+                 alive: Optional[Callable[[], Any]] = None, **kw):
         fields = {**kw, "messages": messages} if chat else {**kw, "prompt": prompt}
         req = validate(P.ChatCompletionRequest if chat else P.CompletionRequest, fields, unknown_ok)
         tok = owner.tokenizer
@@ -60,15 +65,28 @@ class Request:  # pylint: disable=too-many-instance-attributes
         self.seqs = [core.make_sequence(pid, dataclasses.replace(
                          params, seed=params.seed if params.seed is None else params.seed + j), adapter_id)
                      for pid in ids for j in range(n)]
-        for i, seq in enumerate(self.seqs):
-            seq.sink = lambda out, i=i: put((i, out))
         self.stream = stream
         self.builder = ResponseBuilder(chat, owner.model_name, tok, self.seqs, echo, n)
         self.outs: list[list[StepOutput]] = [[] for _ in self.seqs]  # (whole responses)
+        for i, seq in enumerate(self.seqs):
+            if stream:
+                seq.sink = lambda out, i=i: put((i, out))
+            else:  # whole responses: the waiting side wakes only for a choice's last output (or an error)
+                seq.sink = functools.partial(self._gather, self.outs[i], put, alive, i)
         self.finished = 0
         self._loop = owner._loop  # pylint: disable=protected-access
         for seq in self.seqs:
             self._loop.submit(seq)
+
+    @staticmethod
+    def _gather(outs: list[StepOutput], put, alive, i: int, out: StepOutput):
+        """A whole response's sink (engine thread): outputs gather in `outs`, the last one goes to `put`."""
+        if out.finish_reason is not None or out.error is not None:
+            return put((i, out))
+        if alive is not None:
+            alive()
+        outs.append(out)
+        return None
 
     @property
     def done(self) -> bool:
@@ -138,6 +156,10 @@ class MLCEngine:
     from several threads (or an AsyncMLCEngine's tasks) batch together; `adapter_id=NAME` picks a
     LoRA adapter loaded with `load_adapter` per request (None: the base model). `params`: the
     weights already on the device, in the config's `param_names` order (ModelRunner's `params`).
+    `fair_share`: under overload, admit requests of the adapter (or base model) served least so
+    far, by the virtual token counter (engine/scheduler.py), instead of first come first served.
+    `enable_prefix_caching`: keep full KV pages of finished prompts in the pool, per adapter, and
+    start later requests with the same prefix after them (engine/core.py).
     `adapter_host_bytes`: the budget of the adapters' host copies (None: unlimited; a dropped copy is
     read again from its folder); `prefetch_adapters`: read and page in the adapters of waiting
     requests ahead of scheduling (docs/DESIGN.md, "Adapter tiers").
@@ -147,10 +169,12 @@ class MLCEngine:
                  max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
                  prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
                  max_lora_rank: int = 0, lora_pool_pages: int = 0, params=None,
+                 fair_share: bool = False, enable_prefix_caching: bool = False,
                  adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True):
         model_dir = compiled_folder(model, device, progress=progress, dtype=dtype,
                                     max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
         self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size, params,
+                                fair_share=fair_share, enable_prefix_caching=enable_prefix_caching,
                                 adapter_host_bytes=adapter_host_bytes, prefetch_adapters=prefetch_adapters)
         self.model_name = self.engine.model_name or str(model)
         self._loop = EngineLoop(self.engine)

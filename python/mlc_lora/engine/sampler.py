@@ -148,7 +148,8 @@ class Sampler:
             is_drawn = np.zeros(n_rows, bool)
             is_drawn[[row_of[i] for i in drawn]] = True
             tokens = np.where(is_drawn, out, tokens).astype(np.int32)
-        result = [Sampled(int(tokens[row_of[i]])) for i in range(b)]
+        ids = tokens.tolist()  # (python ints at once: indexing the array makes a numpy scalar per row)
+        result = [Sampled(ids[r]) for r in row_of]
         if any(seqs[i].params.logprobs for i in rows):
             lp = self.fn["chosen_logprobs"](raw, self._t(tokens)).numpy()
             for i in rows:

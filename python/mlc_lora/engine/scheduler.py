@@ -1,27 +1,43 @@
 """Sequences and the continuous-batching scheduler (decodes first, then chunked prefills, bounded
-by free KV pages; preemption by recompute when the pages run out).
+by free KV pages; preemption by recompute when the pages run out). With the prefix cache, a request
+is admitted after its cached prefix (whole pages of its adapter's KV kept from earlier requests) and
+prefills only the rest.
 
 LoRA: KV and adapters share the unified pool's pages. A batch counts, beside its KV pages, the
 pages of every adapter it must page in or keep from eviction; a request that cannot fit even with
 nothing else running is rejected (PoolExhaustedError), never retried forever. Stage-1 (`single`)
 libraries get one adapter per batch (plus base-model rows): that of the oldest request on an adapter.
-Waiting requests whose adapter is resident are admitted before those whose adapter must be paged in;
-a request is passed over so at most MAX_SKIPS times, then it keeps its place in arrival order. A
-request whose adapter is still being read from disk waits without holding up the others."""
+
+Admission order (`Scheduler._admission_order`, the one place it is decided): first come first
+served, or with `fair_share` the virtual token counter (VTC) of Sheng et al., "Fairness in Serving
+Large Language Models" (OSDI 2024). Every client (an adapter name; the base model is a client of its
+own) has a counter of the service it got, prompt tokens weighted 1 when its request is admitted and
+generated tokens weighted 2 as they come (the paper's defaults); the scheduler admits the oldest
+request of the client with the smallest counter among those with waiting requests. A client that
+had nothing waiting is lifted, when its request arrives, to the smallest counter among the clients
+with waiting requests (to the counter of the last admitted client when none waits), so an idle
+client banks no credit. Running sequences are never preempted for fairness, and preempted ones
+resume first. The tokens served per client are counted either way (`ServiceCounters`).
+In that order, requests whose adapter holds its pages (or that have none) are tried before those
+whose adapter must be paged in; a deferred request is passed over (another admitted in its stead)
+at most MAX_SKIPS times, then it is deferred no more. A request whose adapter is still being read
+from disk waits without holding up the others."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import heapq
 import itertools
-from collections import deque
-from typing import Any, Callable, Optional
+from collections import Counter, deque
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from ..contract import PAGE_SIZE
 
-# times a waiting request may be passed over for later ones whose adapters are resident
+# times a waiting request may be passed over for others while its adapter waits to be paged in
 MAX_SKIPS = 8
 
 
@@ -64,7 +80,7 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
     """One request's tokens, its place in the KV cache, and its sampling state."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, adapter_name: Optional[str] = None,
-                 sink: Optional[Callable[[Any], None]] = None):
+                 sink: Optional[Callable[[Any], Any]] = None):
         self.seq_id = next(_seq_ids)
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
@@ -73,11 +89,14 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
         self.adapter_slot: Optional[int] = None  # its id in the pool, once the engine takes it
         self.status = Status.WAITING
         self.num_cached = 0  # tokens whose KV is in the cache
+        self.prefix_pages: Optional[int] = 0  # leading pages keyed in the prefix cache (None: no more)
         self.finish_reason: Optional[str] = None
         self.rng = np.random.default_rng(params.seed)
-        self.sink = sink  # receives this sequence's outputs (set by the engine front end)
+        # receives this sequence's outputs (set by the engine front end); what it returns, if not
+        # None, is called once after the step's outputs (LLMEngine._deliver)
+        self.sink = sink
         self.state: Any = None  # the engine's per-request text state (detokeniser, stop strings)
-        self.skipped = 0  # admissions of later requests while it waited (bounded by MAX_SKIPS)
+        self.skipped = 0  # admissions while it was deferred for its adapter's page-in (<= MAX_SKIPS)
 
     @property
     def tokens(self) -> list[int]:
@@ -86,6 +105,10 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def greedy(self) -> bool:
@@ -102,8 +125,8 @@ class Batch:
     seqs: list[Sequence]
     chunks: list[list[int]]  # tokens each sequence appends this step
 
-    @property
-    def is_decode(self) -> bool:
+    @functools.cached_property
+    def is_decode(self) -> bool:  # (asked several times a step: computed once, before the step runs)
         return all(len(c) == 1 and s.num_cached == s.num_tokens - 1 for s, c in zip(self.seqs, self.chunks))
 
     def samples(self, i: int) -> bool:
@@ -111,22 +134,95 @@ class Batch:
         return self.seqs[i].num_cached + len(self.chunks[i]) == self.seqs[i].num_tokens
 
 
+# VTC's weights of a prompt token and a generated token (the paper's w_p, w_q)
+PROMPT_TOKEN_WEIGHT = 1.0
+GENERATED_TOKEN_WEIGHT = 2.0
+
+
+@dataclasses.dataclass
+class Served:
+    """What one client (an adapter name, None: the base model) got."""
+
+    prompt_tokens: int = 0  # prompts of its admitted requests (a preempted one counts once)
+    generated_tokens: int = 0
+    counter: float = 0.0  # the virtual token counter: weighted tokens, lifted after idling
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+                    service=self.counter)
+
+
+class ServiceCounters:
+    """The VTC bookkeeping: per client its `Served`, how many of its requests wait, and which
+    client's request left the queue last."""
+
+    def __init__(self):
+        self.clients: dict[Optional[str], Served] = {}
+        self.queued: Counter = Counter()  # client -> its waiting sequences
+        self.last_admitted: Optional[Served] = None
+
+    def of(self, client: Optional[str]) -> Served:
+        served = self.clients.get(client)
+        if served is None:
+            served = self.clients[client] = Served()
+        return served
+
+    def arrive(self, client: Optional[str]) -> None:
+        """A new request of `client` joins the queue: a client with nothing waiting is lifted to the
+        least counter of the waiting clients (or the last admitted one's), never lowered."""
+        served = self.of(client)
+        if not self.queued[client]:
+            waiting = [self.clients[c].counter for c in self.queued]
+            floor = min(waiting) if waiting else (self.last_admitted.counter if self.last_admitted else 0.0)
+            served.counter = max(served.counter, floor)
+        self.queued[client] += 1
+
+    def requeue(self, client: Optional[str]) -> None:
+        """A preempted sequence waits again (not a new request: no lift)."""
+        self.queued[client] += 1
+
+    def leave(self, client: Optional[str]) -> None:
+        self.queued[client] -= 1
+        if not self.queued[client]:
+            del self.queued[client]
+
+    def admit(self, client: Optional[str], prompt_tokens: int) -> None:
+        served = self.of(client)
+        served.prompt_tokens += prompt_tokens
+        served.counter += PROMPT_TOKEN_WEIGHT * prompt_tokens
+        self.last_admitted = served
+
+    def generated(self, client: Optional[str], n: int = 1) -> None:
+        served = self.of(client)
+        served.generated_tokens += n
+        served.counter += GENERATED_TOKEN_WEIGHT * n
+
+
 class Scheduler:
-    """FIFO admission; running decodes first; pages checked before every step."""
+    """FIFO or fair-share admission; running decodes first; pages checked before every step."""
 
     def __init__(self, free_pages: Callable[[], int], add_sequence: Callable[[int], None],
                  remove_sequence: Callable[[int], None], max_num_seqs: int, max_step_tokens: int,
                  adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False,
+                 fair_share: bool = False,
+                 prefix_lookup: Optional[Callable[[Sequence], tuple[int, int]]] = None,
+                 prefix_attach: Optional[Callable[[Sequence], int]] = None,
                  adapter_ready: Optional[Callable[[int], bool]] = None,
                  adapter_resident: Optional[Callable[[int], bool]] = None):
         """The pool's side: `free_pages()` counts the pages a batch can take (LoRA: with those idle
-        adapters would give back), `add_sequence` / `remove_sequence` take and drop a sequence's
-        place in it, `adapter_pages(slot)` is what a batch must find for an adapter (its pages
-        unless resident and held by a running sequence); `one_adapter_per_batch` for stage-1
-        (`single`) libraries; `adapter_ready(slot)`: a request on the adapter may be admitted (its
+        adapters and cached prefixes would give back), `add_sequence` / `remove_sequence` take and
+        drop a sequence's place in it, `adapter_pages(slot)` is what a batch must find for an
+        adapter (its pages unless resident and held by a running sequence); `one_adapter_per_batch`
+        for stage-1 (`single`) libraries; `fair_share`: admission by the virtual token counter
+        (module doc). The prefix cache: `prefix_lookup(seq)` gives the cached tokens a waiting
+        sequence would start after and how many of their pages are idle (taking them costs free
+        pages), `prefix_attach(seq)`, once it has its place, gives it those tokens (returns them).
+        The adapter tiers: `adapter_ready(slot)`: a request on the adapter may be admitted (its
         weights are on the host); `adapter_resident(slot)`: its pages are in the pool now."""
         self.free_pages = free_pages
         self.adapter_pages = adapter_pages or (lambda a: 0)
+        self.prefix_lookup = prefix_lookup
+        self.prefix_attach = prefix_attach
         self.adapter_ready = adapter_ready or (lambda a: True)
         self.adapter_resident = adapter_resident or (lambda a: True)
         self.one_adapter = one_adapter_per_batch
@@ -138,9 +234,17 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
+        self.fair_share = bool(fair_share)
+        self.service = ServiceCounters()
+        self._resumed: set[int] = set()  # preempted sequences waiting again (their prompt is counted)
 
     def add(self, seq: Sequence) -> None:
+        self.service.arrive(seq.adapter_name)
         self.waiting.append(seq)
+
+    def generated(self, seq: Sequence, n: int = 1) -> None:
+        """The engine appended `n` generated tokens to `seq`: its client's service grows."""
+        self.service.generated(seq.adapter_name, n)
 
     def finish(self, seq: Sequence) -> None:
         if seq.status == Status.RUNNING:
@@ -148,6 +252,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.service.leave(seq.adapter_name)
+            self._resumed.discard(seq.seq_id)
         seq.status = Status.FINISHED
 
     def reject(self, seq: Sequence) -> None:
@@ -162,7 +268,69 @@ class Scheduler:
         seq.num_cached = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        self.service.requeue(seq.adapter_name)
+        self._resumed.add(seq.seq_id)
         self.num_preemptions += 1
+
+    def _count_admission(self, seq: Sequence) -> None:
+        """A waiting sequence leaves the queue for the pool; a new request's prompt counts as served."""
+        self.service.leave(seq.adapter_name)
+        if seq.seq_id in self._resumed:
+            self._resumed.discard(seq.seq_id)
+        else:
+            self.service.admit(seq.adapter_name, len(seq.prompt_ids))
+
+    def _admission_order(self) -> Iterator[Sequence]:
+        """The waiting sequences in the order admission tries them (consumed while it admits): the
+        queue's order (`queue_order`), where a request whose adapter must be paged in is deferred
+        after the others until it has been passed over MAX_SKIPS times (each admission while it is
+        deferred counts once; then it is tried next)."""
+        deferred: list[Sequence] = []
+        queue = self.queue_order()
+        while True:
+            seq = next((d for d in deferred if d.skipped >= MAX_SKIPS), None)
+            if seq is not None:
+                deferred.remove(seq)
+            else:
+                seq = next(queue, None)
+                if seq is None:
+                    break
+                if seq.adapter_slot is not None and seq.skipped < MAX_SKIPS and not self.adapter_resident(
+                        seq.adapter_slot):
+                    deferred.append(seq)
+                    continue
+            yield seq
+            if seq.status == Status.RUNNING:  # admitted: the deferred ones were passed over
+                for d in deferred:
+                    d.skipped += 1
+        yield from deferred
+
+    def queue_order(self) -> Iterator[Sequence]:
+        """The waiting sequences by the queue's policy: the order admission works from, and the one
+        prefetch looks ahead in (with no admission between its picks). First come first served: the
+        queue's order (preempted sequences were put in front). Fair share: preempted sequences
+        first, then, one at a time, the oldest request of the client with the least service (VTC;
+        ties: the client whose oldest request is older), each pick seeing the counter the previous
+        admission raised."""
+        if not self.fair_share:
+            yield from list(self.waiting)
+            return
+        resumed, queues = [], {}
+        for s in self.waiting:
+            if s.seq_id in self._resumed:
+                resumed.append(s)
+            else:
+                queues.setdefault(s.adapter_name, deque()).append(s)
+        yield from resumed
+        # only the client just picked changes its counter before the next pick: a heap suffices
+        heap = [(self.service.of(c).counter, q[0].seq_id, c) for c, q in queues.items()]
+        heapq.heapify(heap)
+        while heap:
+            _, _, client = heapq.heappop(heap)
+            q = queues[client]
+            yield q.popleft()
+            if q:
+                heapq.heappush(heap, (self.service.of(client).counter, q[0].seq_id, client))
 
     def _pick_adapter(self) -> Optional[int]:
         """Stage 1: the adapter of this batch, that of the oldest request on an adapter (base-model
@@ -171,24 +339,6 @@ class Scheduler:
         first = min((s for s in itertools.chain(self.running, self.waiting) if s.adapter_slot is not None),
                     key=lambda s: s.seq_id, default=None)
         return None if first is None else first.adapter_slot
-
-    def _admission_order(self) -> list[Sequence]:
-        """The waiting requests in the order admission tries them: arrival order, but those whose
-        adapter must be paged in go after the rest until they have been passed over MAX_SKIPS times."""
-        warm, cold = [], []
-        for s in self.waiting:
-            a = s.adapter_slot
-            (warm if a is None or s.skipped >= MAX_SKIPS or self.adapter_resident(a) else cold).append(s)
-        return warm + cold
-
-    def _count_skips(self, waiting: list[Sequence], admitted: list[Sequence]) -> None:
-        """Every request still waiting that arrived before one admitted now was passed over."""
-        if admitted:
-            ids = {id(s) for s in admitted}
-            last = max(i for i, s in enumerate(waiting) if id(s) in ids)
-            for s in waiting[:last]:
-                if s.status == Status.WAITING:
-                    s.skipped += 1
 
     def _victim(self, rows: list, fits: Callable[[Sequence], bool]) -> Optional[Sequence]:
         """The running sequence to preempt for pages: one this batch does not serve, those paused
@@ -231,12 +381,11 @@ class Scheduler:
             used += need
             budget -= 1
             charged.add(seq.adapter_slot)
-            rows.append((seq, seq.tokens[-1:]))
+            rows.append((seq, [seq.last_token]))
         # 2. chunked prefill: running sequences still prefilling, then waiting ones (_admission_order)
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
         stuck = None  # the first sequence that found no pages
-        arrived, admitted = list(self.waiting), []
-        for seq in prefilling + self._admission_order():
+        for seq in itertools.chain(prefilling, self._admission_order()):
             if budget <= 0:
                 break
             if not fits(seq):
@@ -247,27 +396,33 @@ class Scheduler:
             if seq.status == Status.WAITING and len(self.running) >= self.max_num_seqs:
                 stuck = seq  # (stage 1: the running ones may all be paused for another adapter)
                 break
-            n = min(seq.num_tokens - seq.num_cached, budget)
+            hit, held = 0, 0  # cached prefix tokens; its idle pages, which the sequence takes
+            if seq.status == Status.WAITING and self.prefix_lookup is not None:
+                hit, held = self.prefix_lookup(seq)
+            start = seq.num_cached + hit
+            n = min(seq.num_tokens - start, budget)
             # as many tokens as the free pages (and the last page's slack) can hold
-            c = cost(seq)
-            slack = -seq.num_cached % PAGE_SIZE
+            c = cost(seq) + held
+            slack = -start % PAGE_SIZE
             n = min(n, slack + (free - c) * PAGE_SIZE)
             if n <= 0:
                 stuck = seq
                 break
             if seq.status == Status.WAITING:
+                self._count_admission(seq)
                 self.waiting.remove(seq)
                 self.add_sequence(seq.seq_id)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-                admitted.append(seq)
+                if self.prefix_attach is not None:
+                    seq.num_cached = self.prefix_attach(seq)
+                    assert seq.num_cached == start, "the cached prefix changed between lookup and attach"
             need = new_pages(seq.num_cached, n) + c
             free -= need
             used += need
             budget -= n
             charged.add(seq.adapter_slot)
             rows.append((seq, seq.tokens[seq.num_cached:seq.num_cached + n]))
-        self._count_skips(arrived, admitted)
         if not rows and stuck is not None:
             victim = next((s for s in reversed(self.running) if s is not stuck and not fits(s)), None) or next(
                 (s for s in reversed(self.running) if s is not stuck), None)

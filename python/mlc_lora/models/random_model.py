@@ -3,7 +3,8 @@
 Nothing is downloaded and no 13 GB of weights travel: `build` compiles a Llama-shaped library and
 writes its mlc-lora-config.json (no params file); `make_params` makes the weights with torch on
 the device the model runs on (N(0, 0.02) matrices, unit norms: HF's init) and `random_adapter`
-makes a LoRA adapter the same way, ready for `MLCEngine.load_adapter`.
+makes a LoRA adapter the same way, ready for `MLCEngine.load_adapter`; `write_adapter` saves one as
+a PEFT folder (for the engine to read from disk, as it reads trained adapters).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ LLAMA2_7B = {
 # same token ids run on it, in seconds.
 TINY = dict(LLAMA2_7B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
             num_hidden_layers=2)
+_MLP = ("gate_proj", "up_proj", "down_proj")  # the LoRA modules under `mlp.` in PEFT's names (others: `self_attn.`)
 
 
 def build(out: Path, model_cfg: dict, opts, name: str = "llama-random") -> float:
@@ -89,3 +91,26 @@ def random_adapter(name: str, model_config: dict, modules, rank: int, torch, dev
             weights[(layer, m)] = (a.cpu().numpy(), bt.cpu().numpy())
     return LoraAdapter(name=name, rank=rank, modules=mods, scales={m: alpha / rank for m in mods},
                        weights=weights, config={"r": rank, "lora_alpha": alpha, "target_modules": mods})
+
+
+def write_adapter(adapter, folder: Path, dtype: str = "float16") -> Path:
+    """Save `adapter` (a `peft.LoraAdapter` with uniform scales, as `random_adapter` makes) as a PEFT
+    folder: adapter_config.json (r, lora_alpha, target_modules) and adapter_model.safetensors
+    (PEFT's names and shapes, lora_B = the transpose of B^T) in `dtype`. Returns the folder."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+    from ..lora.peft import CONFIG, WEIGHTS  # pylint: disable=import-outside-toplevel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for (layer, module), (a, bt) in adapter.weights.items():
+        key = f"base_model.model.model.layers.{layer}.{'mlp' if module in _MLP else 'self_attn'}.{module}"
+        tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a, dtype)
+        tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(np.asarray(bt).T, dtype)
+    save_file(tensors, str(folder / WEIGHTS))
+    config = {"peft_type": "LORA", "r": adapter.rank, "lora_alpha": adapter.config["lora_alpha"],
+              "target_modules": list(adapter.modules), "bias": "none", "lora_dropout": 0.0}
+    (folder / CONFIG).write_text(json.dumps(config, indent=1))
+    return folder

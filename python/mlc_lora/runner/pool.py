@@ -50,6 +50,9 @@ POOL_STATS = "mlc_lora.runtime.pool_stats"
 POOL_ADAPTER_INFO = "mlc_lora.runtime.pool_adapter_info"
 POOL_SEQUENCE_PAGES = "mlc_lora.runtime.pool_sequence_pages"
 POOL_CHECK_INVARIANTS = "mlc_lora.runtime.pool_check_invariants"
+POOL_PREFIX_LOOKUP = "mlc_lora.runtime.pool_prefix_lookup"
+POOL_PREFIX_ATTACH = "mlc_lora.runtime.pool_prefix_attach"
+POOL_PREFIX_INSERT = "mlc_lora.runtime.pool_prefix_insert"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,9 @@ class PoolStats:  # pylint: disable=too-many-instance-attributes
     free_pages: int
     kv_pages: int
     adapter_pages: int  # resident adapters' pages
-    evictable_pages: int  # pages of idle, unpinned resident adapters (evicted LRU when needed)
+    # pages evicted when needed, least recently used first: those of idle, unpinned resident
+    # adapters and the cached prefix pages no sequence holds
+    evictable_pages: int
     resident_adapters: int
     loaded_adapters: int  # resident or not (their host copies wait), or unloading
     adapter_evictions: int
@@ -68,6 +73,15 @@ class PoolStats:  # pylint: disable=too-many-instance-attributes
     pinned_pages: int  # pages of pinned adapters, resident or not
     page_elems: int  # elements of one page of one layer (of one shard)
     kv_tokens: int  # tokens of every sequence
+    # the prefix cache: keyed KV pages (held or idle); those no sequence holds (free + kv +
+    # adapter + cached_idle = total); prefix_attach calls, the tokens they offered and matched;
+    # keyed pages evicted for room
+    cached_pages: int
+    cached_idle_pages: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    cached_page_evictions: int
 
     @classmethod
     def from_runtime(cls, m) -> "PoolStats":
@@ -162,15 +176,40 @@ class Pool(abc.ABC):
         return [int(p) for p in self._value(POOL_SEQUENCE_PAGES, seq_id)]
 
     def available_pages(self) -> int:
-        """Free pages (not counting those idle adapters would give back: see `stats`)."""
+        """Free pages (not counting those idle adapters and cached prefixes would give back: see
+        `stats`)."""
         return int(self._value(KV_AVAILABLE_PAGES))
+
+    # --- the prefix cache: full KV pages keyed by (adapter, token chain) -------------------------
+
+    def prefix_lookup(self, slot: Optional[int], tokens: Sequence[int]) -> tuple[int, int]:
+        """The tokens of the longest cached prefix of `tokens` for adapter `slot` (None: the base
+        model), in whole pages, the last token always left out; and how many of those pages no
+        sequence holds (attaching takes them from the evictable ones). Changes nothing."""
+        shape = _tvm().runtime.ShapeTuple
+        hit = self._value(POOL_PREFIX_LOOKUP, -1 if slot is None else slot, shape(list(tokens)))
+        return int(hit[0]), int(hit[1])
+
+    def prefix_attach(self, seq_id: int, tokens: Sequence[int]) -> int:
+        """An empty sequence (bound to its adapter) takes the cached prefix of `tokens`: its length
+        becomes the matched tokens, returned. Counts one query."""
+        return int(self._value(POOL_PREFIX_ATTACH, seq_id, _tvm().runtime.ShapeTuple(list(tokens))))
+
+    def prefix_insert(self, seq_id: int, start: int, tokens: Sequence[int]) -> int:
+        """Key the sequence's full pages after those keyed already; `tokens` are its tokens from
+        position `start` (a multiple of the page size). Returns its keyed pages, or -1 once its
+        chain has ended (the same prefix was keyed on other pages, or its adapter changed)."""
+        return int(self._value(POOL_PREFIX_INSERT, seq_id, start, _tvm().runtime.ShapeTuple(list(tokens))))
 
     # --- one forward pass (the runner's prefill/decode) ------------------------------------------
 
     def begin_forward(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> None:
         """Reserve the batch's KV (evicting idle adapters as needed) and build its LoRA tables."""
-        shape = _tvm().runtime.ShapeTuple
-        self._run(KV_BEGIN, shape(list(seq_ids)), shape(list(lengths)))
+        # tvm-ffi's Shape constructor itself: ShapeTuple(...) first checks each element in Python
+        # (isinstance Integral, ~0.5 us each: every sequence, every step); this one refuses a
+        # non-integer as well
+        shape = _tvm().get_global_func("ffi.Shape")
+        self._run(KV_BEGIN, shape(*seq_ids), shape(*lengths))
 
     def end_forward(self) -> None:
         self._run(KV_END)

@@ -13,24 +13,44 @@ PREFIX = "mlc_lora"
 # window over which the tokens/s gauge is averaged
 RATE_WINDOW_S = 10.0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Per-model series (tokens served) are kept for the base model and the loaded adapters only (the
+# engine reports no others), and for at most this many adapters: those served most tokens. A
+# server with thousands of adapters loaded thus exports a bounded number of series.
+MODEL_SERIES_MAX = 256
 
 
 def pool_pages(stats: dict[str, Any]) -> dict[str, int]:
-    """Pages of the unified pool by kind (kv / adapter / free) from an engine stats() snapshot.
+    """Pages of the unified pool by kind (kv / adapter / cached / free) from an engine stats()
+    snapshot; `cached`: prefix-cache pages no request holds (those requests hold count as kv).
 
     A LoRA engine reports its pool (`pool_pages_kv`, `pool_pages_adapter`, `pool_pages_free`); an
     engine without adapters only its KV cache (`kv_pages_total`, `kv_pages_free`).
     """
+    cached = int(stats.get("prefix_cache_idle_pages", 0))
     if "pool_pages_kv" in stats:
-        return {kind: int(stats[f"pool_pages_{kind}"]) for kind in ("kv", "adapter", "free")}
+        return {kind: int(stats[f"pool_pages_{kind}"]) for kind in ("kv", "adapter", "free")} | {"cached": cached}
     total, free = int(stats["kv_pages_total"]), int(stats["kv_pages_free"])
-    return {"kv": total - free, "adapter": 0, "free": free}
+    return {"kv": total - free - cached, "adapter": 0, "cached": cached, "free": free}
+
+
+def tokens_served(stats: dict[str, Any], base_name: str, limit: int = MODEL_SERIES_MAX):
+    """[(model, prompt tokens, generated tokens)] from an engine stats() snapshot: the base model
+    under `base_name`, then the `limit` loaded adapters served most tokens (ties by name)."""
+    served = stats.get("tokens_served")
+    if not served:
+        return []
+    adapters = sorted(served["adapters"].items(),
+                      key=lambda kv: (-(kv[1]["prompt_tokens"] + kv[1]["generated_tokens"]), kv[0]))
+    rows = [(base_name, served["base"])] + adapters[:limit]
+    return [(name, int(t["prompt_tokens"]), int(t["generated_tokens"])) for name, t in rows]
 
 
 class Metrics:
-    """Counters updated by the request handlers; engine gauges filled from a stats() snapshot."""
+    """Counters updated by the request handlers; engine gauges filled from a stats() snapshot.
+    `model_name`: the base model's name in the API (its label in the per-model series)."""
 
-    def __init__(self):
+    def __init__(self, model_name: str = "base"):
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Finished requests by endpoint and outcome",
@@ -104,6 +124,30 @@ class _EngineCollector:
                                       "host copies after their load (paged back in, or loaded while the pool "
                                       "was busy)", value=s["adapter_page_ins"])
             yield from adapter_tier_metrics(s)
+        rows = tokens_served(s, self.m.model_name)
+        if rows:
+            yield GaugeMetricFamily(f"{PREFIX}_fair_share", "1 when requests are admitted by fair share across "
+                                    "adapters (virtual token counter), 0 first come first served",
+                                    value=int(bool(s.get("fair_share"))))
+            served = CounterMetricFamily(
+                f"{PREFIX}_model_tokens_served", "Tokens served per model (the base model and each loaded "
+                f"adapter, at most {MODEL_SERIES_MAX} adapters: those served most), prompt tokens of admitted "
+                "requests and generated tokens", labels=["model", "kind"])
+            for name, prompt, generated in rows:
+                served.add_metric([name, "prompt"], prompt)
+                served.add_metric([name, "generated"], generated)
+            yield served
+        if s.get("prefix_caching"):
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", value=s["prefix_cache_query_tokens"])
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                      "(not computed)", value=s["prefix_cache_hit_tokens"])
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate", "Prefix cache hit tokens / query tokens "
+                                    "since start", value=s["prefix_cache_hit_rate"])
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_pages", "Pool pages keyed in the prefix cache "
+                                    "(held by requests or idle)", value=s["prefix_cache_pages"])
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions", "Prefix cache pages evicted for room",
+                                      value=s["prefix_cache_evictions"])
         # everything else the engine reports, under its own name
         for k, v in sorted(s.items()):
             if isinstance(v, (int, float)) and not isinstance(v, bool):

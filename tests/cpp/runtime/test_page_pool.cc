@@ -1,5 +1,7 @@
 // Unit tests of mlc_lora::PagePool, the TVM-free bookkeeping of the unified page pool (ctest).
+#include <algorithm>
 #include <cstdio>
+#include <map>
 #include <functional>
 #include <random>
 #include <string>
@@ -220,8 +222,277 @@ static void TestRandom() {
   CHECK(ok > 5000 && failed > 1000);
 }
 
+// The prefix cache: full pages keyed by (adapter, token chain), reused by the same adapter only.
+static void TestPrefixCache() {
+  PagePool pool(24, 4);
+  std::vector<int64_t> ev;
+  pool.AddAdapter(1, 2, false, &ev);
+  pool.AddAdapter(2, 2, false, &ev);
+  std::vector<int32_t> prompt;
+  for (int32_t t = 0; t < 14; ++t) prompt.push_back(100 + t);  // 3 full pages + 2 tokens
+  // adapter 1 computes the prompt and keys its 3 full pages
+  pool.AddSequence(0);
+  pool.SetSequenceAdapter(0, 1);
+  CHECK(pool.AttachPrefix(0, prompt) == 0);
+  pool.ReserveAppend({0}, {14});
+  CHECK(pool.InsertPrefix(0, 0, prompt) == 3);
+  std::vector<int32_t> keyed(pool.SequencePages(0).begin(), pool.SequencePages(0).begin() + 3);
+  CHECK(pool.Stats().cached == 3 && pool.Stats().cached_idle == 0);
+  CHECK(pool.LookupPrefix(1, prompt).tokens == 12);
+  CHECK(pool.LookupPrefix(2, prompt).tokens == 0);   // another adapter: nothing
+  CHECK(pool.LookupPrefix(-1, prompt).tokens == 0);  // the base model: nothing
+  // whole pages before the last token only; a changed token ends the match at its page
+  CHECK(pool.LookupPrefix(1, std::vector<int32_t>(prompt.begin(), prompt.begin() + 12)).tokens == 8);
+  CHECK(pool.LookupPrefix(1, std::vector<int32_t>(prompt.begin(), prompt.begin() + 13)).tokens == 12);
+  std::vector<int32_t> other = prompt;
+  other[5] = 7;
+  CHECK(pool.LookupPrefix(1, other).tokens == 4);
+  // the keyed pages outlive their sequence, idle and evictable
+  pool.RemoveSequence(0);
+  auto st = pool.Stats();
+  CHECK(st.cached == 3 && st.cached_idle == 3 && st.kv == 0 && st.evictable == 3 + 4);
+  CHECK(st.free + st.kv + st.adapter + st.cached_idle == st.total);
+  auto hit = pool.LookupPrefix(1, prompt);
+  CHECK(hit.tokens == 12 && hit.idle_pages == 3);
+  pool.CheckInvariants();
+  // a later sequence of adapter 1 takes them and computes only the rest
+  pool.AddSequence(1);
+  pool.SetSequenceAdapter(1, 1);
+  CHECK(pool.AttachPrefix(1, prompt) == 12);
+  CHECK(pool.SequencePages(1) == keyed && pool.SequenceLength(1) == 12);
+  CHECK(pool.Stats().cached_idle == 0);
+  auto r = pool.ReserveAppend({1}, {2});
+  CHECK(r.copies.empty() && pool.SequencePages(1).size() == 4);
+  // adapter 2 and the base model with the same prompt: their own pages, never adapter 1's
+  for (int64_t seq : {2, 3}) {
+    pool.AddSequence(seq);
+    pool.SetSequenceAdapter(seq, seq == 2 ? 2 : -1);
+    CHECK(pool.AttachPrefix(seq, prompt) == 0);
+    pool.ReserveAppend({seq}, {14});
+    for (int32_t p : pool.SequencePages(seq)) {
+      CHECK(std::find(keyed.begin(), keyed.end(), p) == keyed.end());
+    }
+    CHECK(pool.InsertPrefix(seq, 0, prompt) == 3);
+  }
+  CHECK(pool.Stats().cached == 9);
+  CHECK(pool.LookupPrefix(2, prompt).tokens == 12 && pool.LookupPrefix(-1, prompt).tokens == 12);
+  // the same prefix computed twice (no attach) is keyed once: the second sequence takes the keyed
+  // pages and frees its copies
+  pool.AddSequence(4);
+  pool.SetSequenceAdapter(4, 1);
+  pool.ReserveAppend({4}, {14});
+  int32_t free_before = pool.num_free();
+  int32_t last = pool.SequencePages(4)[3];
+  CHECK(pool.InsertPrefix(4, 0, prompt) == 3);
+  CHECK(pool.num_free() == free_before + 3 && pool.Stats().cached == 9);
+  CHECK((pool.SequencePages(4) == std::vector<int32_t>{keyed[0], keyed[1], keyed[2], last}));
+  pool.CheckInvariants();
+  pool.RemoveSequence(4);
+  // keys are added page by page as a sequence grows; a prefix of it hits at once
+  std::vector<int32_t> longer = prompt;
+  longer.insert(longer.end(), {1, 2, 3, 4, 5, 6});  // 20 tokens: 5 pages
+  CHECK(pool.InsertPrefix(1, 0, prompt) == 3);       // pages already keyed: nothing new
+  pool.ReserveAppend({1}, {6});
+  CHECK(pool.InsertPrefix(1, 12, std::vector<int32_t>(longer.begin() + 12, longer.end())) == 5);
+  CHECK(pool.LookupPrefix(1, longer).tokens == 16);  // the last page holds the last token
+  // a keyed page is never written: popping into it and appending copies it first
+  pool.PopN(1, 9);  // 20 -> 11: page 2 (keyed) is partly used now
+  r = pool.ReserveAppend({1}, {1});
+  CHECK(r.copies.size() == 1 && r.copies[0].src == keyed[2] && r.copies[0].len == 3);
+  CHECK(pool.SequencePages(1)[2] != keyed[2] && pool.PageCached(keyed[2]));
+  pool.CheckInvariants();
+  // a sequence moved to another adapter keys nothing more
+  pool.SetSequenceAdapter(3, 1);
+  pool.ReserveAppend({3}, {6});
+  CHECK(pool.InsertPrefix(3, 0, longer) == -1);
+  pool.CheckInvariants();
+  // removing an adapter drops its keys: an adapter loaded again under the id starts cold
+  CHECK(pool.Stats().cached == 3 + 2 + 3 + 3);  // adapter 1 (5 pages), 2 and the base model
+  pool.RemoveSequence(2);
+  pool.RemoveAdapter(2);
+  CHECK(pool.Stats().cached == 8);
+  CHECK(pool.LookupPrefix(2, prompt).tokens == 0);
+  pool.AddAdapter(2, 2, false, &ev);
+  CHECK(pool.LookupPrefix(2, prompt).tokens == 0);
+  pool.CheckInvariants();
+  // bad calls change nothing
+  EXPECT_ERROR(pool, kValue, "empty sequence", pool.AttachPrefix(1, prompt));
+  EXPECT_ERROR(pool, kValue, "not whole pages", pool.InsertPrefix(1, 2, prompt));
+  EXPECT_ERROR(pool, kValue, "not whole pages", pool.InsertPrefix(1, 0, longer));
+  EXPECT_ERROR(pool, kValue, "unknown sequence", pool.AttachPrefix(77, prompt));
+  auto q = pool.Stats();
+  CHECK(q.prefix_queries == 4 && q.prefix_hit_tokens == 12 && q.prefix_query_tokens == 4 * 14);
+  pool.Clear();
+  CHECK(pool.Stats().cached == 0 && pool.num_free() == 24 - 4);
+  pool.CheckInvariants();
+}
+
+// Idle keyed pages and idle adapters leave by one least-recently-used order; a chain tail first.
+static void TestOneEvictionPolicy() {
+  PagePool pool(12, 4);
+  std::vector<int64_t> ev;
+  auto key = [&](int64_t seq, int64_t adapter, int32_t first, int32_t n_tokens) {
+    std::vector<int32_t> t;
+    for (int32_t i = 0; i < n_tokens; ++i) t.push_back(first + i);
+    pool.AddSequence(seq);
+    pool.SetSequenceAdapter(seq, adapter);
+    pool.ReserveAppend({seq}, {n_tokens});
+    CHECK(pool.InsertPrefix(seq, 0, t) == n_tokens / 4);
+    std::vector<int32_t> pages = pool.SequencePages(seq);
+    pool.RemoveSequence(seq);
+    return pages;
+  };
+  auto x = key(0, -1, 0, 8);      // chain X: 2 keyed pages, used first
+  pool.AddAdapter(1, 2, false, &ev);
+  auto y = key(1, -1, 50, 8);     // chain Y
+  pool.AddAdapter(2, 3, false, &ev);
+  pool.AddAdapter(3, 1, /*pinned=*/true, &ev);
+  // 12 pages: X 2, adapter 1 2, Y 2, adapter 2 3, adapter 3 1 (pinned): 2 free
+  CHECK(pool.num_free() == 2 && pool.Stats().evictable == 9);
+  pool.AddSequence(9);
+  std::vector<std::string> order;
+  int64_t cached_ev = 0;
+  for (int step = 0; step < 9; ++step) {
+    auto r = pool.ReserveAppend({9}, {4});  // one page a step
+    for (int64_t a : r.evicted) order.push_back("a" + std::to_string(a));
+    auto s = pool.Stats();
+    for (; cached_ev < s.cached_evictions; ++cached_ev) order.push_back("p");
+    pool.CheckInvariants();
+  }
+  // X's pages (tail then head), adapter 1, Y's pages, adapter 2; the pinned adapter stays
+  CHECK((order == std::vector<std::string>{"p", "p", "a1", "p", "p", "a2"}));
+  CHECK(pool.AdapterResident(3) && pool.Stats().cached == 0);
+  CHECK(pool.LookupPrefix(-1, {0, 1, 2, 3, 4, 5, 6, 7, 8}).tokens == 0);
+  // a keyed page a sequence holds is not evictable: an attached chain stays
+  pool.Clear();
+  auto z = key(0, -1, 0, 12);
+  pool.AddSequence(1);
+  CHECK(pool.AttachPrefix(1, {0, 1, 2, 3, 4, 5, 6, 7, 8}) == 8);  // holds 2 of the 3 keyed pages
+  pool.AddSequence(2);
+  // the free pages and the idle third page of the chain, no more
+  int64_t room = pool.num_free() + pool.Stats().evictable;
+  CHECK(pool.Stats().evictable == 1);  // the idle keyed page (adapters 1 and 2 were evicted)
+  EXPECT_ERROR(pool, kExhausted, "cached prefixes", pool.ReserveAppend({2}, {4 * (room + 1)}));
+  pool.ReserveAppend({2}, {4 * room});
+  CHECK(pool.Stats().cached == 2 && pool.SequencePages(1) == std::vector<int32_t>(z.begin(), z.begin() + 2));
+  pool.CheckInvariants();
+}
+
+// Random traffic with prefix-cache calls. Each page's simulated contents (adapter, token) are
+// written where the pool says a batch appends and copied as it says: a matched prefix must hold
+// exactly the tokens asked for, written under the same adapter.
+static void TestRandomPrefix() {
+  std::mt19937 rng(777);
+  const int32_t ps = 4;
+  PagePool pool(32, ps);
+  std::vector<int64_t> ev;
+  auto pick = [&](int n) { return static_cast<int64_t>(rng() % n); };
+  using Cell = std::pair<int64_t, int32_t>;  // (adapter, token); adapter -9: adapter weights
+  std::vector<std::vector<Cell>> content(32, std::vector<Cell>(ps, {-8, -1}));
+  std::map<int64_t, std::vector<int32_t>> toks, pending;  // a sequence's tokens, the rest of its prompt
+  const std::vector<std::vector<int32_t>> prompts = {
+      {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
+      {1, 2, 3, 4, 5, 6, 7, 8, 30, 31, 32, 33, 34, 35, 36},
+      {40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52}};
+  auto paged_in = [&](int64_t id) {
+    for (int32_t p : pool.AdapterPages(id)) content[p].assign(ps, {-9, -1});
+  };
+  int64_t hits = 0, ok = 0;
+  for (int step = 0; step < 30000; ++step) {
+    int64_t a = pick(8), b = pick(8), adapter = pick(4);
+    try {
+      switch (pick(13)) {
+        case 0: pool.AddSequence(a); toks[a].clear(); pending[a].clear(); break;
+        case 1: case 12: pool.RemoveSequence(a); break;
+        case 2: {
+          int64_t pos = pick(3) ? -1 : pick(30);
+          pool.ForkSequence(a, b, pos);
+          toks[b] = std::vector<int32_t>(toks[a].begin(), toks[a].begin() + pool.SequenceLength(b));
+          pending[b].clear();
+          break;
+        }
+        case 3: {
+          int64_t n = pick(10);
+          pool.PopN(a, n);
+          toks[a].resize(pool.SequenceLength(a));
+          break;
+        }
+        case 4: case 5: {
+          int64_t n = 1 + pick(12);
+          int64_t len = pool.SequenceLength(a);
+          auto r = pool.ReserveAppend({a}, {n});
+          for (int64_t id : r.paged_in) paged_in(id);
+          for (const auto& c : r.copies) {
+            CHECK(!pool.PageCached(c.dst));
+            std::copy(content[c.src].begin(), content[c.src].begin() + c.len, content[c.dst].begin());
+          }
+          const int64_t ad = pool.SequenceAdapter(a);
+          for (int64_t pos = len; pos < len + n; ++pos) {
+            int32_t t;
+            if (!pending[a].empty()) {
+              t = pending[a].front();
+              pending[a].erase(pending[a].begin());
+            } else {
+              t = static_cast<int32_t>(pick(3));
+            }
+            toks[a].push_back(t);
+            int32_t page = pool.SequencePages(a)[pos / ps];
+            CHECK(!pool.PageCached(page));  // keyed pages are never written
+            content[page][pos % ps] = {ad, t};
+          }
+          break;
+        }
+        case 6: pool.AddAdapter(adapter, 1 + pick(8), pick(5) == 0, &ev); paged_in(adapter); break;
+        case 7:
+          if (pick(4) == 0) pool.RemoveAdapter(adapter);
+          break;
+        case 8:
+          if (pool.PinAdapter(adapter, pick(2), &ev)) paged_in(adapter);
+          break;
+        case 9: pool.SetSequenceAdapter(a, pick(3) ? adapter : -1); break;
+        case 10: {  // a new request: a shared prompt, sometimes cut, then its own tokens
+          std::vector<int32_t> t = prompts[pick(3)];
+          t.resize(1 + pick(static_cast<int>(t.size())));
+          for (int i = pick(6); i > 0; --i) t.push_back(static_cast<int32_t>(pick(3)));
+          if (pool.HasSequence(a)) pool.RemoveSequence(a);
+          pool.AddSequence(a);
+          toks[a].clear();
+          pending[a].clear();
+          pool.SetSequenceAdapter(a, pick(4) ? pick(3) : -1);
+          auto before = pool.LookupPrefix(pool.SequenceAdapter(a), t);
+          int64_t n = pool.AttachPrefix(a, t);
+          CHECK(n == before.tokens);
+          hits += n;
+          const int64_t ad = pool.SequenceAdapter(a);
+          for (int64_t pos = 0; pos < n; ++pos) {
+            CHECK((content[pool.SequencePages(a)[pos / ps]][pos % ps] == Cell{ad, t[pos]}));
+          }
+          toks[a].assign(t.begin(), t.begin() + n);
+          pending[a].assign(t.begin() + n, t.end());
+          break;
+        }
+        case 11: {
+          int64_t start = pick(2) ? 0 : pool.SequenceLength(a) / ps * ps;
+          const std::vector<int32_t>& t = toks.at(a);
+          pool.InsertPrefix(a, start, std::vector<int32_t>(t.begin() + start, t.end()));
+          break;
+        }
+      }
+      ++ok;
+    } catch (const PoolError&) {
+    } catch (const std::out_of_range&) {  // toks.at of a sequence never added
+    }
+    pool.CheckInvariants();
+  }
+  auto s = pool.Stats();
+  std::printf("random prefix traffic: %lld ok, %lld hit tokens, %lld keyed pages evicted, %lld adapters\n",
+              (long long)ok, (long long)hits, (long long)s.cached_evictions, (long long)s.evictions);
+  CHECK(ok > 10000 && hits > 500 && s.cached_evictions > 100 && s.evictions > 30);
+}
+
 int main() {
-  for (auto* t : {TestSequences, TestAdapters, TestLoadOnBusyPool, TestRandom}) {
+  for (auto* t : {TestSequences, TestAdapters, TestLoadOnBusyPool, TestRandom, TestPrefixCache,
+                  TestOneEvictionPolicy, TestRandomPrefix}) {
     try {
       t();
     } catch (const std::exception& e) {

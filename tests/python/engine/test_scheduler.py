@@ -87,7 +87,7 @@ def simulate(pool: FakePool, requests, one_adapter: bool, max_num_seqs=16, max_s
     Scheduler's arguments (adapter_ready, adapter_resident)."""
     sched = Scheduler(pool.available_pages, lambda sid: pool.add_sequence(by_id[sid]), pool.remove_sequence,
                       max_num_seqs, max_step_tokens, adapter_pages=pool.pages_to_run,
-                      one_adapter_per_batch=one_adapter, **kw)
+                      one_adapter_per_batch=one_adapter)
     by_id, done = {}, []
     for slot, n, m in requests:
         s = Sequence(list(range(n)), SamplingParams(max_tokens=m))
@@ -198,3 +198,130 @@ def test_a_request_whose_adapter_is_not_ready_waits_without_holding_up_the_other
     assert rejected == [] and len(done) == 3
     first = min(pool.admitted)
     assert pool.admitted.index(first) == 2 and calls.count(0) == 3
+
+
+# --- fair share (the virtual token counter) -------------------------------------------------------
+
+
+def _fair_scheduler(pool: FakePool, max_num_seqs: int, fair: bool = True, one_adapter: bool = False):
+    by_id: dict = {}
+    sched = Scheduler(pool.available_pages, lambda sid: pool.add_sequence(by_id[sid]), pool.remove_sequence,
+                      max_num_seqs, 128, adapter_pages=pool.pages_to_run, fair_share=fair,
+                      one_adapter_per_batch=one_adapter)
+    return sched, by_id
+
+
+def _submit(sched, by_id, name, slot, n, prompt_len=8, max_tokens=4):
+    seqs = []
+    for _ in range(n):
+        s = Sequence(list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), adapter_name=name)
+        s.adapter_slot = slot
+        by_id[s.seq_id] = s
+        sched.add(s)
+        seqs.append(s)
+    return seqs
+
+
+def _step(sched, pool, admitted: list, one_adapter: bool = False) -> bool:
+    """One step as the engine takes it: schedule, run on the fake pool, count generated tokens."""
+    before = {s.seq_id for s in sched.running}
+    batch = sched.schedule()
+    if batch is None:
+        return False
+    if one_adapter:
+        assert len({s.adapter_slot for s in batch.seqs} - {None}) <= 1, "stage 1: one adapter per batch"
+    admitted += [s for s in batch.seqs if s.seq_id not in before]
+    pool.run(batch.seqs, batch.chunks)
+    for i, (s, c) in enumerate(zip(batch.seqs, batch.chunks)):
+        sample = batch.samples(i)
+        s.num_cached += len(c)
+        if sample:
+            s.output_ids.append(7)
+            sched.generated(s)
+            if len(s.output_ids) >= s.params.max_tokens:
+                sched.finish(s)
+    return True
+
+
+def test_fair_share_counts_weighted_tokens_and_lifts_an_idle_client():
+    """Prompt tokens count 1 when admitted, generated tokens 2; a client arriving with nothing
+    waiting is lifted to the last admitted client's counter (nothing waits) or to the least counter
+    of the waiting clients, so the credit of idling is not banked."""
+    pool = FakePool(256, {0: 1, 1: 1})
+    sched, by_id = _fair_scheduler(pool, max_num_seqs=4)
+    svc = sched.service
+    _submit(sched, by_id, "A", 0, 3, prompt_len=10, max_tokens=5)
+    admitted: list = []
+    while _step(sched, pool, admitted):
+        pass
+    a = svc.of("A")
+    assert (a.prompt_tokens, a.generated_tokens, a.counter) == (30, 15, 30 + 2 * 15)
+    # B idled while A was served: its first request starts from A's counter (nothing waits)
+    _submit(sched, by_id, "B", 1, 1)
+    assert svc.of("B").counter == a.counter == 60
+    # A arrives with nothing waiting of its own: lifted to B's (the least waiting), here a no-op
+    _submit(sched, by_id, "A", 0, 1)
+    assert a.counter == 60
+    while _step(sched, pool, admitted):
+        pass
+    assert svc.of("B").counter == 60 + 8 + 2 * 4
+    # the base model is a client of its own
+    _submit(sched, by_id, None, None, 1, prompt_len=3, max_tokens=2)
+    while _step(sched, pool, admitted):
+        pass
+    assert (svc.of(None).prompt_tokens, svc.of(None).generated_tokens) == (3, 2)
+
+
+def test_fair_share_admits_the_least_served_client_and_fifo_does_not():
+    """A floods the queue, then B asks: with fair share B's requests go in as soon as places free up
+    (they alternate with A's), first come first served makes them wait for all of A's."""
+    def admissions(fair):
+        pool = FakePool(1024, {0: 1, 1: 1})
+        sched, by_id = _fair_scheduler(pool, max_num_seqs=2, fair=fair)
+        _submit(sched, by_id, "A", 0, 12)
+        admitted: list = []
+        _step(sched, pool, admitted)
+        _submit(sched, by_id, "B", 1, 3)
+        while _step(sched, pool, admitted):
+            pass
+        return [s.adapter_name for s in admitted]
+
+    fair, fifo = admissions(True), admissions(False)
+    assert sorted(fair) == sorted(fifo) == ["A"] * 12 + ["B"] * 3
+    assert fifo.index("B") == 12  # behind every request of A
+    # fair share, counter by counter: A1, A2 admitted (A: 16 + 4 for their first tokens); B arrives
+    # and is lifted to A's 20 (not left at 0); A1, A2 finish (A: 32); B1, B2 take both places (B: 36,
+    # then 52 with their tokens); A3, A4 (A: 48, 64 with theirs); then B3 (52 < 64)
+    assert [i for i, c in enumerate(fair) if c == "B"] == [2, 3, 6], fair
+
+
+@pytest.mark.parametrize("one_adapter", [False, True])
+def test_fair_share_serves_every_request_that_fits_and_preempted_ones_resume(one_adapter):
+    """The random mixes of test_every_request_that_fits_alone_is_served with fair share: nothing
+    that fits is rejected, every batch fits the pool (and holds one adapter in stage 1), preempted
+    sequences finish, and the counters add up to what was served (a preempted prompt counts once)."""
+    rng = np.random.default_rng(3)
+    preemptions = 0
+    for trial in range(20):
+        pages = {a: int(rng.integers(1, 4)) for a in range(4)}
+        pool = FakePool(16, pages)
+        sched, by_id = _fair_scheduler(pool, max_num_seqs=int(rng.integers(2, 8)), one_adapter=one_adapter)
+        want: dict = {}
+        for _ in range(int(rng.integers(2, 14))):
+            slot = None if rng.random() < 0.2 else int(rng.integers(0, 4))
+            n, m = int(rng.integers(1, 90)), int(rng.integers(1, 30))
+            if -(-(n + m) // PAGE_SIZE) + (0 if slot is None else pages[slot]) > 16:
+                continue
+            name = None if slot is None else f"a{slot}"
+            _submit(sched, by_id, name, slot, 1, prompt_len=n, max_tokens=m)
+            p, g = want.get(name, (0, 0))
+            want[name] = (p + n, g + m)
+        admitted: list = []
+        while _step(sched, pool, admitted, one_adapter):
+            assert not sched.rejected, trial
+        assert not sched.running and not sched.waiting and not sched.service.queued
+        got = {c: (s.prompt_tokens, s.generated_tokens) for c, s in sched.service.clients.items()}
+        assert got == want, trial
+        preemptions += sched.num_preemptions
+    assert preemptions > 0  # the pool is tight: preempted sequences were resumed and counted once
+

@@ -197,3 +197,25 @@ def test_engine_serves_a_sharded_model(models):
         assert t1 == t2
         assert max(abs(a - b) for a, b in zip(l1, l2)) < 1e-4
     assert out[2][1]["a4"]["rank"] == 64 and out[2][1]["a4"]["resident"]
+
+
+def test_prefix_cache_stays_in_step_across_shards(models):
+    """The prefix cache on a K = 2 model: every shard keys and reuses the same pages (pool stats
+    equal), and the greedy tokens with hits equal the unsharded engine's without the cache."""
+    from mlc_lora import MLCEngine
+
+    root, compiled = models
+    prompt = [(9 * i + 4) % 128 for i in range(40)]  # 2 full pages before the last token
+    out = {}
+    for k, cache in ((1, False), (2, True)):
+        with MLCEngine(compiled[k], "cpu", enable_prefix_caching=cache) as eng:
+            eng.load_adapter("a1", root / "adapter1")
+            out[k] = [eng.completions.create(prompt=prompt, max_tokens=4, temperature=0, ignore_eos=True,
+                                             adapter_id=name).choices[0].token_ids
+                      for name in ("a1", None, "a1", None)]
+            if cache:
+                s = eng.engine.pool.shard_stats()
+                assert s[0] == s[1]
+                assert s[0].prefix_hit_tokens == 2 * 2 * 16 and s[0].cached_pages == 4
+                eng.engine.pool.check_invariants()
+    assert out[2] == out[1]

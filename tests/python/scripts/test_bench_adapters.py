@@ -1,0 +1,83 @@
+"""scripts/bench_adapters.py end to end on CPU at its smallest scale: prepare -> compile --smoke
+--target llvm -> run --smoke --device cpu (every section: adapters written to disk as PEFT folders
+and read back by the engine, Poisson arrivals, the on/off comparisons), then the charts and the
+table from the JSON. No thresholds: the JSON must hold every section, each with its runs or the
+reason it was skipped (an engine option this build lacks), and every request must be served."""
+
+from __future__ import annotations
+
+import json
+
+import bench_adapters as bench
+
+# the option each section compares, where the engine must have it for the section to run
+NEEDS = {"prefetch": "prefetch_adapters", "prefix": "enable_prefix_caching", "fairness": "fair_share"}
+
+
+def test_adapters_bench_smoke_runs_every_section_on_cpu(tmp_path, capsys):
+    def conv(i):
+        return {"conversations": [{"from": "human", "value": f"question {i} " + "word " * (5 + i)},
+                                  {"from": "gpt", "value": "answer " * (4 + i)}]}
+
+    (tmp_path / "sg.json").write_text(json.dumps([conv(i) for i in range(14)]))
+    req = tmp_path / "req.npz"
+    assert bench.main(["prepare", "--out", str(req), "--num-prompts", "12",
+                       "--sharegpt", str(tmp_path / "sg.json")]) == 0
+    assert bench.main(["compile", "--smoke", "--target", "llvm", "--out", str(tmp_path / "libs")]) == 0
+    out = tmp_path / "res.json"
+    adapters = tmp_path / "adapters"
+    assert bench.main(["run", "--smoke", "--device", "cpu", "--lib-dir", str(tmp_path / "libs"), "--requests",
+                       str(req), "--adapter-dir", str(adapters), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    # the table comes last: its rows, the throughput ratios and what was skipped
+    tail = printed[printed.rindex("| section | run | req/s |"):].rstrip().splitlines()
+    assert all(line.startswith(("|",) + bench.SECTIONS) for line in tail), tail
+    assert any(line.startswith("| scale | 8 adapters, uniform |") for line in tail)
+
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["python"] and doc["command"].startswith("python")
+    secs = doc["sections"]
+    assert list(secs) == list(bench.SECTIONS)
+    options = set(doc["engine_options"])
+    assert options == bench.engine_options()
+    for name, option in NEEDS.items():
+        if option in options:
+            assert [r[option] for r in secs[name]["runs"]] == [False, True], name
+        else:
+            assert option in secs[name]["skipped"] and "runs" not in secs[name], name
+    n = len(bench.load_requests(req))
+    scale = secs["scale"]
+    assert scale["adapter_counts"] == [2, 4, 8] and scale["skipped_counts"] == []
+    assert [(r["adapters"], r["popularity"]) for r in scale["runs"]] == [
+        (c, p) for c in (2, 4, 8) for p in ("uniform", "zipf")]
+    assert [r["throughput_vs_fewest"] for r in scale["runs"][:2]] == [1.0, 1.0]
+    assert scale["runs"][-1]["ranks"] == [8, 16, 32, 64]
+    # the 8 adapters (130 pages) do not fit the 128-page pool beside their KV: they were paged in turn
+    assert sum(r["engine"]["adapter_page_ins"] for r in scale["runs"][-2:]) > 0
+    runs = [r for s in secs.values() for r in s.get("runs", [])]
+    for r in runs:
+        m = r["metrics"]
+        assert m["completed"] == r["requests"] and m["failed"] == 0, r["label"]
+        assert m["request_throughput"] > 0 and m["p99_ttft_ms"] >= m["p50_ttft_ms"] > 0
+    assert all(r["requests"] == n for r in scale["runs"])
+    if "fair_share" in options:
+        fair = secs["fairness"]
+        for r in fair["runs"]:
+            assert r["tenants"]["light"]["completed"] == fair["light_requests"] >= 4
+            assert r["tenants"]["heavy"]["completed"] == fair["heavy_requests"] == n
+            served = r["tokens_served"]["adapters"]
+            assert served["tenant-light"]["generated_tokens"] >= r["tenants"]["light"]["total_output"]
+    # each adapter's folder holds hard links to one of the weight sets written per rank
+    folders = sorted(p.name for p in (adapters / "adapters").iterdir())
+    assert len(folders) >= 8 and len(list((adapters / "weights").iterdir())) == 2 * len(bench.RANKS)
+    assert (tmp_path / "res-throughput.png").stat().st_size > 0
+
+    # `plot` redraws the charts and prints the table from the JSON; `--append` keeps other sections
+    (tmp_path / "res-throughput.png").unlink()
+    assert bench.main(["plot", str(out)]) == 0
+    assert (tmp_path / "res-throughput.png").stat().st_size > 0
+    assert "| scale | 8 adapters, zipf |" in capsys.readouterr().out
+    assert bench.main(["run", "--smoke", "--device", "cpu", "--lib-dir", str(tmp_path / "libs"), "--requests",
+                       str(req), "--sections", "prefix", "--out", str(out), "--append"]) == 0
+    again = json.loads(out.read_text())["sections"]
+    assert list(again) == list(bench.SECTIONS) and again["scale"] == scale

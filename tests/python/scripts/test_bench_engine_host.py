@@ -1,0 +1,31 @@
+"""scripts/bench_engine_host.py end to end on a few requests: it builds its tiny model, runs
+whole and streamed requests (with and without adapters) and reports the host time per step by part."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "bench_engine_host.py"
+
+
+def test_bench_engine_host_runs_and_reports_each_part(tmp_path):
+    out = {}
+    for mode in ([], ["--stream"]):
+        r = subprocess.run([sys.executable, str(SCRIPT), "--requests", "6", "--out-len", "3", "6", "--adapters", "1",
+                            "--tokenizer", "none", "--repeat", "1", "--parts", "--workdir", str(tmp_path), *mode],
+                           capture_output=True, text=True, timeout=600, check=False)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[bool(mode)] = r.stdout
+    for stdout in out.values():
+        m = re.search(r"6 requests \((\d+) output tokens, 1 adapters, tokenizer none, (\w+)\), best of 1: per step "
+                      r"(-?[\d.]+) ms outside the forward \(wall\), host CPU ([\d.]+) ms engine thread \+ ([\d.]+) ms "
+                      r"asyncio thread \((\d+) steps", stdout)
+        assert m, stdout
+        tokens, steps = int(m.group(1)), int(m.group(6))
+        assert 18 <= tokens <= 36 and 3 <= steps <= tokens  # 3..6 tokens each; a step per token of the longest
+        assert float(m.group(4)) > 0 and float(m.group(5)) > 0
+        assert re.search(r"append [\d.]+ \(emit [\d.]+, detokenize 0\.00\)", stdout), stdout  # no tokenizer: no detok
+    assert "whole)" in out[False] and "stream)" in out[True]
