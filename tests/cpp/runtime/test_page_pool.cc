@@ -447,7 +447,9 @@ static void TestRandomPrefix() {
           if (pick(4) == 0) pool.RemoveAdapter(adapter);
           break;
         case 8:
-          if (pool.PinAdapter(adapter, pick(2), &ev)) paged_in(adapter);
+          if (pick(2) ? pool.PinAdapter(adapter, pick(2), &ev) : pool.TryPageIn(adapter, {pick(4)}, &ev)) {
+            paged_in(adapter);
+          }
           break;
         case 9: pool.SetSequenceAdapter(a, pick(3) ? adapter : -1); break;
         case 10: {  // a new request: a shared prompt, sometimes cut, then its own tokens
@@ -490,9 +492,53 @@ static void TestRandomPrefix() {
   CHECK(ok > 10000 && hits > 500 && s.cached_evictions > 100 && s.evictions > 30);
 }
 
+// Adapters loaded on a busy pool and paged in later (TryPageIn, a batch) take their pages by the
+// same least-recently-used order as the loads do, over idle adapters and idle keyed pages alike.
+static void TestPageInsWithPrefixCache() {
+  PagePool pool(12, 4);
+  std::vector<int64_t> ev;
+  auto key = [&](int64_t seq, int32_t first) {  // a base-model chain of 2 keyed pages, idle
+    std::vector<int32_t> t;
+    for (int32_t i = 0; i < 8; ++i) t.push_back(first + i);
+    pool.AddSequence(seq);
+    pool.ReserveAppend({seq}, {8});
+    CHECK(pool.InsertPrefix(seq, 0, t) == 2);
+    pool.RemoveSequence(seq);
+  };
+  key(0, 0);                              // chain X, the oldest
+  CHECK(pool.AddAdapter(1, 2, false, &ev));
+  key(1, 50);                             // chain Y, newer than adapter 1
+  pool.AddSequence(9);
+  pool.ReserveAppend({9}, {24});          // 6 KV pages: nothing free, 6 evictable
+  CHECK(pool.num_free() == 0 && pool.Stats().evictable == 6);
+  // a load evicts X (tail, head), then adapter 1; Y, used later, stays
+  CHECK(pool.AddAdapter(2, 4, false, &ev));
+  CHECK(ev == std::vector<int64_t>{1});
+  auto s = pool.Stats();
+  CHECK(s.cached == 2 && s.cached_evictions == 2 && s.page_ins == 0);
+  // too big for Y and the idle adapter 2: registered without pages, nothing else changes
+  CHECK(!pool.AddAdapter(3, 7, false, &ev));
+  CHECK(!pool.AdapterResident(3) && pool.AdapterResident(2) && pool.Stats().cached == 2);
+  CHECK(!pool.TryPageIn(3, {2}, &ev));
+  pool.CheckInvariants();
+  // KV gone: 6 free and Y's tail page; adapter 2 kept
+  pool.RemoveSequence(9);
+  CHECK(pool.TryPageIn(3, {2}, &ev));
+  s = pool.Stats();
+  CHECK(pool.AdapterResident(2) && s.cached == 1 && s.cached_evictions == 3 && s.page_ins == 1);
+  // a batch pages adapter 1 back in: Y's head (older) goes, then the idle adapter 2, not adapter 3
+  pool.AddSequence(10);
+  pool.SetSequenceAdapter(10, 1);
+  auto r = pool.ReserveAppend({10}, {4});
+  CHECK(r.paged_in == std::vector<int64_t>{1} && r.evicted == std::vector<int64_t>{2});
+  s = pool.Stats();
+  CHECK(s.cached == 0 && pool.AdapterResident(3) && s.page_ins == 2 && s.evictions == 2);
+  pool.CheckInvariants();
+}
+
 int main() {
   for (auto* t : {TestSequences, TestAdapters, TestLoadOnBusyPool, TestRandom, TestPrefixCache,
-                  TestOneEvictionPolicy, TestRandomPrefix}) {
+                  TestOneEvictionPolicy, TestRandomPrefix, TestPageInsWithPrefixCache}) {
     try {
       t();
     } catch (const std::exception& e) {
