@@ -87,7 +87,7 @@ def simulate(pool: FakePool, requests, one_adapter: bool, max_num_seqs=16, max_s
     Scheduler's arguments (adapter_ready, adapter_resident)."""
     sched = Scheduler(pool.available_pages, lambda sid: pool.add_sequence(by_id[sid]), pool.remove_sequence,
                       max_num_seqs, max_step_tokens, adapter_pages=pool.pages_to_run,
-                      one_adapter_per_batch=one_adapter)
+                      one_adapter_per_batch=one_adapter, **kw)
     by_id, done = {}, []
     for slot, n, m in requests:
         s = Sequence(list(range(n)), SamplingParams(max_tokens=m))
@@ -203,11 +203,11 @@ def test_a_request_whose_adapter_is_not_ready_waits_without_holding_up_the_other
 # --- fair share (the virtual token counter) -------------------------------------------------------
 
 
-def _fair_scheduler(pool: FakePool, max_num_seqs: int, fair: bool = True, one_adapter: bool = False):
+def _fair_scheduler(pool: FakePool, max_num_seqs: int, fair: bool = True, one_adapter: bool = False, **kw):
     by_id: dict = {}
     sched = Scheduler(pool.available_pages, lambda sid: pool.add_sequence(by_id[sid]), pool.remove_sequence,
                       max_num_seqs, 128, adapter_pages=pool.pages_to_run, fair_share=fair,
-                      one_adapter_per_batch=one_adapter)
+                      one_adapter_per_batch=one_adapter, **kw)
     return sched, by_id
 
 
@@ -325,3 +325,29 @@ def test_fair_share_serves_every_request_that_fits_and_preempted_ones_resume(one
         preemptions += sched.num_preemptions
     assert preemptions > 0  # the pool is tight: preempted sequences were resumed and counted once
 
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_the_resident_preference_within_fair_share_and_fifo(fair):
+    """B (adapter 1, pinned) floods the queue; A (adapter 0, not resident) then asks for three, one
+    request running at a time. Without the residency callback fair share admits A at once (its
+    counter is lifted to B's, then B's grows) and FIFO behind all of B. With it, A is deferred while
+    its adapter is not resident, MAX_SKIPS admissions at most; once it ran, its adapter is resident
+    and fair share gives A the places its counter earns (FIFO: A's requests keep their places)."""
+    def admissions(resident: bool) -> list:
+        pool = FakePool(1024, {0: 2, 1: 2}, pinned=(1,))
+        kw = dict(adapter_resident=lambda a: pool.adapters[a]["resident"]) if resident else {}
+        sched, by_id = _fair_scheduler(pool, max_num_seqs=1, fair=fair, **kw)
+        _submit(sched, by_id, "B", 1, 20)
+        admitted: list = []
+        _step(sched, pool, admitted)
+        _submit(sched, by_id, "A", 0, 3)
+        while _step(sched, pool, admitted):
+            pass
+        assert not sched.waiting and len(admitted) == 23
+        return [i for i, s in enumerate(admitted) if s.adapter_name == "A"]
+
+    plain, preferring = admissions(False), admissions(True)
+    if fair:
+        assert plain[0] == 1 and preferring == [1 + MAX_SKIPS, 2 + MAX_SKIPS, 3 + MAX_SKIPS], (plain, preferring)
+    else:  # FIFO: A is last either way, its adapter paged in when nothing else waits
+        assert plain == preferring == [20, 21, 22]
