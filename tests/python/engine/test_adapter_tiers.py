@@ -207,3 +207,49 @@ def test_a_folder_gone_after_its_copy_was_dropped_fails_its_requests_alone(tiers
     s = eng.stats()
     assert s["adapter_disk_hits"] == 2 and s["adapter_disk_reads"] == 1
     assert s["running"] == s["waiting"] == 0 and s["pool_pages_kv"] == 0
+
+
+def test_tiers_with_the_prefix_cache_and_fair_share_match_peft(tiers):
+    """Everything at once on the 16-page pool: fair share, the prefix cache, prefetch and a host
+    budget of three pages. Requests of four adapters and the base model share two system prompts and
+    arrive in bursts; the adapter qd is loaded while the running requests fill the pool (no pages for
+    it yet) and then served. Cached pages and idle adapters are evicted by one order, copies
+    are dropped and read again, adapters are paged in ahead of their requests; the pool's bookkeeping
+    holds after every step and every greedy output is PEFT's."""
+    lib, d, refs = tiers
+    systems = [LONG[:2 * 16], [(3 * i + 7) % 128 for i in range(16 + 5)]]
+    names = ["qa", "qb", None, "qc", "qd"]
+    eng = LLMEngine(lib, "cpu", max_num_seqs=4, adapter_host_bytes=BUDGET, fair_share=True,
+                    enable_prefix_caching=True)
+    for n in ("qa", "qb", "qc"):
+        eng.adapters.load(n, d / n)
+    outs, busy_load = [], None
+    for step in range(2000):
+        if step < 240 and step % 12 == 0:  # a burst of three
+            for i in range(step // 4, step // 4 + 3):
+                name = names[i % (5 if busy_load else 4)]
+                prompt = systems[i % 2][:20 + 3 * (i % 5)] + [(11 * i + k) % 128 for k in range(1 + i % 7)]
+                n, toks = 6 + i % 7, []
+                eng.add(eng.make_sequence(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                                          name, sink=lambda o, toks=toks: toks.extend(s.token for s in o.tokens)))
+                outs.append((name, prompt, n, toks))
+        s = eng.pool.stats()
+        if busy_load is None and len(eng.scheduler.running) >= 3 and s.free_pages + s.evictable_pages < PAGES["qd"]:
+            busy_load = eng.adapters.load("qd", d / "qd")
+        eng.step()
+        eng.pool.check_invariants()
+        if step >= 240 and not eng.has_work():
+            break
+    assert not eng.has_work()
+    # registered without pages; its 4 pages are over the host budget, so its copy waits on disk
+    assert busy_load is not None and (busy_load["resident"], busy_load["tier"]) == (False, "disk"), busy_load
+    for name, prompt, n, toks in outs:
+        assert toks == peft_greedy(refs[name], prompt, n), (name, prompt, n)
+    s = eng.stats()
+    print({k: v for k, v in s.items() if k.startswith(("prefix", "adapter_", "num_pre"))})
+    assert sum(1 for name, *_ in outs if name == "qd") >= 4
+    assert s["tokens_served"]["adapters"]["qd"]["generated_tokens"] > 0
+    assert s["prefix_cache_hit_tokens"] > 0 and s["prefix_cache_evictions"] > 0
+    assert s["adapter_evictions"] > 0 and s["adapter_prefetch_page_ins"] > 0
+    assert s["adapter_host_drops"] > 0 and s["adapter_disk_reads"] > 0
+    assert s["pool_pages_kv"] == 0 and s["running"] == s["waiting"] == 0
