@@ -286,11 +286,11 @@ class Scheduler:
         after the others until it has been passed over MAX_SKIPS times (each admission while it is
         deferred counts once; then it is tried next)."""
         deferred: list[Sequence] = []
+        due: list[Sequence] = []  # deferred ones passed over MAX_SKIPS times
         queue = self.queue_order()
         while True:
-            seq = next((d for d in deferred if d.skipped >= MAX_SKIPS), None)
-            if seq is not None:
-                deferred.remove(seq)
+            if due:
+                seq = due.pop(0)
             else:
                 seq = next(queue, None)
                 if seq is None:
@@ -303,6 +303,8 @@ class Scheduler:
             if seq.status == Status.RUNNING:  # admitted: the deferred ones were passed over
                 for d in deferred:
                     d.skipped += 1
+                due += [d for d in deferred if d.skipped >= MAX_SKIPS]
+                deferred = [d for d in deferred if d.skipped < MAX_SKIPS]
         yield from deferred
 
     def queue_order(self) -> Iterator[Sequence]:
