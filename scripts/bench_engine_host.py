@@ -3,7 +3,7 @@ AsyncMLCEngine (as scripts/harness/offline.py drives them) on a tiny random Llam
 cheap, so that what the host does around each step (scheduling, appending tokens, detokenizing,
 stop checks, handing outputs to the asyncio side, the engine loop) shows.
 
-  python scripts/bench_engine_host.py [--requests 256] [--out-len 64 200] [--adapters 4]
+  python scripts/bench_engine_host.py [--requests 256] [--out-len 64 200] [--adapters 4] [--base]
                                       [--tokenizer smollm2|none] [--stream] [--profile] [--workdir DIR]
 
 The model: 2 layers, hidden 64, a vocabulary of 8192 tokens (the first of the embedded SmolLM2's
@@ -45,13 +45,13 @@ VOCAB = 8192  # (with the tokenizer: its first 8192 tokens) a cheap lm_head and 
 MAX_BATCH, CHUNK, RANK, POOL_PAGES = 256, 2048, 8, 6144
 
 
-def build(out: Path, tokenizer: str) -> Path:
+def build(out: Path, tokenizer: str, lora: bool = True) -> Path:
     """The tiny model's compiled folder (compiled on first use)."""
     from mlc_lora.compile import CompileOptions  # pylint: disable=import-outside-toplevel
     from mlc_lora.contract import CONFIG_FILE, TOKENIZER_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
-    out = out / tokenizer
+    out = out / (tokenizer if lora else f"{tokenizer}-base")
     if (out / CONFIG_FILE).is_file():
         return out
     info = {}
@@ -63,9 +63,9 @@ def build(out: Path, tokenizer: str) -> Path:
         (out / TOKENIZER_FILE).write_text(src.tokenizer_json)
         info = {k: v for k, v in src.tokenizer_config.items() if k != "chat_template"}
         info["file"] = TOKENIZER_FILE
+    lora_opts = dict(max_lora_rank=RANK, lora_pool_pages=POOL_PAGES, lora_kernel="sgmv") if lora else {}
     opts = CompileOptions(target="llvm", dtype="float32", context_window_size=1024, prefill_chunk_size=CHUNK,
-                          max_batch_size=MAX_BATCH, max_lora_rank=RANK, lora_pool_pages=POOL_PAGES,
-                          lora_kernel="sgmv")
+                          max_batch_size=MAX_BATCH, **lora_opts)
     secs = random_model.build(out, dict(MODEL, vocab_size=VOCAB), opts, name="llama-host-bench")
     cfg = json.loads((out / CONFIG_FILE).read_text())
     cfg["tokenizer"] = info
@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", type=int, default=4, help="LoRA adapters (rank 8) the requests share with "
                    "the base model, round-robin (0: base model only)")
     p.add_argument("--tokenizer", choices=["smollm2", "none"], default="smollm2")
+    p.add_argument("--base", action="store_true", help="the model compiled without LoRA (with --adapters 0; "
+                   "against the LoRA library with --adapters 0: what LoRA costs the host with no adapter)")
     p.add_argument("--stream", action="store_true", help="stream every request (one chunk per token)")
     p.add_argument("--repeat", type=int, default=2, help="timed runs (the best is reported)")
     p.add_argument("--parts", action="store_true", help="also time append, emit and detokenize (per token)")
@@ -146,11 +148,13 @@ def main(argv=None) -> int:
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
     from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
-    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
+    from mlc_lora.contract import CONFIG_FILE, PAGE_SIZE  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
     from mlc_lora.tokenizer import Detokenizer  # pylint: disable=import-outside-toplevel
 
-    folder = build(Path(a.workdir), a.tokenizer)
+    if a.base and a.adapters:
+        raise SystemExit("--base: the library has no LoRA; pass --adapters 0")
+    folder = build(Path(a.workdir), a.tokenizer, lora=not a.base)
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     weights = random_model.make_params(cfg, torch, "cpu", seed=a.seed)
     params = [tvm_ffi.from_dlpack(weights[n]) for n in cfg["param_names"]]
@@ -161,7 +165,9 @@ def main(argv=None) -> int:
     names = [f"a{i}" for i in range(a.adapters)]
     assign = [(names + [None])[i % (len(names) + 1)] for i in range(len(reqs))]
 
-    engine = AsyncMLCEngine(folder, "cpu", max_num_seqs=MAX_BATCH, params=params)
+    # the base library's KV pool as large as the LoRA library's (the same batches)
+    total = (POOL_PAGES - 1) * PAGE_SIZE if a.base else None
+    engine = AsyncMLCEngine(folder, "cpu", max_num_seqs=MAX_BATCH, max_total_tokens=total, params=params)
     timers, eng = Timers(), engine.engine  # the engine thread's time, by part (its calls looked up per call)
     timers.wrap(eng, "step", "step")
     timers.wrap(eng.scheduler, "schedule", "schedule")
@@ -191,7 +197,7 @@ def main(argv=None) -> int:
         return st["num_steps"], sum(v["seconds"] for v in st["step_times"].values())
 
     try:
-        modules = [m["name"] for m in cfg["lora"]["modules"]]
+        modules = [m["name"] for m in cfg["lora"]["modules"]] if names else []
         for i, name in enumerate(names):
             ad = random_model.random_adapter(name, cfg["model_config"], modules, RANK, torch, "cpu", seed=i)
             asyncio.run(engine.load_adapter(name, ad, pin=True))

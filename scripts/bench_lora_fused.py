@@ -57,13 +57,31 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
         self.scale = torch.full((N, P), SCALE, dtype=torch.float32, device=dev)
         self.y = [torch.empty((T, self.out_f), device=dev, dtype=dtype) for _ in range(2)]
         self.v = torch.empty((LT.scratch_elems(T, self.widths),), device=dev, dtype=torch.float32)
+        # the split one-kernel linear's partial sums, for any tile shape the tuner tries, and its counters
+        self.ws = torch.empty((-(-T // 16) * (self.out_f // 16) * 8 * 64 * (64 + LT.RANK_COLUMNS),),
+                              device=dev, dtype=torch.float32) if T <= LT.FUSED_MAX_TOKENS else self.v
+        self.cnt = torch.zeros((LT.COUNTER_SLOTS * 4,), device=dev, dtype=torch.int32)
         self.mod_ids = list(range(P))
 
     def launch_linear(self, c, consts, warps, slots=None):
-        grid = (-(-self.T // consts["BM"]), self.out_f // consts["BN"])
+        grid = (-(-self.T // consts["BM"]) * consts["SPLIT"], self.out_f // consts["BN"])
         self.LT.lora_linear_kernel[grid](self.x[c], self.w[c], self.arena, self.slot, self.rank, self.scale,
-                                         self.a_off[c], self.b_off[c], self.y[c % 2], self.T,
+                                         self.a_off[c], self.b_off[c], self.y[c % 2], self.ws, self.cnt, self.T,
                                          self.N if slots is None else slots, 0, **consts, num_warps=warps)
+
+    def error(self):
+        """The relative error of y[0] (copy 0's output) in its LoRA delta against float64."""
+        x, w, slot = self.x[0].double(), self.w[0].double(), self.slot
+        ref = x @ w.t()
+        base = ref.clone()
+        o = 0
+        for p, wp in enumerate(self.widths):
+            a, b = self.mods[p][0][0].double(), self.mods[p][1][0].double()  # (N, r, in), (N, out, r)
+            for s in range(self.N):
+                rows = (slot == s).nonzero().flatten()
+                ref[rows, o:o + wp] += SCALE * (x[rows] @ a[s].t()) @ b[s].t()
+            o += wp
+        return ((self.y[0].double() - ref).norm() / (ref - base).norm()).item()
 
     def launch_shrink(self, c, go):
         self.LT.lora_shrink_cols_kernel[go["shrink_grid"]](self.x[c], self.arena, self.rank, self.scale, self.a_off[c],
@@ -95,18 +113,8 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
         pt.launch_shrink(c, go)
         pt.launch_expand(c, go)
 
-    # float64 check of copy 0
     fused(0)
-    ref = x[0].double() @ w[0].double().t()
-    base = ref.clone()
-    o = 0
-    for p, wp in enumerate(widths):
-        a, b = mods[p][0][0].double(), mods[p][1][0].double()  # (N, r, in), (N, out, r)
-        for s in range(N):
-            rows = (slot == s).nonzero().flatten()
-            ref[rows, o:o + wp] += SCALE * (x[0][rows].double() @ a[s].t()) @ b[s].t()
-        o += wp
-    err = ((y[0].double() - ref).norm() / (ref - base).norm()).item()
+    err = pt.error()
     cands = {"cublas": (lambda c: torch.matmul(x[c], w[c].t(), out=y[c % 2]), copies),
              "fused": (fused, copies)}
     if peers is not None:
@@ -141,14 +149,19 @@ def _linear_configs(LT, pt, bm):
     cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, bm, 8)
     out = [(cur, warps)]
     narrow = sum(widths) < 8192
-    for bn in ((16, 32) if narrow else (64, 128)):
-        for bk in ((256, 512) if narrow else (64, 128)):
-            for stages, w in ((4, 4), (6, 4), (8, 4), (4, 8), (6, 8)):
-                if any(x % bn for x in widths) or in_f % bk:
-                    continue
-                c = dict(cur, BN=bn, BK=bk, STAGES=stages)
-                if (c, w) not in out:
-                    out.append((c, w))
+    # narrow linears: input splits (the counters and partial sums); wide ones do not split
+    shapes = ([(bn, bk, 4, 4, sp) for bn in (16, 32) for bk in (128, 256) for sp in (1, 2, 3, 4, 8)] if narrow else
+              [(bn, bk, st, w, 1) for bn in (64, 128) for bk in (64, 128)
+               for st, w in ((4, 4), (6, 4), (8, 4), (4, 8), (6, 8))])
+    # the products transposed (the outputs on the warpgroup MMA's 64 rows, the tokens its columns)
+    shapes = [(bn, bk, st, w, sp, 0) for bn, bk, st, w, sp in shapes] + [
+        (bn, bk, 4, 4, sp, 1) for bn in (64, 128) for bk in (64, 128) for sp in ((1, 2, 4) if narrow else (1,))]
+    for bn, bk, stages, w, split, swap in shapes:
+        if any(x % bn for x in widths) or in_f % bk or in_f // bk < split:
+            continue
+        c = dict(cur, BN=bn, BK=bk, STAGES=stages, SPLIT=split, SWAP=swap)
+        if (c, w) not in out:
+            out.append((c, w))
     return out
 
 
@@ -192,7 +205,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
             if T <= LT.FUSED_MAX_TOKENS:
                 bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
                 cfgs = _linear_configs(LT, pt, bm)
-                groups["linear"] = {f"BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w}": (
+                groups["linear"] = {f"BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"
+                                    f"{' swap' if c['SWAP'] else ''}": (
                     lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in cfgs}
                 # the compiled shape with no adapter in the batch: the kernel's GEMM alone
                 groups["linear"]["compiled, no adapter"] = (lambda i, c=cfgs[0]: pt.launch_linear(i, c[0], c[1], 0))
@@ -218,6 +232,10 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                     try:
                         fn(0)
                         torch.cuda.synchronize()
+                        if kind == "linear" and label != "cublas" and "no adapter" not in label:
+                            fn(0)  # twice: the split tiles' counters were left at zero
+                            if not pt.error() < TOL:
+                                raise RuntimeError(f"its LoRA delta is off: error {pt.error():.3g}")
                         ok[label] = (fn, pt.copies)
                     except Exception as e:  # pylint: disable=broad-except  (e.g. out of shared memory)
                         print(f"  {name} T={T} {kind} {label}: {type(e).__name__}: {str(e)[:80]}")

@@ -265,7 +265,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
         torch.cuda.synchronize()
     print(f"weights: {sum(v.numel() for v in weights.values()) / 1e9:.2f} B params on {tdev} in {time.time() - t0:.1f} s")
     params = {n: tvm_ffi.from_dlpack(v) for n, v in weights.items()}
-    if a.smoke and not a.no_check:
+    if (a.smoke or a.check) and not a.no_check:
         err = max(check_parity(lib_dir, a.device, tdev, weights, params, torch, a.seed, ranks)
                   for ranks in ((8, 64), (8, 16)))
         tol = 1e-4 if cfg["dtype"] == "float32" else 2e-2
@@ -347,6 +347,8 @@ def main(argv=None) -> int:
     r.add_argument("--smoke", action="store_true", help="the 2-layer model, 16 short prompts, and a logits "
                    "check of the LoRA library (prefill + graph decode, mixed adapters) against torch")
     r.add_argument("--no-check", action="store_true", help="skip the smoke run's logits check")
+    r.add_argument("--check", action="store_true", help="the logits check of --smoke on the full-size model too "
+                   "(its torch reference in float32)")
     r.add_argument("--configs", default="base,lora4,lora64",
                    help=f"comma-separated, run in this order, from {', '.join(CONFIGS)}")
     r.add_argument("--assign", choices=["roundrobin", "uniform"], default="roundrobin")

@@ -21,7 +21,9 @@ How: the slots' rank rows sit side by side as "rank columns" c (slot j owns colu
 start_j .. start_j + rank[j], start_j = the ranks of the slots before it). A block of BM tokens x
 BN outputs accumulates x @ W.T and xa = x @ A_cat.T (BM x RANK_COLUMNS) in the same K loop, keeps of
 xa only each token's own slot's columns, scales them, and adds xa @ B_cat.T over its outputs in
-fp32 before the one store. The LoRA product rounds xa to the model dtype (as PEFT's lora_A output).
+fp32 before the one store. Narrow linears (few output tiles) split the K loop over SPLIT blocks per
+tile: each stores its fp32 partial x @ W.T and xa, and the block that finishes last sums them in
+split order and runs the epilogue. The LoRA product rounds xa to the model dtype (as PEFT's lora_A output).
 The pair adds the delta in fp32 to cuBLAS's rounded y (PEFT's order: base output, then delta).
 Reference (both routes): `linear_ref` below.
 """
@@ -47,6 +49,10 @@ RANK_COLUMNS = 32  # the adapters' ranks of a batch sum to at most this (4 x r8,
 SLOT_COLUMNS = 16  # the batch's adapters (slots) number at most this
 DTYPES = ("float16", "bfloat16")
 MAX_PARTS = 3
+# (splits, at least this many input steps of BK): the one-kernel linear's splits of a narrow linear
+# at blocks of 16 tokens, the first that fits (H200, Llama-2-7B: o 32 steps -> 2, down 86 -> 3)
+SPLIT_STEPS = ((3, 64), (2, 16))
+COUNTER_SLOTS = 1024  # the split tiles' counters of one forward (zeros; each kernel leaves them so)
 
 
 def linear_ref(x, w, arena, base, slot, rank, scale, a_off, b_off, mods, widths):
@@ -69,14 +75,32 @@ def linear_ref(x, w, arena, base, slot, rank, scale, a_off, b_off, mods, widths)
 def tile_config(in_f: int, widths: Sequence[int], bm: int) -> dict:
     """Block shape for a linear of `in_f` inputs and these part widths, blocks of `bm` tokens:
     the best measured on the H200 for the Llama-2-7B linears (docs/SGMV.md), 32 output columns
-    for narrow linears (enough blocks to keep the memory busy), 128 for wide ones."""
+    for narrow linears (enough blocks to keep the memory busy), 128 for wide ones. Narrow linears
+    at blocks of 16 tokens split their inputs over 2 or 3 blocks per output tile (SPLIT_STEPS);
+    at 64 tokens a split measured slower."""
     n_out = sum(widths)
     wide = (64, 32, 16) if (n_out >= 16384 and bm == 16) else (128, 64, 32, 16)  # gate|up: 0.93x at 1-16 tokens
     bn = next(b for b in (wide if n_out >= 8192 else (32, 16)) if all(w % b == 0 for w in widths))
-    prefer = 256 if (bn == 32 and bm == 16) else (64 if n_out >= 16384 else 128)
+    split = 1
+    if n_out < 8192 and bm == 16 and in_f % 128 == 0:  # (the splits were measured with BK = 128)
+        split = next((s for s, steps in SPLIT_STEPS if in_f // 128 >= steps), 1)
+    prefer = 128 if split > 1 else 256 if (bn == 32 and bm == 16) else (64 if n_out >= 16384 else 128)
     bk = next((b for b in (256, 128, 64, 32, 16) if b <= prefer and in_f % b == 0), None)
     warps = 8 if (bn == 128 and bk == 128) else 4
-    return dict(BM=bm, BN=bn, BK=bk, STAGES=4, num_warps=warps)
+    return dict(BM=bm, BN=bn, BK=bk, STAGES=4, SPLIT=split, SWAP=0, num_warps=warps)
+
+
+def split_scratch_elems(in_f: int, widths: Sequence[int]) -> int:
+    """fp32 elements of the split one-kernel linear's partial sums (0 when it does not split): a
+    slot of BM x (BN + RANK_COLUMNS) per split of each output tile, for the most tokens it runs at."""
+    out = 0
+    for bm, most in ((16, SMALL_MAX_TOKENS), (64, FUSED_MAX_TOKENS)):
+        cfg = tile_config(in_f, widths, bm)
+        if cfg["SPLIT"] > 1:
+            tiles = -(-most // bm) * (sum(widths) // cfg["BN"])
+            assert tiles <= COUNTER_SLOTS, (tiles, COUNTER_SLOTS)
+            out = max(out, tiles * cfg["SPLIT"] * bm * (cfg["BN"] + RANK_COLUMNS))
+    return out
 
 
 def supported(dtype: str, weight_dtype: str, in_f: int, widths: Sequence[int]) -> str | None:
@@ -138,14 +162,51 @@ if triton is not None:
         in2 = (n0 >= W0 + W1).to(tl.int32)
         return in1 + in2, m0 + in1 * (m1 - m0) + in2 * (m2 - m1), in1 * W0 + in2 * W1
 
+    @triton.jit
+    def _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo, k_hi, K: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr, STAGES: tl.constexpr,
+                SWAP: tl.constexpr):
+        """(x @ W.T, x @ A_cat.T) over inputs [k_lo, k_hi): (BM x BN, BM x RS) fp32. SWAP: the
+        products taken transposed (W @ x.T: the outputs are the MMA's rows, the tokens its columns,
+        so a block of few tokens still fills Hopper's 64-row warpgroup MMA), then transposed back."""
+        kk = tl.arange(0, BK)
+        if SWAP:
+            x_ptrs = x_ptr + rows[None, :].to(tl.int64) * K + kk[:, None]  # (BK, BM)
+            w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + kk[None, :]  # (BN, BK)
+            a_ptrs = arena_ptr + a_row[:, None] + kk[None, :]  # (RS, BK)
+            acc_t = tl.zeros((BN, BM), dtype=tl.float32)
+            xa_t = tl.zeros((RS, BM), dtype=tl.float32)
+            for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+                xt = tl.load(x_ptrs + k0, mask=rmask[None, :], other=0.0)
+                acc_t = tl.dot(tl.load(w_ptrs + k0), xt, acc_t)
+                xa_t = tl.dot(tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0), xt, xa_t)
+            return tl.trans(acc_t), tl.trans(xa_t)
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
+        a_ptrs = arena_ptr + a_row[None, :] + kk[:, None]
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        xa = tl.zeros((BM, RS), dtype=tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
+            acc = tl.dot(xt, tl.load(w_ptrs + k0), acc)
+            xa = tl.dot(xt, tl.load(a_ptrs + k0, mask=valid[None, :], other=0.0), xa)
+        return acc, xa
+
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_linear", "x_ptr"))
     def lora_linear_kernel(x_ptr, w_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, boff_ptr, y_ptr,
-                           n, S, base,
+                           ws_ptr, cnt_ptr, n, S, base,
                            K: tl.constexpr, N: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
                            m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr,
                            W1: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr):
-        pid_m = tl.program_id(0)
+                           RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
+                           SPLIT: tl.constexpr, SWAP: tl.constexpr):
+        """Grid (token tiles x SPLIT, N / BN). SPLIT > 1 (narrow linears: too few output tiles to
+        keep the memory busy): split k of a tile sums inputs [k * PER, (k + 1) * PER) into its slot
+        of ws (fp32 x @ W.T and xa) and counts itself in cnt[tile]; the block that counts last sums
+        the SPLIT slots in split order (the same bits whichever block is last), adds the delta,
+        stores y and sets cnt[tile] back to 0 (cnt holds zeros when the kernel starts)."""
+        pid_m = tl.program_id(0) // SPLIT
+        pid_k = tl.program_id(0) % SPLIT
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         rmask = rows < n
@@ -154,20 +215,40 @@ if triton is not None:
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
         scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
         a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
-        kk = tl.arange(0, BK)
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
-        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
-        a_ptrs = arena_ptr + a_row[None, :] + kk[:, None]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        xa = tl.zeros((BM, RS), dtype=tl.float32)
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
-            acc = tl.dot(xt, tl.load(w_ptrs + k0), acc)
-            xa = tl.dot(xt, tl.load(a_ptrs + k0, mask=valid[None, :], other=0.0), xa)
-        delta, _ = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols, o_p,
-                          x_ptr.dtype.element_ty, ALIGN)
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], (acc + delta).to(y_ptr.dtype.element_ty),
-                 mask=rmask[:, None])
+        if SPLIT == 1:
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, 0, K, K, BM, BN, BK, RS,
+                              STAGES, SWAP)
+            delta, _ = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
+                              o_p, x_ptr.dtype.element_ty, ALIGN)
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+                     (acc + delta).to(y_ptr.dtype.element_ty), mask=rmask[:, None])
+        else:
+            PER: tl.constexpr = (K // BK + SPLIT - 1) // SPLIT * BK  # inputs per split, a multiple of BK
+            k_lo = tl.multiple_of(pid_k * PER, BK)
+            # no mask along the inputs (a varying one makes scalar loads): the last split ends at K
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo,
+                              tl.minimum(K, k_lo + PER), K, BM, BN, BK, RS, STAGES, SWAP)
+            TILE: tl.constexpr = BM * (BN + RS)
+            tile = pid_m * (N // BN) + pid_n
+            r = tl.arange(0, BM)
+            acc_at = r[:, None] * BN + tl.arange(0, BN)[None, :]
+            xa_at = BM * BN + r[:, None] * RS + tl.arange(0, RS)[None, :]
+            mine = ws_ptr + (tile * SPLIT + pid_k).to(tl.int64) * TILE
+            tl.store(mine + acc_at, acc)
+            tl.store(mine + xa_at, xa)
+            tl.debug_barrier()  # every thread's partial stored before the count (released by it)
+            if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                tot = tl.zeros((BM, BN), dtype=tl.float32)
+                xs = tl.zeros((BM, RS), dtype=tl.float32)
+                for k in tl.static_range(SPLIT):
+                    part = ws_ptr + (tile * SPLIT + k).to(tl.int64) * TILE
+                    tot += tl.load(part + acc_at, cache_modifier=".cg")
+                    xs += tl.load(part + xa_at, cache_modifier=".cg")
+                dt, _ts = _delta(xs, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base,
+                                 cols, o_p, x_ptr.dtype.element_ty, ALIGN)
+                tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+                         (tot + dt).to(y_ptr.dtype.element_ty), mask=rmask[:, None])
+                tl.atomic_xchg(cnt_ptr + tile, 0)
 
     @triton.jit
     def _a_rows(m, jc, kc, js, scale_ptr, aoff_ptr, base, M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr,
@@ -247,9 +328,10 @@ if triton is not None:
 def _signature(dtype: str) -> dict:
     e = triton_build.PTR[dtype]
     sig = dict(x_ptr=e, w_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32",
-               aoff_ptr="*i32", boff_ptr="*i32", y_ptr=e, n="i32", S="i32", base="i64")
+               aoff_ptr="*i32", boff_ptr="*i32", y_ptr=e, ws_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32",
+               base="i64")
     sig.update({k: "constexpr" for k in ("K", "N", "M", "R", "m0", "m1", "m2", "W0", "W1", "BM", "BN", "BK",
-                                          "RS", "SC", "STAGES", "ALIGN")})
+                                          "RS", "SC", "STAGES", "ALIGN", "SPLIT", "SWAP")})
     return sig
 
 
@@ -261,7 +343,7 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     w = (list(widths) + [0] * MAX_PARTS)[:2]
     consts = dict(K=in_f, N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
                   BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
-                  STAGES=cfg["STAGES"], ALIGN=align)
+                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"])
     return consts, cfg["num_warps"]
 
 
@@ -345,7 +427,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         consts, warps = constants(in_f, widths, mods, M, R, bm, align)
         name, threads, shared, mod = triton_build.cuda_module(lora_linear_kernel, _signature(dtype), consts, warps,
                                                               arch, Path(__file__))
-        built[bm] = (name, threads, shared, W // consts["BN"])
+        built[bm] = (name, threads, shared, W // consts["BN"], consts["SPLIT"])
         mods_out.append(mod)
     sig_s, sig_e = _cols_signatures(dtype)
     shrinks = {}
@@ -360,8 +442,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     mods_out.append(emod)
     e_nt, bk = W // ce["BN"], cs["BK"]
     steps = in_f // bk
-    sn, sth, ssh, s_nt = built[16]
-    ln, lth, lsh, l_nt = built[64]
+    sn, sth, ssh, s_nt, s_split = built[16]
+    ln, lth, lsh, l_nt, l_split = built[64]
     qn, qth, qsh, q_bm = shrinks["small"]
     gn, gth, gsh, g_bm = shrinks["large"]
 
@@ -390,8 +472,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
     def lora_linear_triton(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
-                           scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle,
-                           v_h: T.handle):
+                           scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, cnt_h: T.handle,
+                           y_h: T.handle, v_h: T.handle):
         T.func_attr(kernel_attrs(True))
         n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
         x = T.match_buffer(x_h, (n, in_f), dtype)
@@ -402,17 +484,20 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         scale = T.match_buffer(scale_h, (S, M), "float32")
         a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
         b_off = T.match_buffer(boff_h, (S, M, R), "int32")
+        cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
         y = T.match_buffer(y_h, (n, W), dtype)
         v = T.match_buffer(v_h, (nv,), "float32")
         if n > 0:
             if n <= SMALL_MAX_TOKENS:
                 T.call_packed(sn, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                              b_off.data, y.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                              T.int64(0), T.int64(0), T.Cast("int32", (n + 15) // 16), s_nt, sth, ssh)
+                              b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                              layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 15) // 16 * s_split),
+                              s_nt, sth, ssh)
             elif n <= FUSED_MAX_TOKENS:
                 T.call_packed(ln, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                              b_off.data, y.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                              T.int64(0), T.int64(0), T.Cast("int32", (n + 63) // 64), l_nt, lth, lsh)
+                              b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                              layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 63) // 64 * l_split),
+                              l_nt, lth, lsh)
             else:
                 T.call_packed(CUBLAS_GEMM, x, w, y)
                 if n <= SHRINK_SMALL_MAX_TOKENS:
@@ -434,9 +519,10 @@ class FusedLinear:
             return f"target {target.kind.name} (the kernel is CUDA)"
         return supported(dtype, weight_dtype, in_f, widths)
 
-    def emit(self, ctx, x, w, layer: int, parts: Sequence, tables: Mapping, out_shape):
+    def emit(self, ctx, x, w, layer: int, parts: Sequence, tables: Mapping, counters, out_shape):
         """y = x @ W.T + every token's delta, (n, W) reshaped to `out_shape` (not yet emitted).
-        ctx: the rewrite's LoraContext; x (n, in) and w (W, in) relax Vars; parts: ops/lora Parts."""
+        ctx: the rewrite's LoraContext; x (n, in) and w (W, in) relax Vars; parts: ops/lora Parts;
+        counters: the function's (COUNTER_SLOTS,) int32 zeros (`counters()`), shared by its linears."""
         from tvm import relax  # pylint: disable=import-outside-toplevel
 
         from .stage import layer_arg, tokens  # pylint: disable=import-outside-toplevel
@@ -457,12 +543,20 @@ class FusedLinear:
             return func
 
         fn = ctx.kernel(key, f"lora_linear_triton_m{tag}_{in_f}x{sum(widths)}", make)
+        scratch = scratch_elems(n, widths) + split_scratch_elems(in_f, widths)
         out = bb.emit(relax.call_tir(fn, [x, w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"], t["lora_scale"],
-                                          t["lora_a_off"], t["lora_b_off"], layer_arg(layer)],
+                                          t["lora_a_off"], t["lora_b_off"], layer_arg(layer), counters],
                                      [relax.TensorType([n, sum(widths)], dtype),
-                                      relax.TensorType([scratch_elems(n, widths)], "float32")]))
+                                      relax.TensorType([scratch], "float32")]))
         y = bb.emit(relax.TupleGetItem(out, 0))
         return relax.op.reshape(y, out_shape)
+
+    @staticmethod
+    def counters():
+        """The split tiles' counters of one function (emit it once, before its first linear)."""
+        from tvm import relax  # pylint: disable=import-outside-toplevel
+
+        return relax.op.zeros(relax.ShapeExpr([COUNTER_SLOTS]), "int32")
 
 
 FUSED = FusedLinear()

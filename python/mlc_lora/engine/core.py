@@ -85,6 +85,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             # the pool (KV and adapter pages) defaults to the compiled --lora-pool-pages
             total = (lora.pool_pages - 1) * PAGE_SIZE
         self.pool = self.runner.create_pool(self.max_num_seqs, total, chunk)
+        self._capture_graphs()
         self.adapters = AdapterTable(self.runner, self.pool, adapter_host_bytes, prefetch_adapters)
         self.sampler = Sampler(self.runner)
         try:
@@ -281,6 +282,18 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                 self._append(batch.seqs[i], s)
             except Exception as e:  # pylint: disable=broad-except
                 self._fail(batch.seqs[i], MLCLoraError(f"request failed: {e}"))
+
+    def _capture_graphs(self) -> None:
+        """A library compiled with CUDA graphs: its decode graphs captured now, one per padded
+        batch size (the runner pads decode batches to them), not during the first requests."""
+        t0 = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            if done == 1 or done == total or done % 10 == 0:
+                log.info("decode CUDA graphs: %d of %d batch sizes captured (%.1f s)", done, total,
+                         time.perf_counter() - t0)
+
+        self.runner.capture_decode_graphs(self.pool, progress)
 
     def _time_step(self, batch: Batch, seconds: float) -> None:
         """Steps and seconds (forward + sampling, which waits for the device) per kind and size:

@@ -88,6 +88,11 @@ class Runner(abc.ABC):
     def decode(self, pool: Pool, seq_ids: Sequence[int], tokens: Sequence[int], lora: LoraInputs = None):
         """One decode step, one token per sequence; the logits (b, V)."""
 
+    def capture_decode_graphs(self, pool: Pool, progress=None) -> int:  # pylint: disable=unused-argument
+        """Capture the decode's CUDA graphs before serving (libraries compiled with them); the
+        batch sizes captured (0: none to capture)."""
+        return 0
+
 
 def logit_rows(lengths: Sequence[int], positions: Optional[Sequence[Sequence[int]]] = None) -> np.ndarray:
     """`prefill`'s logit_positions: each sequence's last token, or the given `positions` inside

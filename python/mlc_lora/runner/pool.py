@@ -24,6 +24,7 @@ from .config import CompiledConfig
 from .device import _tvm
 
 # TVM's KV-state builtins (any paged KV cache).
+PAD_SEQUENCE_IDS = 1 << 62  # the first id of the padding sequences (`Pool.padding_sequences`)
 KV_ADD = "vm.builtin.kv_state_add_sequence"
 KV_REMOVE = "vm.builtin.kv_state_remove_sequence"
 KV_FORK = "vm.builtin.kv_state_fork_sequence"
@@ -127,6 +128,7 @@ class Pool(abc.ABC):
     def __init__(self, handle: Any, compiled: CompiledConfig):
         self.handle = handle
         self.compiled = compiled  # the model's config (adapters are checked and packed for it)
+        self._pads: list[int] = []  # padding_sequences
 
     @property
     def lora(self) -> Optional[LoraSpec]:
@@ -171,6 +173,29 @@ class Pool(abc.ABC):
 
     def sequence_length(self, seq_id: int) -> int:
         return int(self._value(KV_SEQUENCE_LENGTH, seq_id))
+
+    def padding_sequences(self, k: int) -> list[int]:
+        """`k` sequences of no request (ids from PAD_SEQUENCE_IDS, no adapter), empty between
+        steps, that pad a decode batch to the size of a captured CUDA graph: each takes one page
+        for its step's token, which `clear_padding` gives back. Added on first use, then kept."""
+        pads = self._pads
+        while len(pads) < k:
+            self.add_sequence(PAD_SEQUENCE_IDS + len(pads))
+            pads.append(PAD_SEQUENCE_IDS + len(pads))
+        return pads[:k]
+
+    def clear_padding(self, pads: Sequence[int]) -> None:
+        """Take the step's token off each padding sequence of a step that began (its page back
+        to the free list)."""
+        for s in pads:
+            self.popn(s, 1)
+
+    def reset_padding(self, pads: Sequence[int]) -> None:
+        """Empty the padding sequences whatever they hold (after a step that failed)."""
+        for s in pads:
+            n = self.sequence_length(s)
+            if n:
+                self.popn(s, n)
 
     def sequence_pages(self, seq_id: int) -> list[int]:
         return [int(p) for p in self._value(POOL_SEQUENCE_PAGES, seq_id)]
@@ -330,9 +355,10 @@ class Pool(abc.ABC):
 class DevicePool(Pool):
     """The pool of a single-device runner: the runtime's functions called here, on its device."""
 
-    def __init__(self, handle: Any, compiled: CompiledConfig):
+    def __init__(self, handle: Any, compiled: CompiledConfig, max_batch_size: Optional[int] = None):
         super().__init__(handle, compiled)
         self._funcs: dict[str, Any] = {}
+        self.max_batch_size = max_batch_size or compiled.max_batch_size  # sequences a forward may hold
 
     @property
     def num_shards(self) -> int:

@@ -8,11 +8,17 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS, PAGE_SIZE
-from ..errors import MLCLoraError
+from ..errors import MLCLoraError, PoolExhaustedError
 from .base import LoraInputs, Runner, logit_rows
 from .config import CompiledConfig
 from .device import ALLOCATORS, POOLED_PREFILL_SIZES, _tvm, default_allocator, device_of, load_cublas
 from .pool import DevicePool
+
+
+def decode_sizes(max_batch: int) -> list[int]:
+    """The decode batch sizes a library compiled with CUDA graphs pads to (as vLLM's capture
+    sizes): 1, 2, 4, then every multiple of 8 below max_batch, and max_batch."""
+    return sorted({n for n in (1, 2, 4) if n < max_batch} | set(range(8, max_batch, 8)) | {max_batch})
 
 
 class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
@@ -52,6 +58,8 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         self._base_arena = None  # zero LoRA arena for all-base batches, made on first use
         # decode captured in CUDA graphs reads the LoRA tables at fixed addresses (_graph_tables)
         self.graph_tables = self.lora is not None and compiled.cuda_graph
+        # ... and runs batches padded to these sizes (one graph each; empty: no padding)
+        self.decode_sizes = decode_sizes(compiled.max_batch_size) if compiled.cuda_graph else []
         self._fixed_tables = None
         self._graph_arena = None
         self._ids_buf = None  # token ids on the device (embed)
@@ -97,7 +105,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         handle = self._vm["create_paged_kv_cache"](
             s([max_batch_size]), s([max_total_seq_len]), s([chunk]), s([page_size]), s([0])
         )
-        pool = DevicePool(handle, self.compiled)
+        pool = DevicePool(handle, self.compiled, max_batch_size)
         if self.lora is not None:
             pool.configure_lora()
         return pool
@@ -255,25 +263,85 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
             out.append(view if i in (0, 5) else buf)
         return out
 
-    def decode(self, pool: DevicePool, seq_ids: Sequence[int], tokens: Sequence[int], lora: LoraInputs = None):
-        """One decode step, one token per sequence; returns logits (b, V) on device."""
+    def decode(self, pool: DevicePool, seq_ids: Sequence[int], tokens: Sequence[int], lora: LoraInputs = None,
+               pad: bool = True):
+        """One decode step, one token per sequence; returns logits (b, V) on device. A library
+        compiled with CUDA graphs pads the batch to the next of `decode_sizes` with padding
+        sequences (`Pool.padding_sequences`; their rows' logits are not returned), so that a graph
+        is captured per bucket, not per batch size."""
         b = len(seq_ids)
-        emb = self.embed(np.asarray(tokens, dtype=np.int32))
-        emb = emb._create_view((b, 1, emb.shape[-1]))  # pylint: disable=protected-access
-        extra = self._begin(pool, seq_ids, [1] * b, lora, b)
-        if extra is None:
-            logits, _ = self._base_fns[1](emb, pool.handle, self.params)
+        pads = self._padding(pool, b, lora) if pad else []
+        emb = self.embed(np.asarray(list(tokens) + [0] * len(pads), dtype=np.int32))
+        emb = emb._create_view((b + len(pads), 1, emb.shape[-1]))  # pylint: disable=protected-access
+        rows = list(seq_ids) + pads
+        try:
+            extra = self._begin(pool, rows, [1] * len(rows), lora, len(rows))
+        except Exception as e:
+            pool.reset_padding(pads)  # (begin_forward may or may not have appended their tokens)
+            if pads and isinstance(e, PoolExhaustedError):  # the padding's pages: the batch as it is
+                return self.decode(pool, seq_ids, tokens, lora, pad=False)
+            raise
+        try:
+            if extra is None:
+                logits, _ = self._base_fns[1](emb, pool.handle, self.params)
+            else:
+                if self.graph_tables:
+                    try:
+                        extra = self._graph_tables(extra, pool, lora)
+                    except MLCLoraError:
+                        pool.end_forward()
+                        for s in seq_ids:  # begin_forward appended the step's token: take it back
+                            pool.popn(s, 1)
+                        raise
+                fn = self._fused(pool, lora, 1) or self._decode
+                logits, _ = fn(emb, pool.handle, *extra, self.params)
             pool.end_forward()
-            return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access
-        if self.graph_tables:
-            try:
-                extra = self._graph_tables(extra, pool, lora)
-            except MLCLoraError:
-                pool.end_forward()
-                for s in seq_ids:  # begin_forward appended the step's token: take it back
-                    pool.popn(s, 1)
-                raise
-        fn = self._fused(pool, lora, 1) or self._decode
-        logits, _ = fn(emb, pool.handle, *extra, self.params)
-        pool.end_forward()
+        except Exception:
+            pool.reset_padding(pads)
+            raise
+        pool.clear_padding(pads)
         return logits._create_view((b, logits.shape[-1]))  # pylint: disable=protected-access
+
+    def _padding(self, pool: DevicePool, b: int, lora: LoraInputs) -> list[int]:
+        """The padding sequences of a decode of b sequences (none without `decode_sizes`, for
+        tables given as a dict, or where the pool has not a page to spare for each beside one
+        for every sequence of the batch: padding never evicts an adapter)."""
+        if not self.decode_sizes or not (lora is None or lora == "pool"):
+            return []
+        k = next((n for n in self.decode_sizes if n >= b), b) - b
+        if k == 0 or b + k > pool.max_batch_size or pool.available_pages() < b + k:
+            return []
+        return pool.padding_sequences(k)
+
+    def capture_decode_graphs(self, pool: DevicePool, progress=None) -> int:
+        """Run every decode function once at every size of `decode_sizes` up to the pool's batch,
+        padding rows only, so that their CUDA graphs are captured now rather than by the first
+        batch of each size; returns the sizes run. `progress(done, total)` is called after each. Stops at the first
+        size the pool has no pages for (those sizes are captured on first use)."""
+        if not self.decode_sizes:
+            return 0
+        fns = [(self._base_fns[1], False)] if self._base_fns is not None else []
+        if self.lora is not None:
+            fns += [(fn, True) for fn in (self._decode, self._fused_fns[1]) if fn is not None]
+        elif not fns:
+            fns = [(self._decode, False)]
+        sizes = [n for n in self.decode_sizes if n <= pool.max_batch_size]
+        done = 0
+        for n in sizes:
+            if pool.available_pages() < n:
+                break
+            pads = pool.padding_sequences(n)
+            emb = self.embed(np.zeros(n, np.int32))
+            emb = emb._create_view((n, 1, emb.shape[-1]))  # pylint: disable=protected-access
+            pool.begin_forward(pads, [1] * n)
+            try:
+                for fn, with_tables in fns:
+                    extra = self._graph_tables(pool.lora_tables(), pool, "pool") if with_tables else []
+                    fn(emb, pool.handle, *extra, self.params)
+                pool.end_forward()
+            finally:
+                pool.clear_padding(pads)
+            done += 1
+            if progress is not None:
+                progress(done, len(sizes))
+        return done

@@ -141,3 +141,21 @@ def test_fused_functions_are_one_kernel_call_per_linear_decode_in_graphs():
     # decode itself is unchanged: cuBLAS/gemv + the sgmv kernels
     dec = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_cuda_graph_capture")]
     assert sum(len(_calls(f, "lora_sgmv_")) for f in dec) == 2 * 4 * cfg.num_hidden_layers
+    # the fused linears of a function share one (COUNTER_SLOTS,) int32 counter tensor of zeros (the
+    # split kernels leave it so), a constant of the library: the same object in every call
+    from mlc_lora.compiler_passes.ops.lora.linear_triton import COUNTER_SLOTS
+
+    for name in (pre, fused):
+        counters = []
+
+        def visit(e):
+            if isinstance(e, relax.Call) and isinstance(e.op, relax.GlobalVar) and \
+                    e.op.name_hint.startswith("lora_linear_triton_"):
+                counters.append(e.args[9])
+
+        for gv, f in lowered.functions_items():
+            if gv.name_hint == name or gv.name_hint.startswith(name + "_cuda_graph_capture"):
+                relax.analysis.post_order_visit(f.body, visit)
+        assert len(counters) == 4 * cfg.num_hidden_layers
+        assert all(isinstance(c, tvm.ir.expr.Constant) and c.same_as(counters[0]) for c in counters)
+        assert counters[0].value.numpy().tolist() == [0] * COUNTER_SLOTS

@@ -29,3 +29,15 @@ def test_bench_engine_host_runs_and_reports_each_part(tmp_path):
         assert float(m.group(4)) > 0 and float(m.group(5)) > 0
         assert re.search(r"append [\d.]+ \(emit [\d.]+, detokenize 0\.00\)", stdout), stdout  # no tokenizer: no detok
     assert "whole)" in out[False] and "stream)" in out[True]
+
+
+def test_bench_engine_host_base_model(tmp_path):
+    """--base: the model compiled without LoRA serves the same requests (no adapter allowed)."""
+    args = [sys.executable, str(SCRIPT), "--requests", "4", "--out-len", "3", "4", "--tokenizer", "none",
+            "--repeat", "1", "--workdir", str(tmp_path), "--base"]
+    r = subprocess.run(args + ["--adapters", "0"], capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"4 requests \((1[2-6]) output tokens, 0 adapters", r.stdout), r.stdout
+    assert (tmp_path / "none-base").is_dir() and not (tmp_path / "none").exists()
+    bad = subprocess.run(args + ["--adapters", "1"], capture_output=True, text=True, timeout=600, check=False)
+    assert bad.returncode != 0 and "--adapters 0" in bad.stderr

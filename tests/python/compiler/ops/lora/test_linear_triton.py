@@ -36,11 +36,15 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
     return dict(x=x, w=w, arena=arena, base=base, slot=slot, rank=rank, scale=scale, a_off=a_off, b_off=b_off)
 
 
-@pytest.mark.parametrize("bm,n", [(16, 21), (64, 70), ("small", 70), ("large", 70)])
+@pytest.mark.parametrize("bm,n,split,swap", [(16, 21, 1, 0), (64, 70, 1, 0), (16, 21, 2, 0), (64, 70, 3, 0),
+                                              (16, 21, 1, 1), (16, 21, 3, 1), ("small", 70, 1, 0),
+                                              ("large", 70, 1, 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_kernel_matches_reference(tmp_path, bm, n, dtype):
-    """bm 16/64: the fused kernel's block heights; "small"/"large": cuBLAS's product, then the
-    shrink variant and the in-place expand (the batches past FUSED_MAX_TOKENS)."""
+def test_kernel_matches_reference(tmp_path, bm, n, split, swap, dtype):
+    """bm 16/64: the fused kernel's block heights, its K loop in `split` blocks per tile (3: one
+    input step each, 2: two and one), its products taken transposed (`swap`); "small"/"large":
+    cuBLAS's product, then the shrink variant and the in-place expand (the batches past
+    FUSED_MAX_TOKENS)."""
     rng = np.random.default_rng(3)
     widths, mods, R = (64, 32, 32), (0, -1, 2), 16  # q|k|v with k untargeted
     K = 192 if isinstance(bm, int) else 576  # the shrink splits 576 inputs in two (5 + 4 steps of 64)
@@ -56,7 +60,7 @@ def test_kernel_matches_reference(tmp_path, bm, n, dtype):
     c["a_off"] = np.concatenate([c["a_off"], np.full((1,) + c["a_off"].shape[1:], 50000, np.int32)])
     c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
     assert not (c["slot"] == stale).any()
-    kw = dict(bm=bm) if isinstance(bm, int) else dict(bm=64, variant=bm)
+    kw = dict(bm=bm, split=split, swap=swap) if isinstance(bm, int) else dict(bm=64, variant=bm)
     out = interpret(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)
@@ -64,6 +68,8 @@ def test_kernel_matches_reference(tmp_path, bm, n, dtype):
     tol = 1e-5 if dtype == np.float32 else 4e-3
     got = out["y"].astype(np.float64)
     assert np.isfinite(got).all()
+    if "cnt" in out:  # the split tiles' counters are left as they were found: zeros
+        assert not out["cnt"].any()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
     delta, delta_ref = got - base_only, ref - base_only
     assert np.linalg.norm(delta_ref) > 0.1 * np.linalg.norm(base_only)  # the deltas are not negligible
@@ -82,6 +88,17 @@ def test_tile_config_fits_the_linear(in_f, widths, bm):
     cfg = LT.tile_config(in_f, widths, bm)
     assert all(w % cfg["BN"] == 0 for w in widths) and in_f % cfg["BK"] == 0
     assert cfg["BM"] == bm
+    # splits: narrow linears at blocks of 16 tokens, each split at least a few input steps
+    assert cfg["SPLIT"] == 1 or (bm == 16 and sum(widths) < 8192 and in_f // cfg["BK"] >= 8 * cfg["SPLIT"])
+    assert (LT.split_scratch_elems(in_f, widths) > 0) == (LT.tile_config(in_f, widths, 16)["SPLIT"] > 1)
+
+
+def test_narrow_llama_linears_split_at_16_tokens():
+    """o (4096 -> 4096) and down (11008 -> 4096) of Llama-2-7B: 2 and 3 splits of BK = 128 at up to 16
+    tokens (the fastest measured), none at 64; the wide linears never."""
+    assert LT.tile_config(4096, (4096,), 16)["SPLIT"] == 2 and LT.tile_config(11008, (4096,), 16)["SPLIT"] == 3
+    assert LT.tile_config(4096, (4096,), 64)["SPLIT"] == 1 and LT.tile_config(11008, (4096,), 64)["SPLIT"] == 1
+    assert LT.tile_config(4096, (4096,) * 3, 16)["SPLIT"] == 1 and LT.tile_config(4096, (11008,) * 2, 16)["SPLIT"] == 1
 
 
 @pytest.mark.parametrize("n,steps,bm,plan", [
@@ -129,6 +146,7 @@ def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
     assert len(mods) == 5 and len(list(cubin_cache.glob("*.cubin"))) == 5
     script = fn.script()
     assert "mlc_lora_triton_linear_bf16" in script and "_BM16_" in script and "_BM64_" in script
+    assert "_SPLIT2_" in script and "_SPLIT1_" in script  # q|k|v of 6144 outputs: narrow, split at 16 tokens
     assert script.count("mlc_lora_triton_shrink_cols_bf16") == 2 and "mlc_lora_triton_expand_cols_bf16" in script
     assert script.count("mlc_lora.runtime.cublas_gemm") == 1
     # the host code computes the launches without scalar buffers (which would live in device memory)

@@ -36,12 +36,19 @@ def run_linear(inp: dict) -> dict:
     consts, warps = LT.constants(K, widths, mods, scale.shape[1], int(inp["R"]), int(inp["bm"]), 8)
     if "variant" in inp:
         return run_cols(inp)
+    if "split" in inp:
+        consts["SPLIT"] = int(inp["split"])
+    if "swap" in inp:
+        consts["SWAP"] = int(inp["swap"])
     y = torch.full((n, sum(widths)), float("nan"), dtype=t(x).dtype)
-    grid = (-(-n // consts["BM"]), sum(widths) // consts["BN"])
+    grid = (-(-n // consts["BM"]) * consts["SPLIT"], sum(widths) // consts["BN"])
+    # the partial sums' slots hold garbage, the counters zeros (as the wrapper gets them)
+    ws = torch.full((grid[0] * grid[1] * consts["BM"] * (consts["BN"] + consts["RS"]),), float("nan"))
+    cnt = torch.zeros((LT.COUNTER_SLOTS,), dtype=torch.int32)
     LT.lora_linear_kernel[grid](t(x), t(w), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale),
-                                t(inp["a_off"]), t(inp["b_off"]), y, n, len(inp["rank"]), int(inp["base"]),
+                                t(inp["a_off"]), t(inp["b_off"]), y, ws, cnt, n, len(inp["rank"]), int(inp["base"]),
                                 **consts, num_warps=warps)
-    return {"y": y.numpy()}
+    return {"y": y.numpy(), "cnt": cnt.numpy()}
 
 
 def run_cols(inp: dict) -> dict:
