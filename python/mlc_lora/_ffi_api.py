@@ -7,13 +7,18 @@ The unified pool (KV cache + adapter pages):
 create_paged_kv_cache(...)                 same arguments as vm.builtin.paged_attention_kv_cache_create
 pool_configure_lora(kv, M, R)              once, before loading adapters
 pool_load_adapter(kv, id, pages[L,n,E], a_off[M,R], b_off[M,R], rank, scale[M], pin)
+                                           -> resident now (else paged in when a batch needs it)
 pool_unload_adapter(kv, id)                deferred while sequences use it
 pool_pin_adapter(kv, id, pin)
+pool_drop_adapter_host(kv, id)             free the host copy of an adapter without pages
+pool_set_adapter_host(kv, id, pages, a_off, b_off, rank, scale)   hand it back (same packing)
+pool_prefetch_adapter(kv, id, keep)        page in ahead of a batch if room -> resident
+pool_resident_adapters(kv)                 ids of the adapters that hold their pages
 pool_set_sequence_adapter(kv, seq, id)     -1: base model
 pool_lora_tables(kv)                       the batch's tables, contract.LORA_TABLE_INPUTS order
 pool_lora_num_slots(kv)                    distinct adapters of the batch (0: base model only)
 pool_lora_rank_total(kv)                   the sum of their ranks
-pool_stats(kv)                             {total,free,kv,adapter,evictable}_pages, adapter counts,
+pool_stats(kv)                             {total,free,kv,adapter,evictable,pinned}_pages, adapter counts,
                                            the prefix cache's pages and counters
 pool_adapter_info(kv, id), pool_sequence_pages(kv, seq), pool_check_invariants(kv)   (tests)
 pool_prefix_lookup(kv, adapter, tokens)    -> [matched tokens, idle pages among them]; -1: base model

@@ -55,14 +55,84 @@ void AdapterStore::CheckConfigured() const {
   if (!configured_) TVM_FFI_THROW(ValueError) << "call pool_configure_lora before using adapters";
 }
 
-void AdapterStore::Load(int64_t id, ffi::TensorView pages, ffi::TensorView a_off,
+bool AdapterStore::Load(int64_t id, ffi::TensorView pages, ffi::TensorView a_off,
                         ffi::TensorView b_off, int64_t rank, ffi::TensorView scale, bool pin) {
   CheckConfigured();
+  if (pool_->HasAdapter(id)) {  // the pool checks too; refuse before copying megabytes
+    TVM_FFI_THROW(ValueError) << "adapter " << id << " is already loaded";
+  }
   HostAdapter h = Validate(id, pages, a_off, b_off, rank, scale);
   std::vector<int64_t> evicted;
-  Guard([&] { pool_->AddAdapter(id, h.n_pages, pin, &evicted); });
+  bool resident = Guard([&] { return pool_->AddAdapter(id, h.n_pages, pin, &evicted); });
   host_[id] = std::move(h);
+  if (resident) CopyIn(id);
+  return resident;
+}
+
+void AdapterStore::SetHost(int64_t id, ffi::TensorView pages, ffi::TensorView a_off,
+                           ffi::TensorView b_off, int64_t rank, ffi::TensorView scale) {
+  CheckConfigured();
+  const HostAdapter& old = Get(id);
+  if (old.pages.defined()) TVM_FFI_THROW(ValueError) << "adapter " << id << " has its host pages";
+  HostAdapter h = Validate(id, pages, a_off, b_off, rank, scale);
+  if (h.n_pages != old.n_pages || h.rank != old.rank || h.a_off != old.a_off ||
+      h.b_off != old.b_off || h.scale != old.scale) {
+    TVM_FFI_THROW(ValueError) << "adapter " << id << ": the pages handed back are not packed as "
+                              << "those it was loaded with (" << h.n_pages << " pages of rank "
+                              << h.rank << ", loaded as " << old.n_pages << " of rank " << old.rank
+                              << "); did its folder change?";
+  }
+  host_[id] = std::move(h);
+}
+
+void AdapterStore::DropHost(int64_t id) {
+  CheckConfigured();
+  Get(id);  // an unknown id: ValueError
+  if (pool_->AdapterResident(id)) {
+    TVM_FFI_THROW(ValueError) << "adapter " << id << " holds pool pages: its host copy stays";
+  }
+  host_.at(id).pages = Tensor();
+}
+
+bool AdapterStore::Prefetch(int64_t id, const std::vector<int64_t>& keep) {
+  CheckConfigured();
+  if (Guard([&] { return pool_->AdapterResident(id); })) return true;
+  CheckHost(id, "prefetching it");
+  std::vector<int64_t> evicted;
+  if (!Guard([&] { return pool_->TryPageIn(id, keep, &evicted); })) return false;
   CopyIn(id);
+  return true;
+}
+
+void AdapterStore::CheckPageIns(const std::vector<int64_t>& seqs) const {
+  if (!configured_) return;
+  for (int64_t seq : seqs) {
+    int64_t a = Guard([&] { return pool_->HasSequence(seq) ? pool_->SequenceAdapter(seq) : -1; });
+    if (a >= 0 && !pool_->AdapterResident(a)) CheckHost(a, "a batch needs it");
+  }
+}
+
+std::vector<int64_t> AdapterStore::Resident() const {
+  std::vector<int64_t> out;
+  for (const auto& [id, h] : host_) {
+    if (pool_->HasAdapter(id) && pool_->AdapterResident(id)) out.push_back(id);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+const AdapterStore::HostAdapter& AdapterStore::Get(int64_t id) const {
+  auto it = host_.find(id);
+  if (it == host_.end()) TVM_FFI_THROW(ValueError) << "unknown adapter " << id;
+  return it->second;
+}
+
+void AdapterStore::CheckHost(int64_t id, const char* what) const {
+  if (!Get(id).pages.defined()) {
+    TVM_FFI_THROW(ValueError) << "adapter " << id << " has no host copy (dropped for the host "
+                              << "tier's budget) and " << what << ": hand its pages back first "
+                              << "(pool_set_adapter_host)";
+  }
 }
 
 void AdapterStore::Unload(int64_t id) {
@@ -73,6 +143,7 @@ void AdapterStore::Unload(int64_t id) {
 
 void AdapterStore::Pin(int64_t id, bool pin) {
   CheckConfigured();
+  if (pin && Guard([&] { return !pool_->AdapterResident(id); })) CheckHost(id, "pinning pages it in");
   std::vector<int64_t> evicted;
   if (Guard([&] { return pool_->PinAdapter(id, pin, &evicted); })) CopyIn(id);
 }
@@ -87,11 +158,18 @@ ffi::Map<ffi::String, ffi::Any> AdapterStore::Info(int64_t id) const {
   return Guard([&] {
     ffi::Array<int64_t> pages;
     for (int32_t p : pool_->AdapterPages(id)) pages.push_back(p);
-    return ffi::Map<ffi::String, ffi::Any>{{"pages", pages},
-                                           {"resident", pool_->AdapterResident(id)},
-                                           {"pinned", pool_->AdapterPinned(id)},
-                                           {"refs", pool_->AdapterRefs(id)},
-                                           {"num_pages", pool_->AdapterNumPages(id)}};
+    auto it = host_.find(id);
+    const bool host = it != host_.end() && it->second.pages.defined();
+    return ffi::Map<ffi::String, ffi::Any>{
+        {"pages", pages},
+        {"resident", pool_->AdapterResident(id)},
+        {"pinned", pool_->AdapterPinned(id)},
+        {"refs", pool_->AdapterRefs(id)},
+        {"num_pages", pool_->AdapterNumPages(id)},
+        {"host", host},
+        {"host_bytes", host ? g_.num_layers * pool_->AdapterNumPages(id) * g_.page_elems *
+                                  Bytes(g_.dtype)
+                            : int64_t{0}}};
   });
 }
 
@@ -163,9 +241,6 @@ AdapterStore::HostAdapter AdapterStore::Validate(int64_t id, ffi::TensorView pag
       }
     }
   }
-  if (pool_->HasAdapter(id)) {  // the pool checks too; refuse before copying megabytes
-    TVM_FFI_THROW(ValueError) << "adapter " << id << " is already loaded";
-  }
   h.pages = Tensor::Empty({g_.num_layers, h.n_pages, E}, g_.dtype,
                           tvm::runtime::GetPreferredHostDevice(g_.device));
   std::memcpy(h.pages->data, HostData<char>(pages), g_.num_layers * h.n_pages * E * Bytes(g_.dtype));
@@ -174,6 +249,7 @@ AdapterStore::HostAdapter AdapterStore::Validate(int64_t id, ffi::TensorView pag
 
 void AdapterStore::CopyIn(int64_t id) {
   const HostAdapter& h = host_.at(id);
+  CheckHost(id, "its pages are copied in");
   const std::vector<int32_t>& pages = pool_->AdapterPages(id);
   const int64_t eb = g_.page_elems * Bytes(g_.dtype);
   for (int64_t l = 0; l < g_.num_layers; ++l) {

@@ -5,9 +5,13 @@
  *
  * An adapter is loaded once as host pages [L, n, E] (the model dtype) plus local row offsets
  * a_off / b_off [M, R] (local_page * E + offset in page, -1 unused), its rank and its per-module
- * scale [M] (what `mlc_lora.runtime.pack_adapter` / `pack_peft_adapter` produce). The host copy
- * stays while the adapter is loaded, so an adapter evicted for KV is paged back in without the
- * caller. Each batch's tables (docs/DESIGN.md) map every token to a slot (its sequence's adapter,
+ * scale [M] (what `mlc_lora.runtime.pack_adapter` / `pack_peft_adapter` produce). A load never
+ * waits for pages: the adapter gets them at once if the pool has room, else when a batch, a pin or
+ * a prefetch needs it (PagePool::AddAdapter). The host copy of its pages is the host tier: an
+ * adapter evicted for KV is paged back in from it without the caller. The caller may drop the host
+ * pages of an adapter without pages (DropHost: the host tier's budget) and hand them back later
+ * (SetHost); the small tables (rank, scale, offsets) stay. A batch or pin that would page in an
+ * adapter without host pages is refused before anything changes. Each batch's tables (docs/DESIGN.md) map every token to a slot (its sequence's adapter,
  * -1 for the base model) and every slot to its rank, scales and global row offsets in a layer
  * region of the arena; they live in fixed-address device buffers of the maximum size, and
  * `tables()` returns this batch's prefix views [arena, token_slot, rank, scale, a_off, b_off].
@@ -47,9 +51,23 @@ class AdapterStore {
   /*! \brief Throws unless Configure was called. */
   void CheckConfigured() const;
 
-  /*! \brief Validate, keep a host copy, take pages (evicting idle adapters) and copy the rows in. */
-  void Load(int64_t id, tvm::ffi::TensorView pages, tvm::ffi::TensorView a_off,
+  /*! \brief Validate and keep a host copy; if the pool has room (free pages and idle adapters),
+   *  take pages and copy the rows in. Returns whether the adapter is resident. */
+  bool Load(int64_t id, tvm::ffi::TensorView pages, tvm::ffi::TensorView a_off,
             tvm::ffi::TensorView b_off, int64_t rank, tvm::ffi::TensorView scale, bool pin);
+  /*! \brief Hand back the host pages of a loaded adapter that has none (DropHost): the same
+   *  packing as its load (rank, offsets and scale must match). */
+  void SetHost(int64_t id, tvm::ffi::TensorView pages, tvm::ffi::TensorView a_off,
+               tvm::ffi::TensorView b_off, int64_t rank, tvm::ffi::TensorView scale);
+  /*! \brief Drop the host pages of a loaded adapter that holds no pool pages. */
+  void DropHost(int64_t id);
+  /*! \brief Page in a loaded adapter ahead of its batch if free pages and idle adapters not in
+   *  `keep` allow (PagePool::TryPageIn) and copy its rows in; whether it is resident now. */
+  bool Prefetch(int64_t id, const std::vector<int64_t>& keep);
+  /*! \brief Throws ValueError if a batch of `seqs` would page in an adapter without host pages. */
+  void CheckPageIns(const std::vector<int64_t>& seqs) const;
+  /*! \brief The ids of the loaded adapters that hold their pages. */
+  std::vector<int64_t> Resident() const;
   void Unload(int64_t id);
   void Pin(int64_t id, bool pin);
   void SetSequenceAdapter(int64_t seq, int64_t adapter);
@@ -79,7 +97,8 @@ class AdapterStore {
 
  private:
   struct HostAdapter {
-    tvm::runtime::Tensor pages;  // [L, n, E] on the host (pinned where the device has pinned memory)
+    tvm::runtime::Tensor pages;  // [L, n, E] on the host (pinned where the device has pinned
+                                 // memory); undefined after DropHost
     int32_t n_pages, rank;
     std::vector<int32_t> a_off, b_off;  // [M, R], local to the adapter's n*E region
     std::vector<float> scale;           // [M]
@@ -87,6 +106,9 @@ class AdapterStore {
 
   HostAdapter Validate(int64_t id, tvm::ffi::TensorView pages, tvm::ffi::TensorView a_off,
                        tvm::ffi::TensorView b_off, int64_t rank, tvm::ffi::TensorView scale) const;
+  const HostAdapter& Get(int64_t id) const;
+  /*! \brief Throws ValueError unless adapter `id` has host pages (`what` would page it in). */
+  void CheckHost(int64_t id, const char* what) const;
 
   PagePool* pool_;
   tvm::runtime::Tensor arena_;  // (L*P*E,)

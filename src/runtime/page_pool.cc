@@ -89,6 +89,7 @@ PoolStats PagePool::Stats() const {
     s.adapter += o == Owner::kAdapter;
   }
   for (const auto& [id, a] : adapters_) {
+    if (a.pinned) s.pinned += a.n_pages;
     if (!a.resident) continue;
     ++s.resident_adapters;
     if (!a.pinned && a.refs == 0) s.evictable += a.n_pages;
@@ -250,10 +251,8 @@ Reservation PagePool::ReserveAppend(const std::vector<int64_t>& seqs,
     Adapter& a = GetAdapter(id);
     a.last_use = ++clock_;
     if (a.resident) continue;
-    for (int32_t j = 0; j < a.n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
-    a.resident = true;
+    TakeAdapterPages(&a);
     r.paged_in.push_back(id);
-    ++page_ins_;
   }
   for (size_t i = 0; i < seqs.size(); ++i) {
     Seq& s = GetSeq(seqs[i]);
@@ -332,7 +331,7 @@ void PagePool::Evict(const EvictionPlan& plan, std::vector<int64_t>* evicted) {
   }
 }
 
-void PagePool::AddAdapter(int64_t adapter, int32_t n_pages, bool pinned,
+bool PagePool::AddAdapter(int64_t adapter, int32_t n_pages, bool pinned,
                           std::vector<int64_t>* evicted) {
   if (adapter < 0) {
     throw PoolError(PoolError::kValue, Cat("adapter id must be >= 0, got ", adapter));
@@ -350,15 +349,48 @@ void PagePool::AddAdapter(int64_t adapter, int32_t n_pages, bool pinned,
     throw PoolError(PoolError::kValue, Cat("adapter ", adapter, " needs ", n_pages,
                                            " pages but the whole pool has only ", num_pages_));
   }
-  EvictionPlan victims = PlanEviction(n_pages, {}, Cat("loading adapter ", adapter));
-  Evict(victims, evicted);
   Adapter a;
   a.n_pages = n_pages;
-  for (int32_t j = 0; j < n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
-  a.resident = true;
   a.pinned = pinned;
   a.last_use = ++clock_;
   adapters_.emplace(adapter, std::move(a));
+  int64_t page_ins = page_ins_;
+  bool resident = TryPageIn(adapter, {}, evicted);
+  page_ins_ = page_ins;  // a load is no page-in
+  return resident;
+}
+
+bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
+                         std::vector<int64_t>* evicted) {
+  Adapter& a = GetAdapter(adapter);
+  if (a.unloading) {
+    throw PoolError(PoolError::kValue, Cat("adapter ", adapter, " is being unloaded"));
+  }
+  if (a.resident) return true;
+  std::vector<int64_t> k(keep);
+  k.push_back(adapter);
+  try {
+    PageIn(adapter, k, Cat("paging in adapter ", adapter), evicted);
+  } catch (const PoolError& e) {
+    if (e.kind == PoolError::kExhausted) return false;
+    throw;
+  }
+  return true;
+}
+
+void PagePool::PageIn(int64_t adapter, const std::vector<int64_t>& keep, const std::string& what,
+                      std::vector<int64_t>* evicted) {
+  Adapter& a = GetAdapter(adapter);
+  Evict(PlanEviction(a.n_pages, keep, what), evicted);
+  TakeAdapterPages(&a);
+  a.last_use = ++clock_;
+}
+
+void PagePool::TakeAdapterPages(Adapter* a) {
+  // Callers have made room (PlanEviction).
+  for (int32_t j = 0; j < a->n_pages; ++j) a->pages.push_back(TakePage(Owner::kAdapter));
+  a->resident = true;
+  ++page_ins_;
 }
 
 void PagePool::RemoveAdapter(int64_t adapter) {
@@ -379,14 +411,7 @@ bool PagePool::PinAdapter(int64_t adapter, bool pinned, std::vector<int64_t>* ev
     throw PoolError(PoolError::kValue, Cat("adapter ", adapter, " is being unloaded"));
   }
   bool page_in = pinned && !a.resident;
-  if (page_in) {
-    EvictionPlan victims = PlanEviction(a.n_pages, {adapter}, Cat("pinning adapter ", adapter));
-    Evict(victims, evicted);
-    for (int32_t j = 0; j < a.n_pages; ++j) a.pages.push_back(TakePage(Owner::kAdapter));
-    a.resident = true;
-    a.last_use = ++clock_;
-    ++page_ins_;
-  }
+  if (page_in) PageIn(adapter, {adapter}, Cat("pinning adapter ", adapter), evicted);
   a.pinned = pinned;
   return page_in;
 }

@@ -9,7 +9,8 @@
  *  - adapters: a resident adapter owns a fixed number of page ids. Sequences hold references to
  *    adapters; an idle (no references), unpinned adapter may be evicted (least recently used
  *    first) when KV or another adapter needs pages, and is paged back in when a sequence using it
- *    enters a batch.
+ *    enters a batch. An adapter loaded while the pool is busy is registered without pages and
+ *    paged in the same way.
  *  - the prefix cache: a full KV page may be keyed by (adapter, hash of the token block chain up to
  *    and including it; adapter -1 is the base model). Keyed pages outlive their sequences and are
  *    reused by later sequences of the same adapter (AttachPrefix); a keyed page is never written
@@ -53,12 +54,13 @@ struct Reservation {
 
 struct PoolStats {
   int64_t total, free, kv, adapter, evictable, resident_adapters, loaded_adapters;
-  int64_t evictions, page_ins;  // cumulative: adapters evicted, evicted adapters paged back in
+  int64_t evictions, page_ins;  // cumulative: adapters evicted, adapters given pages after their load
   // prefix cache: keyed pages (held or idle), keyed pages no sequence holds (free + kv + adapter +
   // cached_idle == total; they are part of evictable), and cumulative counters: AttachPrefix
   // calls, the tokens they offered and matched, keyed pages evicted for room
   int64_t cached, cached_idle, prefix_queries, prefix_query_tokens, prefix_hit_tokens,
       cached_evictions;
+  int64_t pinned = 0;  // pages of pinned adapters, resident or not
 };
 
 /*! \brief A LookupPrefix result: matched tokens (whole pages) and how many of those pages no
@@ -101,8 +103,18 @@ class PagePool {
   Reservation ReserveAppend(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens);
 
   // ---- adapters
-  /*! \brief Register an adapter of `n_pages` pages and give it pages now (evicting if needed). */
-  void AddAdapter(int64_t adapter, int32_t n_pages, bool pinned, std::vector<int64_t>* evicted);
+  /*!
+   * \brief Register an adapter of `n_pages` pages and give it pages now if free pages and idle
+   * adapters allow; else it waits without pages (a busy pool never refuses a load) and is paged in
+   * by the first batch that uses it, by TryPageIn or by PinAdapter. Returns whether it is resident.
+   */
+  bool AddAdapter(int64_t adapter, int32_t n_pages, bool pinned, std::vector<int64_t>* evicted);
+  /*!
+   * \brief Give a registered adapter without pages its pages now, evicting idle adapters that are
+   * not in `keep` (least recently used first). Returns false, changing nothing, when the free pages
+   * and those adapters are too few; true if it is resident afterwards. Counts as a page-in.
+   */
+  bool TryPageIn(int64_t adapter, const std::vector<int64_t>& keep, std::vector<int64_t>* evicted);
   /*! \brief Unload now if no sequence uses it, else when the last one lets go. */
   void RemoveAdapter(int64_t adapter);
   /*! \brief Pinning a non-resident adapter pages it in; returns true if it needs its weights. */
@@ -204,6 +216,11 @@ class PagePool {
   EvictionPlan PlanEviction(int64_t need, const std::vector<int64_t>& keep,
                             const std::string& what) const;
   void Evict(const EvictionPlan& plan, std::vector<int64_t>* evicted);
+  /*! \brief Evict for a non-resident adapter (throws like PlanEviction) and give it its pages. */
+  void PageIn(int64_t adapter, const std::vector<int64_t>& keep, const std::string& what,
+              std::vector<int64_t>* evicted);
+  /*! \brief Give a non-resident adapter pages from the free list (counts a page-in). */
+  void TakeAdapterPages(Adapter* a);
 
   // prefix cache
   static uint64_t BlockHash(uint64_t parent, const int32_t* tokens, int32_t n);

@@ -228,7 +228,23 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_load_adapter",
            [](Ref kv, int64_t id, ffi::TensorView pages, ffi::TensorView a_off,
               ffi::TensorView b_off, int64_t rank, ffi::TensorView scale, bool pin) {
-             Pool(kv)->adapters().Load(id, pages, a_off, b_off, rank, scale, pin);
+             return Pool(kv)->adapters().Load(id, pages, a_off, b_off, rank, scale, pin);
+           })
+      .def("mlc_lora.runtime.pool_set_adapter_host",
+           [](Ref kv, int64_t id, ffi::TensorView pages, ffi::TensorView a_off,
+              ffi::TensorView b_off, int64_t rank, ffi::TensorView scale) {
+             Pool(kv)->adapters().SetHost(id, pages, a_off, b_off, rank, scale);
+           })
+      .def("mlc_lora.runtime.pool_drop_adapter_host",
+           [](Ref kv, int64_t id) { Pool(kv)->adapters().DropHost(id); })
+      .def("mlc_lora.runtime.pool_prefetch_adapter",
+           [](Ref kv, int64_t id, const ffi::Shape& keep) {
+             return Pool(kv)->adapters().Prefetch(id, std::vector<int64_t>(keep.begin(), keep.end()));
+           })
+      .def("mlc_lora.runtime.pool_resident_adapters",
+           [](Ref kv) {
+             std::vector<int64_t> ids = Pool(kv)->adapters().Resident();
+             return ffi::Shape(ids.begin(), ids.end());
            })
       .def("mlc_lora.runtime.pool_unload_adapter",
            [](Ref kv, int64_t id) { Pool(kv)->adapters().Unload(id); })

@@ -105,6 +105,7 @@ void UnifiedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape
     TVM_FFI_THROW(ValueError) << "a batch of " << tokens << " tokens exceeds the cache's "
                               << cfg_.max_tokens << " (the prefill chunk size)";
   }
+  adapters_.CheckPageIns(seqs);  // an adapter to page in without host pages: refused, nothing changed
   Reservation r = Guard([&] { return pool_.ReserveAppend(seqs, lens); });
   for (const PageCopy& c : r.copies) {
     for (const Tensor& pages : layer_pages_) {
@@ -242,6 +243,7 @@ ffi::Map<ffi::String, int64_t> UnifiedKVCacheObj::Stats() const {
           {"loaded_adapters", s.loaded_adapters},
           {"adapter_evictions", s.evictions},
           {"adapter_page_ins", s.page_ins},
+          {"pinned_pages", s.pinned},
           {"page_elems", page_elems_},
           {"kv_tokens", pool_.TotalSequenceLength()},
           {"cached_pages", s.cached},

@@ -17,6 +17,20 @@ def _adapter(spec: str) -> tuple[str, str]:
     return name, path
 
 
+def _bytes(text: str) -> int:
+    """A byte count: an integer, optionally with a K, M or G suffix (powers of 1024)."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    mult = units.get(t[-1:], 1)
+    try:
+        n = int(t[:-1] if t[-1:] in units else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 4096, 512M or 8G, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a byte count must be >= 0, got {text!r}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlc_lora serve", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", help="compiled model folder (or an embedded name / HF folder / .gguf, compiled once)")
@@ -25,6 +39,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-dir", action="append", default=[], metavar="DIR",
                    help="folder the API may load adapters from (repeatable; default: none, and API loading "
                         "is off)")
+    p.add_argument("--adapter-host-bytes", type=_bytes, default=None, metavar="BYTES",
+                   help="budget of the adapters' host copies, e.g. 8G (K, M, G: powers of 1024); copies over it "
+                        "are dropped, least recently used first, and read again from their folders on next use "
+                        "(default: unlimited)")
+    p.add_argument("--no-adapter-prefetch", action="store_true",
+                   help="do not read and page in the adapters of queued requests ahead of scheduling (they are "
+                        "then loaded on the step that admits their request)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("MLC_LORA_API_KEY"),
@@ -71,5 +92,6 @@ def main(argv: list[str]) -> int:
           device=a.device, served_model_name=a.served_model_name, max_num_seqs=a.max_num_seqs,
           max_total_tokens=a.max_total_tokens, log_level=a.log_level, guard_all=a.api_key_all_routes,
           max_body_bytes=a.max_body_bytes, drain_timeout_s=a.drain_timeout, fair_share=a.fair_share,
-          enable_prefix_caching=a.enable_prefix_caching)
+          enable_prefix_caching=a.enable_prefix_caching, adapter_host_bytes=a.adapter_host_bytes,
+          prefetch_adapters=not a.no_adapter_prefetch)
     return 0

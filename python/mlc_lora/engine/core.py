@@ -67,7 +67,12 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
 
     def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
                  max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
-                 params=None, fair_share: bool = False, enable_prefix_caching: bool = False):
+                 params=None, fair_share: bool = False, enable_prefix_caching: bool = False,
+                 adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True):
+        """`fair_share`, `enable_prefix_caching`: the module doc; `adapter_host_bytes`: the budget of
+        the adapters' host copies (None: unlimited; engine/adapters.py); `prefetch_adapters`: read and
+        page in the adapters of waiting requests ahead of scheduling (False: on the step that admits
+        the request)."""
         # tensor-parallel models: one worker per shard
         self.runner = open_runner(model_dir, device, params=params)
         compiled = self.runner.compiled
@@ -81,7 +86,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             total = (lora.pool_pages - 1) * PAGE_SIZE
         self.pool = self.runner.create_pool(self.max_num_seqs, total, chunk)
         self._capture_graphs()
-        self.adapters = AdapterTable(self.runner, self.pool)
+        self.adapters = AdapterTable(self.runner, self.pool, adapter_host_bytes, prefetch_adapters)
         self.sampler = Sampler(self.runner)
         try:
             self.tokenizer: Optional[Tokenizer] = Tokenizer(model_dir, compiled.tokenizer)
@@ -100,7 +105,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.scheduler = Scheduler(free_pages, ad.add_sequence, self.pool.remove_sequence,
                                    self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
                                    one_adapter_per_batch=lora is not None and lora.kernel == "single",
-                                   fair_share=fair_share, **prefix)
+                                   fair_share=fair_share, adapter_ready=ad.ready, adapter_resident=ad.resident,
+                                   **prefix)
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
@@ -224,13 +230,25 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                 self.abort(seq)
 
     def _step(self) -> None:
+        lora = self.runner.lora is not None
+        if lora:
+            sched = self.scheduler
+            self.adapters.prepare_step(sched.queue_order(), len(sched.running),
+                                       self.max_num_seqs - len(sched.running))
         batch = self.scheduler.schedule()
         for seq in self.scheduler.rejected:
             self._emit(seq, StepOutput("", [], "error", error=self.adapters.exhausted(seq)))
             self.adapters.detach(seq)
         self.scheduler.rejected.clear()
+        if lora:
+            for seq, err in self.adapters.unreadable(list(self.scheduler.waiting)):
+                self._fail(seq, err)
         if batch is None:
+            if lora and self.adapters.reads_pending():
+                self.adapters.wait_for_reads()  # every waiting request waits for its adapter's folder
             return
+        if lora:
+            self.adapters.first_steps(batch.seqs)
         c = self.counters
         c["num_steps"] += 1
         c["max_running"] = max(c["max_running"], len(batch.seqs))

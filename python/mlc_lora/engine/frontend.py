@@ -160,17 +160,22 @@ class MLCEngine:
     far, by the virtual token counter (engine/scheduler.py), instead of first come first served.
     `enable_prefix_caching`: keep full KV pages of finished prompts in the pool, per adapter, and
     start later requests with the same prefix after them (engine/core.py).
+    `adapter_host_bytes`: the budget of the adapters' host copies (None: unlimited; a dropped copy is
+    read again from its folder); `prefetch_adapters`: read and page in the adapters of waiting
+    requests ahead of scheduling (docs/DESIGN.md, "Adapter tiers").
     """
 
     def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
                  max_num_seqs: Optional[int] = None, max_total_tokens: Optional[int] = None,
                  prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
                  max_lora_rank: int = 0, lora_pool_pages: int = 0, params=None,
-                 fair_share: bool = False, enable_prefix_caching: bool = False):
+                 fair_share: bool = False, enable_prefix_caching: bool = False,
+                 adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True):
         model_dir = compiled_folder(model, device, progress=progress, dtype=dtype,
                                     max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
         self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size, params,
-                                fair_share=fair_share, enable_prefix_caching=enable_prefix_caching)
+                                fair_share=fair_share, enable_prefix_caching=enable_prefix_caching,
+                                adapter_host_bytes=adapter_host_bytes, prefetch_adapters=prefetch_adapters)
         self.model_name = self.engine.model_name or str(model)
         self._loop = EngineLoop(self.engine)
         self.chat = Chat(Completions(self, chat=True))
@@ -192,8 +197,11 @@ class MLCEngine:
     def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> dict[str, Any]:
         """Validate a PEFT folder (or an already read `lora.peft.LoraAdapter`) against the compiled
         library and load it into the unified pool; `pin` keeps it resident (never evicted for KV).
-        Returns its list_adapters() entry."""
-        return self._loop.call(lambda: self.engine.adapters.load(name, path, pin))
+        The folder is read and packed on the calling thread, the engine's steps go on meanwhile; the
+        adapter takes pool pages now if there is room, else when its first request runs (a busy
+        pool never refuses a load). Returns its list_adapters() entry."""
+        host = self.engine.adapters.read(path, name)
+        return self._loop.call(lambda: self.engine.adapters.load(name, host, pin))
 
     def pin_adapter(self, name: str, pin: bool = True) -> dict[str, Any]:
         """Pin a loaded adapter (paged back in now if it was evicted; never evicted for KV) or unpin

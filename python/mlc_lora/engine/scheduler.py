@@ -17,7 +17,11 @@ request of the client with the smallest counter among those with waiting request
 had nothing waiting is lifted, when its request arrives, to the smallest counter among the clients
 with waiting requests (to the counter of the last admitted client when none waits), so an idle
 client banks no credit. Running sequences are never preempted for fairness, and preempted ones
-resume first. The tokens served per client are counted either way (`ServiceCounters`)."""
+resume first. The tokens served per client are counted either way (`ServiceCounters`).
+In that order, requests whose adapter holds its pages (or that have none) are tried before those
+whose adapter must be paged in; a deferred request is passed over (another admitted in its stead)
+at most MAX_SKIPS times, then it is deferred no more. A request whose adapter is still being read
+from disk waits without holding up the others."""
 
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ import numpy as np
 
 from ..contract import PAGE_SIZE
 
+# times a waiting request may be passed over for others while its adapter waits to be paged in
+MAX_SKIPS = 8
 
 
 @dataclasses.dataclass
@@ -90,6 +96,7 @@ class Sequence:  # pylint: disable=too-many-instance-attributes
         # None, is called once after the step's outputs (LLMEngine._deliver)
         self.sink = sink
         self.state: Any = None  # the engine's per-request text state (detokeniser, stop strings)
+        self.skipped = 0  # admissions while it was deferred for its adapter's page-in (<= MAX_SKIPS)
 
     @property
     def tokens(self) -> list[int]:
@@ -199,7 +206,9 @@ class Scheduler:
                  adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False,
                  fair_share: bool = False,
                  prefix_lookup: Optional[Callable[[Sequence], tuple[int, int]]] = None,
-                 prefix_attach: Optional[Callable[[Sequence], int]] = None):
+                 prefix_attach: Optional[Callable[[Sequence], int]] = None,
+                 adapter_ready: Optional[Callable[[int], bool]] = None,
+                 adapter_resident: Optional[Callable[[int], bool]] = None):
         """The pool's side: `free_pages()` counts the pages a batch can take (LoRA: with those idle
         adapters and cached prefixes would give back), `add_sequence` / `remove_sequence` take and
         drop a sequence's place in it, `adapter_pages(slot)` is what a batch must find for an
@@ -207,11 +216,15 @@ class Scheduler:
         for stage-1 (`single`) libraries; `fair_share`: admission by the virtual token counter
         (module doc). The prefix cache: `prefix_lookup(seq)` gives the cached tokens a waiting
         sequence would start after and how many of their pages are idle (taking them costs free
-        pages), `prefix_attach(seq)`, once it has its place, gives it those tokens (returns them)."""
+        pages), `prefix_attach(seq)`, once it has its place, gives it those tokens (returns them).
+        The adapter tiers: `adapter_ready(slot)`: a request on the adapter may be admitted (its
+        weights are on the host); `adapter_resident(slot)`: its pages are in the pool now."""
         self.free_pages = free_pages
         self.adapter_pages = adapter_pages or (lambda a: 0)
         self.prefix_lookup = prefix_lookup
         self.prefix_attach = prefix_attach
+        self.adapter_ready = adapter_ready or (lambda a: True)
+        self.adapter_resident = adapter_resident or (lambda a: True)
         self.one_adapter = one_adapter_per_batch
         self.rejected: list[Sequence] = []  # waiting requests that can never fit; the engine fails them
         self.add_sequence = add_sequence
@@ -268,11 +281,39 @@ class Scheduler:
             self.service.admit(seq.adapter_name, len(seq.prompt_ids))
 
     def _admission_order(self) -> Iterator[Sequence]:
-        """The waiting sequences in the order admission tries them (consumed while it admits).
-        First come first served: the queue's order (preempted sequences were put in front). Fair
-        share: preempted sequences first, then, one at a time, the oldest request of the client with
-        the least service (VTC; ties: the client whose oldest request is older), each pick seeing
-        the counter the previous admission raised."""
+        """The waiting sequences in the order admission tries them (consumed while it admits): the
+        queue's order (`queue_order`), where a request whose adapter must be paged in is deferred
+        after the others until it has been passed over MAX_SKIPS times (each admission while it is
+        deferred counts once; then it is tried next)."""
+        deferred: list[Sequence] = []
+        due: list[Sequence] = []  # deferred ones passed over MAX_SKIPS times
+        queue = self.queue_order()
+        while True:
+            if due:
+                seq = due.pop(0)
+            else:
+                seq = next(queue, None)
+                if seq is None:
+                    break
+                if seq.adapter_slot is not None and seq.skipped < MAX_SKIPS and not self.adapter_resident(
+                        seq.adapter_slot):
+                    deferred.append(seq)
+                    continue
+            yield seq
+            if seq.status == Status.RUNNING:  # admitted: the deferred ones were passed over
+                for d in deferred:
+                    d.skipped += 1
+                due += [d for d in deferred if d.skipped >= MAX_SKIPS]
+                deferred = [d for d in deferred if d.skipped < MAX_SKIPS]
+        yield from deferred
+
+    def queue_order(self) -> Iterator[Sequence]:
+        """The waiting sequences by the queue's policy: the order admission works from, and the one
+        prefetch looks ahead in (with no admission between its picks). First come first served: the
+        queue's order (preempted sequences were put in front). Fair share: preempted sequences
+        first, then, one at a time, the oldest request of the client with the least service (VTC;
+        ties: the client whose oldest request is older), each pick seeing the counter the previous
+        admission raised."""
         if not self.fair_share:
             yield from list(self.waiting)
             return
@@ -343,7 +384,7 @@ class Scheduler:
             budget -= 1
             charged.add(seq.adapter_slot)
             rows.append((seq, [seq.last_token]))
-        # 2. chunked prefill: running sequences still prefilling, then waiting ones in order
+        # 2. chunked prefill: running sequences still prefilling, then waiting ones (_admission_order)
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
         stuck = None  # the first sequence that found no pages
         for seq in itertools.chain(prefilling, self._admission_order()):
@@ -351,6 +392,9 @@ class Scheduler:
                 break
             if not fits(seq):
                 continue
+            if seq.status == Status.WAITING and seq.adapter_slot is not None and not self.adapter_ready(
+                    seq.adapter_slot):
+                continue  # its adapter is being read from disk
             if seq.status == Status.WAITING and len(self.running) >= self.max_num_seqs:
                 stuck = seq  # (stage 1: the running ones may all be paused for another adapter)
                 break

@@ -6,7 +6,7 @@ make a `Pool` (`create_pool`: the unified pool, KV cache and adapter store in on
 `prefill`/`decode` on it; the engine uses nothing else.
 
 Modules: config (the compiled folder's config, typed), device (TVM's runtime, CUDA, cuBLAS),
-pool (Pool, PoolStats, AdapterInfo, DevicePool), base (Runner), single (ModelRunner),
+pool (Pool, PoolStats, AdapterInfo, HostCopy, DevicePool), base (Runner), single (ModelRunner),
 disco (sessions and collectives), sharded (ShardedModelRunner, ShardedPool, worker functions),
 worker (the GPU worker process entrypoint, `python -m mlc_lora.runner.worker`).
 """
@@ -20,7 +20,7 @@ from ..errors import MLCLoraError
 from .base import Runner
 from .config import CompiledConfig, read_compiled_config
 from .device import _tvm, device_of, load_cublas, load_cuda_runtime  # noqa: F401  (_tvm: for the scripts)
-from .pool import AdapterInfo, DevicePool, Pool, PoolStats
+from .pool import AdapterInfo, DevicePool, HostCopy, Pool, PoolStats
 from .sharded import ShardedModelRunner, ShardedPool
 from .single import ModelRunner
 
@@ -37,6 +37,6 @@ def open_runner(model_dir: str | Path, device: str = "cpu", params: Optional[Seq
     return ModelRunner(model_dir, device, params=params)
 
 
-__all__ = ["AdapterInfo", "CompiledConfig", "DevicePool", "ModelRunner", "Pool", "PoolStats", "Runner",
+__all__ = ["AdapterInfo", "CompiledConfig", "DevicePool", "HostCopy", "ModelRunner", "Pool", "PoolStats", "Runner",
            "ShardedModelRunner", "ShardedPool", "device_of", "load_cublas", "load_cuda_runtime", "open_runner",
            "read_compiled_config"]

@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..errors import LoraError, PoolExhaustedError
+from ..errors import LoraError
 from ..lora.layout import LoraSpec, PackedAdapter, pack_adapter
 from ..lora.peft import AdapterPlan, LoraAdapter, pack_peft_adapter
 from .config import CompiledConfig
@@ -38,6 +38,10 @@ POOL_CONFIGURE_LORA = "mlc_lora.runtime.pool_configure_lora"
 POOL_LOAD_ADAPTER = "mlc_lora.runtime.pool_load_adapter"
 POOL_UNLOAD_ADAPTER = "mlc_lora.runtime.pool_unload_adapter"
 POOL_PIN_ADAPTER = "mlc_lora.runtime.pool_pin_adapter"
+POOL_SET_ADAPTER_HOST = "mlc_lora.runtime.pool_set_adapter_host"
+POOL_DROP_ADAPTER_HOST = "mlc_lora.runtime.pool_drop_adapter_host"
+POOL_PREFETCH_ADAPTER = "mlc_lora.runtime.pool_prefetch_adapter"
+POOL_RESIDENT_ADAPTERS = "mlc_lora.runtime.pool_resident_adapters"
 POOL_SET_SEQUENCE_ADAPTER = "mlc_lora.runtime.pool_set_sequence_adapter"
 POOL_LORA_TABLES = "mlc_lora.runtime.pool_lora_tables"
 POOL_LORA_GRAPH_TABLES = "mlc_lora.runtime.pool_lora_graph_tables"
@@ -64,9 +68,10 @@ class PoolStats:  # pylint: disable=too-many-instance-attributes
     # adapters and the cached prefix pages no sequence holds
     evictable_pages: int
     resident_adapters: int
-    loaded_adapters: int  # resident or evicted (kept as host copies), or unloading
+    loaded_adapters: int  # resident or not (their host copies wait), or unloading
     adapter_evictions: int
-    adapter_page_ins: int
+    adapter_page_ins: int  # adapters given pages after their load (paged back in, or loaded while busy)
+    pinned_pages: int  # pages of pinned adapters, resident or not
     page_elems: int  # elements of one page of one layer (of one shard)
     kv_tokens: int  # tokens of every sequence
     # the prefix cache: keyed KV pages (held or idle); those no sequence holds (free + kv +
@@ -93,11 +98,25 @@ class AdapterInfo:
     pinned: bool  # never evicted
     refs: int  # sequences bound to it
     pages: tuple[int, ...]  # its page ids while resident
+    host: bool = True  # its host copy is kept (else dropped: hand it back before a page-in)
+    host_bytes: int = 0  # bytes of that host copy (per shard)
 
     @classmethod
     def from_runtime(cls, m) -> "AdapterInfo":
         return cls(num_pages=int(m["num_pages"]), resident=bool(m["resident"]), pinned=bool(m["pinned"]),
-                   refs=int(m["refs"]), pages=tuple(int(p) for p in m["pages"]))
+                   refs=int(m["refs"]), pages=tuple(int(p) for p in m["pages"]), host=bool(m["host"]),
+                   host_bytes=int(m["host_bytes"]))
+
+
+@dataclasses.dataclass
+class HostCopy:
+    """An adapter read and packed for a pool, not yet in it (`Pool.read_adapter`): what the pool
+    keeps as its host copy. `source`: the PEFT folder it was read from (None: made in memory)."""
+
+    plan: AdapterPlan
+    nbytes: int  # bytes of the packed pages (per shard)
+    source: Optional[str] = None
+    packed: Optional[PackedAdapter] = None  # the pages (DevicePool); None: every shard packs `source`
 
 
 class Pool(abc.ABC):
@@ -240,14 +259,53 @@ class Pool(abc.ABC):
         self._run(POOL_CONFIGURE_LORA, len(self.lora.modules) if num_modules is None else num_modules,
                   self.lora.max_rank if max_rank is None else max_rank)
 
-    @abc.abstractmethod
     def load_adapter(self, slot: int, adapter: str | Path | LoraAdapter, pin: bool = False,
                      name: Optional[str] = None) -> AdapterPlan:
         """Check the PEFT folder `adapter` (or an adapter in memory) against the compiled model,
-        pack it and load it into this pool as `slot`; `pin` keeps it resident; `name` (default:
-        the folder's) names it in errors. Returns what was loaded (rank, modules, scales, pages
-        per shard...). LoraError when the model cannot serve it or it can never fit;
-        PoolExhaustedError when pinned or busy adapters hold the pages it needs now."""
+        pack it and load it into this pool as `slot` (`read_adapter`, then `add_adapter`); `pin`
+        keeps it resident; `name` (default: the folder's) names it in errors. Returns what was
+        loaded (rank, modules, scales, pages per shard...)."""
+        host = self.read_adapter(adapter, name)
+        self.add_adapter(slot, host, pin)
+        return host.plan
+
+    @abc.abstractmethod
+    def read_adapter(self, adapter: str | Path | LoraAdapter, name: Optional[str] = None) -> HostCopy:
+        """Read and check the PEFT folder `adapter` (or an adapter in memory) against the compiled
+        model and pack it: disk -> host, nothing in the pool changes (any thread may call it).
+        LoraError when the model cannot serve it."""
+
+    def add_adapter(self, slot: int, host: HostCopy, pin: bool = False) -> bool:
+        """Load a read adapter as `slot`, keeping its host copy. It takes pages now if free pages and
+        idle adapters allow, else when a batch, a pin or `prefetch_adapter` needs it: a busy pool
+        never refuses a load. Returns whether it is resident. LoraError when it can never fit (more
+        pages than the pool has beside its pinned adapters)."""
+        self._check_lora()
+        self._check_fits(host.plan, pin)
+        return self._add_adapter(slot, host, bool(pin))
+
+    @abc.abstractmethod
+    def _add_adapter(self, slot: int, host: HostCopy, pin: bool) -> bool:
+        """add_adapter once checked."""
+
+    @abc.abstractmethod
+    def set_adapter_host(self, slot: int, host: HostCopy) -> None:
+        """Hand back the host copy of a loaded adapter whose copy was dropped (`host` read again
+        from its folder; ValueError if it is not packed as at its load)."""
+
+    def drop_adapter_host(self, slot: int) -> None:
+        """Free the host copy of a loaded adapter that holds no pages (the host tier's budget);
+        `set_adapter_host` must hand it back before it is paged in again."""
+        self._run(POOL_DROP_ADAPTER_HOST, slot)
+
+    def prefetch_adapter(self, slot: int, keep: Sequence[int] = ()) -> bool:
+        """Page in a loaded adapter ahead of its batch if free pages and idle adapters not in `keep`
+        allow (least recently used evicted first); whether it is resident afterwards."""
+        return bool(self._value(POOL_PREFETCH_ADAPTER, slot, _tvm().runtime.ShapeTuple([int(k) for k in keep])))
+
+    def resident_adapters(self) -> set[int]:
+        """The slots of the adapters that hold their pages now."""
+        return {int(i) for i in self._value(POOL_RESIDENT_ADAPTERS)}
 
     def unload_adapter(self, slot: int) -> None:
         """Forget the adapter; its pages come back when its last sequence is removed."""
@@ -284,15 +342,14 @@ class Pool(abc.ABC):
             raise LoraError(f"{self.compiled.model_dir} was compiled without LoRA: recompile it with "
                             "--max-lora-rank R --lora-pool-pages P to load adapters")
 
-    def _check_fits(self, plan: AdapterPlan) -> None:
-        total = self.stats().total_pages
-        if plan.num_pages > total:
-            raise LoraError(f"adapter {plan.name} (rank {plan.rank}, {', '.join(plan.modules)}) needs "
-                            f"{plan.num_pages} pages, but the whole pool has {total}")
-
-    @staticmethod
-    def _exhausted(plan: AdapterPlan, e: Exception) -> PoolExhaustedError:
-        return PoolExhaustedError(f"cannot load adapter {plan.name!r} ({plan.num_pages} pages): {e}")
+    def _check_fits(self, plan: AdapterPlan, pin: bool = False) -> None:
+        s = self.stats()
+        what = f"adapter {plan.name} (rank {plan.rank}, {', '.join(plan.modules)}) needs {plan.num_pages} pages"
+        if plan.num_pages > s.total_pages:
+            raise LoraError(f"{what}, but the whole pool has {s.total_pages}")
+        if plan.num_pages > s.total_pages - s.pinned_pages:
+            raise LoraError(f"{what}, but pinned adapters hold {s.pinned_pages} of the pool's {s.total_pages} "
+                            f"pages; unpin some {'before pinning another' if pin else 'to load it'}")
 
 
 class DevicePool(Pool):
@@ -327,23 +384,25 @@ class DevicePool(Pool):
         device addresses and shapes at every batch (decode captured in CUDA graphs)."""
         return list(self._f(POOL_LORA_GRAPH_TABLES)(self.handle))
 
-    def load_packed_adapter(self, slot: int, packed: PackedAdapter, pin: bool = False) -> None:
-        """Load pages packed already (`mlc_lora.lora.pack_adapter`) as `slot`."""
-        self._run(POOL_LOAD_ADAPTER, slot, *packed.ffi_args(), bool(pin))
+    def load_packed_adapter(self, slot: int, packed: PackedAdapter, pin: bool = False) -> bool:
+        """Load pages packed already (`mlc_lora.lora.pack_adapter`) as `slot`; whether it is resident."""
+        return bool(self._value(POOL_LOAD_ADAPTER, slot, *packed.ffi_args(), bool(pin)))
 
-    def load_adapter(self, slot: int, adapter: str | Path | LoraAdapter, pin: bool = False,
-                     name: Optional[str] = None) -> AdapterPlan:
+    def read_adapter(self, adapter: str | Path | LoraAdapter, name: Optional[str] = None) -> HostCopy:
         self._check_lora()
+        source = None
         if isinstance(adapter, LoraAdapter):
             packed = pack_adapter(self.lora, dataclasses.replace(adapter, name=name or adapter.name),
                                   self.compiled.numpy_dtype)
         else:
             packed = pack_peft_adapter(adapter, self.compiled.raw, name)
+            source = str(adapter)
         plan = AdapterPlan(packed.name, packed.rank, list(packed.modules), dict(packed.scales),
                            int(packed.pages.shape[1]), packed.lora_alpha, packed.use_rslora)
-        self._check_fits(plan)
-        try:
-            self.load_packed_adapter(slot, packed, pin)
-        except PoolExhaustedError as e:
-            raise self._exhausted(plan, e) from None
-        return plan
+        return HostCopy(plan, int(packed.pages.nbytes), source, packed)
+
+    def _add_adapter(self, slot: int, host: HostCopy, pin: bool) -> bool:
+        return self.load_packed_adapter(slot, host.packed, pin)
+
+    def set_adapter_host(self, slot: int, host: HostCopy) -> None:
+        self._run(POOL_SET_ADAPTER_HOST, slot, *host.packed.ffi_args())

@@ -20,15 +20,16 @@ import numpy as np
 
 from ..contract import LORA_TABLE_INPUTS, PAGE_SIZE
 from ..errors import LoraError, MLCLoraError, PoolExhaustedError
-from ..lora.peft import AdapterPlan, LoraAdapter, pack_peft_adapter, peft_adapter_plan
+from ..lora.peft import LoraAdapter, pack_peft_adapter, peft_adapter_plan
 from .base import LoraInputs, Runner, logit_rows
 from .config import CompiledConfig
 from .device import load_cublas, load_cuda_runtime
 from .disco import disco_tvm, make_session, worker_rank
-from .pool import POOL_LOAD_ADAPTER, POOL_LORA_TABLES, Pool
+from .pool import POOL_LOAD_ADAPTER, POOL_LORA_TABLES, POOL_SET_ADAPTER_HOST, HostCopy, Pool
 
 LOAD_PARAMS = "mlc_lora.sharded.load_params"
 LOAD_ADAPTER = "mlc_lora.sharded.load_adapter"
+SET_ADAPTER_HOST = "mlc_lora.sharded.set_adapter_host"
 INIT_WORKER = "mlc_lora.sharded.init_worker"
 
 # ---------------------------------------------------------------------------------------------
@@ -62,6 +63,13 @@ def _worker_load_adapter(handle, model_dir: str, folder: str, slot: int, pin: bo
     return p.pages.shape[1]
 
 
+def _worker_set_adapter_host(handle, model_dir: str, folder: str, slot: int) -> int:
+    """Pack this worker's slices of a PEFT adapter again and hand them back as its host copy."""
+    p = pack_peft_adapter(folder, CompiledConfig.read(model_dir).raw, name=str(slot), shard=worker_rank())
+    disco_tvm().get_global_func(POOL_SET_ADAPTER_HOST)(handle, slot, *p.ffi_args())
+    return p.pages.shape[1]
+
+
 def _worker_init(device: str) -> None:
     """Ready a GPU worker: TVM's CUDA runtime and the cuBLAS handle of its device."""
     if device == "cpu":
@@ -74,7 +82,7 @@ def _register_worker_functions() -> None:
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
     for name, f in {LOAD_PARAMS: _worker_load_params, LOAD_ADAPTER: _worker_load_adapter,
-                    INIT_WORKER: _worker_init}.items():
+                    SET_ADAPTER_HOST: _worker_set_adapter_host, INIT_WORKER: _worker_init}.items():
         tvm_ffi.register_global_func(name, f, override=True)
 
 
@@ -111,10 +119,10 @@ class ShardedPool(Pool):
         item = self.runner.function("ffi.ArrayGetItem")
         return [item(tables, i) for i in range(len(LORA_TABLE_INPUTS))]
 
-    def load_adapter(self, slot: int, adapter: str | Path | LoraAdapter, pin: bool = False,
-                     name: Optional[str] = None) -> AdapterPlan:
-        """Every worker packs its slices of the PEFT folder `adapter` into its pool; the pages (the
-        same on every shard) are counted here first, without packing (peft_adapter_plan)."""
+    def read_adapter(self, adapter: str | Path | LoraAdapter, name: Optional[str] = None) -> HostCopy:
+        """The pages (the same on every shard) are counted here without packing (peft_adapter_plan):
+        every worker packs its own slices of the folder when the adapter is added, or its host copy
+        handed back (so a tensor-parallel model reads the folder on the engine's thread then)."""
         self._check_lora()
         if isinstance(adapter, LoraAdapter):
             raise LoraError(f"adapter {name or adapter.name}: a tensor-parallel model loads adapters from "
@@ -122,19 +130,37 @@ class ShardedPool(Pool):
         plan = peft_adapter_plan(adapter, self.compiled.raw)
         if name is not None:
             plan = dataclasses.replace(plan, name=name)
-        self._check_fits(plan)
-        s = self.stats()
-        if plan.num_pages > s.free_pages + s.evictable_pages:
-            raise self._exhausted(plan, PoolExhaustedError(
-                f"page pool exhausted: loading adapter {slot} needs {plan.num_pages} pages per shard; "
-                f"{s.free_pages} are free and {s.evictable_pages} can be freed by evicting idle adapters"))
-        self._run(LOAD_ADAPTER, str(self.compiled.model_dir), str(adapter), slot, bool(pin))
+        lora = self.lora
+        nbytes = lora.num_layers * plan.num_pages * lora.page_elems * np.dtype(self.compiled.numpy_dtype).itemsize
+        return HostCopy(plan, int(nbytes), str(adapter))
+
+    def _add_adapter(self, slot: int, host: HostCopy, pin: bool) -> bool:
+        self._run(LOAD_ADAPTER, str(self.compiled.model_dir), host.source, slot, pin)
         self.runner.sync()
-        return plan
+        return self.adapter_info(slot).resident
+
+    def set_adapter_host(self, slot: int, host: HostCopy) -> None:
+        if self.adapter_info(slot).host:  # a worker that throws ends its process: check here
+            raise ValueError(f"adapter {slot} has its host pages")
+        self._run(SET_ADAPTER_HOST, str(self.compiled.model_dir), host.source, slot)
+        self.runner.sync()
+
+    def drop_adapter_host(self, slot: int) -> None:
+        if self.adapter_info(slot).resident:
+            raise ValueError(f"adapter {slot} holds pool pages: its host copy stays")
+        super().drop_adapter_host(slot)
+
+    def prefetch_adapter(self, slot: int, keep: Sequence[int] = ()) -> bool:
+        info = self.adapter_info(slot)
+        if not info.resident and not info.host:
+            raise ValueError(f"adapter {slot} has no host copy: hand it back before prefetching it")
+        return super().prefetch_adapter(slot, keep)
 
     def pin_adapter(self, slot: int, pin: bool) -> None:
         if pin:
             info = self.adapter_info(slot)
+            if not info.resident and not info.host:
+                raise ValueError(f"adapter {slot} has no host copy: hand it back before pinning it")
             s = self.stats()
             if not info.resident and info.num_pages > s.free_pages + s.evictable_pages:
                 raise PoolExhaustedError(

@@ -496,7 +496,7 @@ def create_app(server: Server) -> FastAPI:
         for a in await server.list_adapters():
             data.append({"id": a["name"], "object": "model", "created": server.created, "owned_by": "mlc-lora",
                          "root": str(a.get("path", "")), "parent": server.model_name,
-                         **{k: a[k] for k in ("rank", "pinned", "resident") if k in a}})
+                         **{k: a[k] for k in ("rank", "pinned", "resident", "tier") if k in a}})
         return {"object": "list", "data": data}
 
     @v1.get("/models/{model_id:path}")

@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 PREFIX = "mlc_lora"
 # window over which the tokens/s gauge is averaged
@@ -120,8 +120,10 @@ class _EngineCollector:
         if "adapter_evictions" in s:  # engines with LoRA
             yield CounterMetricFamily(f"{PREFIX}_adapter_evictions", "Idle adapters evicted from the pool for KV "
                                       "or other adapters", value=s["adapter_evictions"])
-            yield CounterMetricFamily(f"{PREFIX}_adapter_page_ins", "Evicted adapters paged back in from their "
-                                      "host copies", value=s["adapter_page_ins"])
+            yield CounterMetricFamily(f"{PREFIX}_adapter_page_ins", "Adapters copied into pool pages from their "
+                                      "host copies after their load (paged back in, or loaded while the pool "
+                                      "was busy)", value=s["adapter_page_ins"])
+            yield from adapter_tier_metrics(s)
         rows = tokens_served(s, self.m.model_name)
         if rows:
             yield GaugeMetricFamily(f"{PREFIX}_fair_share", "1 when requests are admitted by fair share across "
@@ -150,3 +152,32 @@ class _EngineCollector:
         for k, v in sorted(s.items()):
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 yield GaugeMetricFamily(f"{PREFIX}_engine_{k}", f"engine stats()['{k}']", value=v)
+
+
+def adapter_tier_metrics(s: dict[str, Any]):
+    """The adapter tiers of an engine stats() snapshot (engine/adapters.py): where each request found
+    its adapter, page-ins by prefetch, the host tier's bytes and the prefetch lead-time histogram."""
+    hits = CounterMetricFamily(f"{PREFIX}_adapter_tier_hits", "Requests by the tier their adapter was found "
+                               "in when they arrived (device: resident in the pool; host: its host copy, "
+                               "paged in; disk: read again from its folder)", labels=["tier"])
+    misses = CounterMetricFamily(f"{PREFIX}_adapter_tier_misses", "Requests whose adapter was not in this "
+                                 "tier when they arrived (found in a lower one)", labels=["tier"])
+    n = {tier: s[f"adapter_{tier}_hits"] for tier in ("device", "host", "disk")}
+    for tier in n:
+        hits.add_metric([tier], n[tier])
+    misses.add_metric(["device"], n["host"] + n["disk"])
+    misses.add_metric(["host"], n["disk"])
+    yield hits
+    yield misses
+    yield CounterMetricFamily(f"{PREFIX}_adapter_prefetch_page_ins", "Adapters paged in ahead of their "
+                              "requests by prefetch", value=s["adapter_prefetch_page_ins"])
+    yield CounterMetricFamily(f"{PREFIX}_adapter_disk_reads", "Adapter folders read again after their host "
+                              "copy was dropped", value=s["adapter_disk_reads"])
+    yield CounterMetricFamily(f"{PREFIX}_adapter_host_drops", "Adapter host copies dropped for the host "
+                              "tier's budget", value=s["adapter_host_drops"])
+    yield GaugeMetricFamily(f"{PREFIX}_adapter_host_bytes", "Bytes of the adapters' host copies",
+                            value=s["adapter_host_bytes"])
+    lead = s["adapter_prefetch_lead_seconds"]
+    yield HistogramMetricFamily(f"{PREFIX}_adapter_prefetch_lead_seconds", "Seconds from an adapter's prefetch "
+                                "page-in to the first step of the request it was prefetched for",
+                                buckets=[(str(le), n) for le, n in lead["buckets"]], sum_value=lead["sum"])

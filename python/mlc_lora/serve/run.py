@@ -44,6 +44,10 @@ def log_engine(engine) -> None:
     else:
         logger.info("LoRA: ranks up to %d, kernel %s, modules %s", lora.max_rank, lora.kernel,
                     " ".join(m.name for m in lora.modules))
+        budget = core.adapters.host_budget
+        logger.info("adapter host copies: %s; prefetch of queued requests' adapters %s",
+                    "unlimited" if budget is None else f"at most {budget / 2**20:.1f} MiB",
+                    "on" if core.adapters.prefetch else "off")
     logger.info("pool: %d pages of %d tokens (%s), up to %d sequences, %d tokens at most per sequence",
                 core.kv_pages_total, PAGE_SIZE, "KV cache" if lora is None else "KV cache and adapter weights",
                 core.max_num_seqs, core.max_seq_len)
@@ -58,7 +62,8 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
           served_model_name: Optional[str] = None, max_num_seqs: Optional[int] = None,
           max_total_tokens: Optional[int] = None, log_level: str = "info", guard_all: bool = False,
           max_body_bytes: Optional[int] = None, drain_timeout_s: Optional[float] = None,
-          fair_share: bool = False, enable_prefix_caching: bool = False) -> None:
+          fair_share: bool = False, enable_prefix_caching: bool = False,
+          adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True) -> None:
     """Serve `model` (a compiled folder, or anything MLCEngine compiles) until interrupted.
 
     `adapters` (name -> PEFT folder) are trusted operator input and load from anywhere; adapters
@@ -66,7 +71,8 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
     `guard_all` also /metrics and the docs (/health stays open). `max_body_bytes`: larger request
     bodies get 413; `drain_timeout_s`: on SIGTERM, how long running requests may finish (None: the
     defaults of serve/app.py); `fair_share`: the engine admits by the virtual token counter;
-    `enable_prefix_caching`: reuse cached KV of shared prompt prefixes, per adapter.
+    `enable_prefix_caching`: reuse cached KV of shared prompt prefixes, per adapter;
+    `adapter_host_bytes`, `prefetch_adapters`: the adapter tiers (MLCEngine's options of those names).
     """
     import uvicorn  # pylint: disable=import-outside-toplevel
 
@@ -80,7 +86,8 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
     start = time.perf_counter()
     logger.info("loading %s on %s", model, device)
     engine = AsyncMLCEngine(model, device, max_num_seqs=max_num_seqs, max_total_tokens=max_total_tokens,
-                            fair_share=fair_share, enable_prefix_caching=enable_prefix_caching)
+                            fair_share=fair_share, enable_prefix_caching=enable_prefix_caching,
+                            adapter_host_bytes=adapter_host_bytes, prefetch_adapters=prefetch_adapters)
     try:
         log_engine(engine)
         name = served_model_name or engine.model_name

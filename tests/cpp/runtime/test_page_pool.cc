@@ -144,6 +144,46 @@ static void TestAdapters() {
   pool.CheckInvariants();
 }
 
+// A load while sequences hold the pool registers the adapter without pages; it is paged in by
+// TryPageIn once pages come free (never evicting what `keep` names) or by the first batch using it.
+static void TestLoadOnBusyPool() {
+  PagePool pool(10, 16);
+  std::vector<int64_t> ev;
+  CHECK(pool.AddAdapter(1, 2, /*pinned=*/false, &ev));
+  pool.AddSequence(0);
+  pool.ReserveAppend({0}, {7 * 16});  // KV holds 7 pages, adapter 1 two, one is free
+  CHECK(pool.num_free() == 1 && pool.AdapterResident(1));
+  // 1 free + 2 of the idle adapter 1 < 4: the loads succeed without pages, a pinned one too.
+  CHECK(!pool.AddAdapter(2, 4, /*pinned=*/false, &ev));
+  CHECK(!pool.AddAdapter(3, 4, /*pinned=*/true, &ev));
+  CHECK(pool.HasAdapter(2) && !pool.AdapterResident(2) && pool.AdapterResident(1));
+  auto s = pool.Stats();
+  CHECK(s.pinned == 4 && s.loaded_adapters == 3 && s.resident_adapters == 1);
+  CHECK(s.page_ins == 0 && s.evictions == 0 && ev.empty());
+  pool.CheckInvariants();
+  // KV shrinks: 2 free + 2 of adapter 1 give adapter 2 its pages, unless adapter 1 is kept.
+  pool.PopN(0, 16);
+  CHECK(!pool.TryPageIn(2, {1}, &ev));
+  CHECK(!pool.AdapterResident(2) && pool.AdapterResident(1) && pool.num_free() == 2);
+  CHECK(pool.TryPageIn(2, {}, &ev));
+  CHECK(ev == std::vector<int64_t>{1});
+  CHECK(pool.AdapterResident(2) && !pool.AdapterResident(1) && pool.num_free() == 0);
+  CHECK(pool.TryPageIn(2, {}, &ev));  // resident already: nothing changes
+  CHECK(pool.Stats().page_ins == 1 && pool.Stats().evictions == 1);
+  // The sequence ends: the pinned adapter 3 is paged in by the first batch that uses it.
+  pool.RemoveSequence(0);
+  pool.AddSequence(5);
+  pool.SetSequenceAdapter(5, 3);
+  auto r = pool.ReserveAppend({5}, {1});
+  CHECK(r.paged_in == std::vector<int64_t>{3});
+  CHECK(pool.AdapterResident(3) && pool.num_free() == 10 - 4 - 4 - 1);
+  CHECK(pool.Stats().page_ins == 2);
+  EXPECT_ERROR(pool, kValue, "unknown adapter", pool.TryPageIn(42, {}, &ev));
+  pool.RemoveAdapter(2);
+  EXPECT_ERROR(pool, kValue, "whole pool has only 10", pool.AddAdapter(8, 11, false, &ev));
+  pool.CheckInvariants();
+}
+
 // Random operations; the invariants (one owner per page, free+kv+adapter=total, refcounts) after
 // each one, and no state change when an operation fails.
 static void TestRandom() {
@@ -163,7 +203,13 @@ static void TestRandom() {
         case 4: pool.ReserveAppend({a, b}, {pick(40), 1}); break;
         case 5: pool.AddAdapter(adapter, 1 + pick(8), pick(4) == 0, &ev); break;
         case 6: pool.RemoveAdapter(adapter); break;
-        case 7: pool.PinAdapter(adapter, pick(2), &ev); break;
+        case 7:
+          if (pick(2)) {
+            pool.PinAdapter(adapter, pick(2), &ev);
+          } else {
+            pool.TryPageIn(adapter, {pick(6)}, &ev);
+          }
+          break;
         case 8: pool.SetSequenceAdapter(a, pick(3) ? adapter : -1); break;
         default: pool.ReserveAppend({a}, {1 + pick(3)}); break;
       }
@@ -401,7 +447,9 @@ static void TestRandomPrefix() {
           if (pick(4) == 0) pool.RemoveAdapter(adapter);
           break;
         case 8:
-          if (pool.PinAdapter(adapter, pick(2), &ev)) paged_in(adapter);
+          if (pick(2) ? pool.PinAdapter(adapter, pick(2), &ev) : pool.TryPageIn(adapter, {pick(4)}, &ev)) {
+            paged_in(adapter);
+          }
           break;
         case 9: pool.SetSequenceAdapter(a, pick(3) ? adapter : -1); break;
         case 10: {  // a new request: a shared prompt, sometimes cut, then its own tokens
@@ -444,9 +492,53 @@ static void TestRandomPrefix() {
   CHECK(ok > 10000 && hits > 500 && s.cached_evictions > 100 && s.evictions > 30);
 }
 
+// Adapters loaded on a busy pool and paged in later (TryPageIn, a batch) take their pages by the
+// same least-recently-used order as the loads do, over idle adapters and idle keyed pages alike.
+static void TestPageInsWithPrefixCache() {
+  PagePool pool(12, 4);
+  std::vector<int64_t> ev;
+  auto key = [&](int64_t seq, int32_t first) {  // a base-model chain of 2 keyed pages, idle
+    std::vector<int32_t> t;
+    for (int32_t i = 0; i < 8; ++i) t.push_back(first + i);
+    pool.AddSequence(seq);
+    pool.ReserveAppend({seq}, {8});
+    CHECK(pool.InsertPrefix(seq, 0, t) == 2);
+    pool.RemoveSequence(seq);
+  };
+  key(0, 0);                              // chain X, the oldest
+  CHECK(pool.AddAdapter(1, 2, false, &ev));
+  key(1, 50);                             // chain Y, newer than adapter 1
+  pool.AddSequence(9);
+  pool.ReserveAppend({9}, {24});          // 6 KV pages: nothing free, 6 evictable
+  CHECK(pool.num_free() == 0 && pool.Stats().evictable == 6);
+  // a load evicts X (tail, head), then adapter 1; Y, used later, stays
+  CHECK(pool.AddAdapter(2, 4, false, &ev));
+  CHECK(ev == std::vector<int64_t>{1});
+  auto s = pool.Stats();
+  CHECK(s.cached == 2 && s.cached_evictions == 2 && s.page_ins == 0);
+  // too big for Y and the idle adapter 2: registered without pages, nothing else changes
+  CHECK(!pool.AddAdapter(3, 7, false, &ev));
+  CHECK(!pool.AdapterResident(3) && pool.AdapterResident(2) && pool.Stats().cached == 2);
+  CHECK(!pool.TryPageIn(3, {2}, &ev));
+  pool.CheckInvariants();
+  // KV gone: 6 free and Y's tail page; adapter 2 kept
+  pool.RemoveSequence(9);
+  CHECK(pool.TryPageIn(3, {2}, &ev));
+  s = pool.Stats();
+  CHECK(pool.AdapterResident(2) && s.cached == 1 && s.cached_evictions == 3 && s.page_ins == 1);
+  // a batch pages adapter 1 back in: Y's head (older) goes, then the idle adapter 2, not adapter 3
+  pool.AddSequence(10);
+  pool.SetSequenceAdapter(10, 1);
+  auto r = pool.ReserveAppend({10}, {4});
+  CHECK(r.paged_in == std::vector<int64_t>{1} && r.evicted == std::vector<int64_t>{2});
+  s = pool.Stats();
+  CHECK(s.cached == 0 && pool.AdapterResident(3) && s.page_ins == 2 && s.evictions == 2);
+  pool.CheckInvariants();
+}
+
 int main() {
-  for (auto* t : {TestSequences, TestAdapters, TestRandom, TestPrefixCache,
-                  TestOneEvictionPolicy, TestRandomPrefix}) {
+  for (auto* t : {TestSequences, TestAdapters, TestLoadOnBusyPool, TestRandom, TestPrefixCache,
+                  TestOneEvictionPolicy, TestRandomPrefix, TestPageInsWithPrefixCache}) {
     try {
       t();
     } catch (const std::exception& e) {

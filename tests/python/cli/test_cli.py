@@ -89,3 +89,19 @@ def test_chat_demo_adapters_are_package_data(capsys):
     for name in ("all-caps", "pirate"):
         assert (DEMO_ADAPTERS / name / "adapter_config.json").is_file()
         assert (DEMO_ADAPTERS / name / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("text, n", [("0", 0), ("4096", 4096), ("512M", 512 * 2**20), ("8G", 8 * 2**30),
+                                     ("8GiB", 8 * 2**30), ("64k", 64 * 2**10), ("3 MB", 3 * 2**20), ("1.5G", None),
+                                     ("-1", None), ("", None), ("G", None)])
+def test_serve_adapter_host_bytes_reads_a_byte_count(text, n, capsys):
+    from mlc_lora.cli.serve import parser  # pylint: disable=import-outside-toplevel
+
+    if n is None:
+        with pytest.raises(SystemExit):
+            parser().parse_args(["m", "--adapter-host-bytes", text])
+        assert "byte count" in capsys.readouterr().err
+    else:
+        assert parser().parse_args(["m", "--adapter-host-bytes", text]).adapter_host_bytes == n
+    a = parser().parse_args(["m"])
+    assert (a.adapter_host_bytes, a.no_adapter_prefetch) == (None, False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlc_lora.contract import PAGE_SIZE
-from mlc_lora.engine.scheduler import SamplingParams, Scheduler, Sequence, Status, new_pages
+from mlc_lora.engine.scheduler import MAX_SKIPS, SamplingParams, Scheduler, Sequence, Status, new_pages
 
 
 class FakePool:
@@ -24,6 +24,7 @@ class FakePool:
         self.len: dict[int, int] = {}
         self.seq_adapter: dict[int, int] = {}
         self.clock = 0
+        self.admitted: list[int] = []  # sequence ids in the order the scheduler admitted them
         for a in pinned:
             self.adapters[a]["resident"] = True
 
@@ -43,6 +44,7 @@ class FakePool:
         return 0 if a["resident"] and (a["pinned"] or a["refs"] > 0) else a["pages"]
 
     def add_sequence(self, seq: Sequence) -> None:
+        self.admitted.append(seq.seq_id)
         self.kv[seq.seq_id], self.len[seq.seq_id] = 0, 0
         if seq.adapter_slot is not None:
             self.seq_adapter[seq.seq_id] = seq.adapter_slot
@@ -79,12 +81,13 @@ class FakePool:
             self.len[s.seq_id] += len(c)
 
 
-def simulate(pool: FakePool, requests, one_adapter: bool, max_num_seqs=16, max_step_tokens=128):
+def simulate(pool: FakePool, requests, one_adapter: bool, max_num_seqs=16, max_step_tokens=128, **kw):
     """Run `requests` [(adapter slot or None, prompt length, max_tokens)] to the end; returns the
-    scheduler (its rejected list and preemption count) and the finished sequences."""
+    scheduler (its rejected list and preemption count) and the finished sequences. `kw`: more of the
+    Scheduler's arguments (adapter_ready, adapter_resident)."""
     sched = Scheduler(pool.available_pages, lambda sid: pool.add_sequence(by_id[sid]), pool.remove_sequence,
                       max_num_seqs, max_step_tokens, adapter_pages=pool.pages_to_run,
-                      one_adapter_per_batch=one_adapter)
+                      one_adapter_per_batch=one_adapter, **kw)
     by_id, done = {}, []
     for slot, n, m in requests:
         s = Sequence(list(range(n)), SamplingParams(max_tokens=m))
@@ -163,14 +166,48 @@ def test_single_needs_few_preemptions_on_a_loaded_pool():
                                                                      gather.num_preemptions)
 
 
+def test_resident_adapters_go_first_and_a_passed_over_request_waits_at_most_max_skips():
+    """One request whose adapter must be paged in, then twenty on a resident adapter, one running
+    at a time: the resident ones go first, but the first request is passed over MAX_SKIPS times at
+    most. Without the residency callback admission stays first come, first served."""
+    reqs = [(0, 20, 2)] + [(1, 20, 2)] * 20
+    pool = FakePool(total=64, adapters={0: 2, 1: 2}, pinned=(1,))
+    sched, done, rejected = simulate(pool, reqs, False, max_num_seqs=1,
+                                     adapter_resident=lambda a: pool.adapters[a]["resident"])
+    assert rejected == [] and len(done) == 21
+    first = min(pool.admitted)  # seq ids grow with arrival
+    assert pool.admitted.index(first) == MAX_SKIPS
+    assert pool.admitted[:MAX_SKIPS] == sorted(pool.admitted[:MAX_SKIPS])  # the others in arrival order
+    fifo = FakePool(total=64, adapters={0: 2, 1: 2}, pinned=(1,))
+    simulate(fifo, reqs, False, max_num_seqs=1)
+    assert fifo.admitted == sorted(fifo.admitted)
+
+
+def test_a_request_whose_adapter_is_not_ready_waits_without_holding_up_the_others():
+    """Adapter 0 is being read from disk for two scheduling rounds: its request waits at the head of
+    the queue while the requests behind it are admitted; then it runs too."""
+    calls = []
+
+    def ready(slot):
+        calls.append(slot)
+        return slot != 0 or calls.count(0) > 2
+
+    pool = FakePool(total=64, adapters={0: 2, 1: 1})
+    reqs = [(0, 20, 3), (None, 20, 3), (1, 20, 3)]
+    sched, done, rejected = simulate(pool, reqs, False, max_num_seqs=4, adapter_ready=ready)
+    assert rejected == [] and len(done) == 3
+    first = min(pool.admitted)
+    assert pool.admitted.index(first) == 2 and calls.count(0) == 3
+
+
 # --- fair share (the virtual token counter) -------------------------------------------------------
 
 
-def _fair_scheduler(pool: FakePool, max_num_seqs: int, fair: bool = True, one_adapter: bool = False):
+def _fair_scheduler(pool: FakePool, max_num_seqs: int, fair: bool = True, one_adapter: bool = False, **kw):
     by_id: dict = {}
     sched = Scheduler(pool.available_pages, lambda sid: pool.add_sequence(by_id[sid]), pool.remove_sequence,
                       max_num_seqs, 128, adapter_pages=pool.pages_to_run, fair_share=fair,
-                      one_adapter_per_batch=one_adapter)
+                      one_adapter_per_batch=one_adapter, **kw)
     return sched, by_id
 
 
@@ -287,3 +324,30 @@ def test_fair_share_serves_every_request_that_fits_and_preempted_ones_resume(one
         assert got == want, trial
         preemptions += sched.num_preemptions
     assert preemptions > 0  # the pool is tight: preempted sequences were resumed and counted once
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_the_resident_preference_within_fair_share_and_fifo(fair):
+    """B (adapter 1, pinned) floods the queue; A (adapter 0, not resident) then asks for three, one
+    request running at a time. Without the residency callback fair share admits A at once (its
+    counter is lifted to B's, then B's grows) and FIFO behind all of B. With it, A is deferred while
+    its adapter is not resident, MAX_SKIPS admissions at most; once it ran, its adapter is resident
+    and fair share gives A the places its counter earns (FIFO: A's requests keep their places)."""
+    def admissions(resident: bool) -> list:
+        pool = FakePool(1024, {0: 2, 1: 2}, pinned=(1,))
+        kw = dict(adapter_resident=lambda a: pool.adapters[a]["resident"]) if resident else {}
+        sched, by_id = _fair_scheduler(pool, max_num_seqs=1, fair=fair, **kw)
+        _submit(sched, by_id, "B", 1, 20)
+        admitted: list = []
+        _step(sched, pool, admitted)
+        _submit(sched, by_id, "A", 0, 3)
+        while _step(sched, pool, admitted):
+            pass
+        assert not sched.waiting and len(admitted) == 23
+        return [i for i, s in enumerate(admitted) if s.adapter_name == "A"]
+
+    plain, preferring = admissions(False), admissions(True)
+    if fair:
+        assert plain[0] == 1 and preferring == [1 + MAX_SKIPS, 2 + MAX_SKIPS, 3 + MAX_SKIPS], (plain, preferring)
+    else:  # FIFO: A is last either way, its adapter paged in when nothing else waits
+        assert plain == preferring == [20, 21, 22]

@@ -127,12 +127,27 @@ def test_errors_name_the_problem_and_change_nothing(runner, qv_models, tiny_mode
         pool.set_sequence_adapter(3, 5)
     pool.remove_sequence(3)
     assert pool.stats() == before
-    # KV takes every page the pinned adapter leaves: the next adapter cannot load now
+    # KV takes every page the pinned adapter leaves: the next adapter loads without pages and is
+    # paged in by the first batch that needs it
     pool.add_sequence(0)
     grow(pool, 0, (POOL_PAGES - before.adapter_pages) * 16)
-    with pytest.raises(PoolExhaustedError, match=r"cannot load adapter 'qv4' \(1 pages\): page pool exhausted: "
-                                                 r"loading adapter 2 needs 1 pages"):
-        pool.load_adapter(2, root / "qv4")
+    assert pool.stats().free_pages == 0
+    assert pool.load_adapter(2, root / "qv4").num_pages == 1
+    info = pool.adapter_info(2)
+    assert (info.resident, info.host) == (False, True)
+    # pinned adapters (resident or waiting for pages) may hold the whole pool; then nothing else
+    # can ever run, and a load says so
+    for slot in range(3, 8):
+        pool.load_adapter(slot, root / "qv8", pin=True)
+    assert pool.stats().pinned_pages == POOL_PAGES
+    with pytest.raises(LoraError, match=r"adapter qv4 \(rank 4, q_proj, v_proj\) needs 1 pages, but pinned "
+                                        r"adapters hold 12 of the pool's 12 pages; unpin some to load it"):
+        pool.load_adapter(8, root / "qv4")
+    pool.remove_sequence(0)
+    pool.add_sequence(1)
+    pool.set_sequence_adapter(1, 2)
+    grow(pool, 1, 1)
+    assert pool.adapter_info(2).resident and pool.stats().adapter_page_ins == 1
     pool.check_invariants()
     # a model compiled without LoRA
     plain = ModelRunner(tiny_models["gqa"][1])
@@ -171,6 +186,17 @@ def test_sharded_pool_acts_on_every_shard_in_step(sharded, qv_models):
     pool.add_sequence(0)
     grow(pool, 0, (POOL_PAGES - n4 - 1) * 16)
     assert [i.resident for i in pool.shard_adapter_info(0)] == [False, False]
+    # the host tier on both shards: adapter 0's copy dropped, then packed again by every worker
+    with pytest.raises(ValueError, match="adapter 1 holds pool pages"):
+        pool.drop_adapter_host(1)
+    pool.drop_adapter_host(0)
+    assert [(i.host, i.host_bytes) for i in pool.shard_adapter_info(0)] == [(False, 0), (False, 0)]
+    for call in (lambda: pool.prefetch_adapter(0), lambda: pool.pin_adapter(0, True)):
+        with pytest.raises(ValueError, match="adapter 0 has no host copy"):
+            call()
+    host = pool.read_adapter(root / "qv8")
+    pool.set_adapter_host(0, host)
+    assert [(i.host, i.host_bytes) for i in pool.shard_adapter_info(0)] == [(True, host.nbytes)] * 2
     # what would make a worker throw (and end the process) is refused here, on the controller
     with pytest.raises(PoolExhaustedError, match=f"pinning adapter 0 needs {n8} pages per shard; 1 are free"):
         pool.pin_adapter(0, True)

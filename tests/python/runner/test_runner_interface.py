@@ -11,7 +11,7 @@ from mlc_lora.runner import ModelRunner, Pool, Runner, ShardedModelRunner, open_
 from .conftest import POOL_PAGES
 
 RUNNER_CONTRACT = {"device", "vm", "create_pool", "prefill", "decode"}
-POOL_CONTRACT = {"num_shards", "_run", "_values", "lora_tables", "load_adapter"}
+POOL_CONTRACT = {"num_shards", "_run", "_values", "lora_tables", "read_adapter", "_add_adapter", "set_adapter_host"}
 
 
 def test_both_runners_implement_the_interface():

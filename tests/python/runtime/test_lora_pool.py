@@ -10,7 +10,7 @@ import tvm
 
 from mlc_lora.errors import PoolExhaustedError
 from mlc_lora.lora.layout import PackedAdapter
-from mlc_lora.runner import ModelRunner
+from mlc_lora.runner import HostCopy, ModelRunner
 
 S = tvm.runtime.ShapeTuple
 begin = tvm.get_global_func("vm.builtin.kv_state_begin_forward")
@@ -199,13 +199,18 @@ def test_bad_input_is_refused_and_other_sequences_keep_running(tiny_models, runn
         h.a_off[0, 0] = -1
         pool.load_packed_adapter(5, h)
     assert pool.stats() == before
-    # Fill the pool with pinned adapters; then KV growth and another adapter are refused.
+    # Fill the pool with pinned adapters; then KV growth is refused and another adapter loads
+    # without pages (it waits on the host for room).
     pool.load_packed_adapter(1, make_adapter(1, L, E, 2, rank=2), pin=True)
     pool.load_packed_adapter(2, make_adapter(2, L, E, 2, rank=2), pin=True)
     pool.load_packed_adapter(3, make_adapter(3, L, E, 2, rank=2), pin=True)
     assert pool.stats().free_pages == 0
-    with pytest.raises(PoolExhaustedError, match="exhausted.*loading adapter 4 needs 1 pages"):
-        pool.load_packed_adapter(4, make_adapter(4, L, E, 1, rank=1))
+    before = pool.stats()
+    assert not pool.load_packed_adapter(4, make_adapter(4, L, E, 1, rank=1))
+    info = pool.adapter_info(4)
+    assert (info.resident, info.host, info.host_bytes) == (False, True, L * E * 4)
+    assert dataclasses.replace(pool.stats(), loaded_adapters=before.loaded_adapters) == before
+    assert not pool.prefetch_adapter(4)  # no room: nothing changes
     pool.add_sequence(1)
     with pytest.raises(PoolExhaustedError, match="exhausted"):
         runner.prefill(pool, [1], [[1, 2, 3]])
@@ -218,10 +223,53 @@ def test_bad_input_is_refused_and_other_sequences_keep_running(tiny_models, runn
         with torch.no_grad():
             ref = hf(torch.tensor([toks])).logits[0, -1].numpy()
         np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
-    # Unpinning one lets the waiting sequence run (the idle adapter is evicted).
+    # Unpinning one lets the waiting sequence run (the idle adapter is evicted); the page left
+    # over takes adapter 4 ahead of any batch.
     pool.pin_adapter(2, False)
     runner.prefill(pool, [1], [[1, 2, 3]])
     assert not pool.adapter_info(2).resident
+    assert pool.stats().free_pages == 1
+    assert pool.prefetch_adapter(4) and pool.adapter_info(4).resident
+    pool.check_invariants()
+
+
+def test_host_copies_are_dropped_and_handed_back(runner):
+    """The host tier's side of the pool: a copy is dropped only without pages, a batch that would
+    page in an adapter without its copy is refused and changes nothing, and the copy handed back
+    (the same packing) is what gets paged in."""
+    L, E = geometry(runner)
+    pool = new_pool(runner, tokens=96)  # 7 pages
+    a, b = make_adapter(0, L, E, 2, rank=2), make_adapter(1, L, E, 3, rank=3)
+    assert pool.load_packed_adapter(0, a) and pool.load_packed_adapter(1, b)
+    assert pool.resident_adapters() == {0, 1}
+    with pytest.raises(ValueError, match="adapter 0 holds pool pages: its host copy stays"):
+        pool.drop_adapter_host(0)
+    pool.add_sequence(0)
+    pool.begin_forward([0], [48])  # 3 KV pages: adapter 0 (least recently used) is evicted
+    pool.end_forward()
+    assert pool.resident_adapters() == {1}
+    pool.drop_adapter_host(0)
+    info = pool.adapter_info(0)
+    assert (info.resident, info.host, info.host_bytes) == (False, False, 0)
+    pool.add_sequence(1)
+    pool.set_sequence_adapter(1, 0)
+    before = pool.stats()
+    with pytest.raises(ValueError, match="adapter 0 has no host copy .* a batch needs it"):
+        pool.begin_forward([1], [1])
+    for call in (lambda: pool.prefetch_adapter(0), lambda: pool.pin_adapter(0, True)):
+        with pytest.raises(ValueError, match="adapter 0 has no host copy"):
+            call()
+    assert pool.stats() == before and pool.sequence_length(1) == 0
+    with pytest.raises(ValueError, match="not packed as those it was loaded with"):
+        pool.set_adapter_host(0, HostCopy(None, 0, packed=make_adapter(0, L, E, 2, rank=1)))
+    pool.set_adapter_host(0, HostCopy(None, 0, packed=a))
+    with pytest.raises(ValueError, match="adapter 0 has its host pages"):
+        pool.set_adapter_host(0, HostCopy(None, 0, packed=a))
+    assert pool.adapter_info(0).host
+    pool.begin_forward([1], [1])  # paged in from the copy handed back (evicting adapter 1)
+    check_tables(pool, [(0, a)], [0], L, E)
+    pool.end_forward()
+    assert pool.resident_adapters() == {0}
     pool.check_invariants()
 
 

@@ -89,18 +89,32 @@ def test_random_operations_keep_the_accounting(runner, ops):
                         assert pool.adapter_info(seq_adapter[s]).resident
             elif op == 6:
                 n_pages = 1 + n % 4
-                pool.load_packed_adapter(a, make_adapter(a, L, E, n_pages, rank=1 + n % R), pin=n % 5 == 0)
+                resident = pool.load_packed_adapter(a, make_adapter(a, L, E, n_pages, rank=1 + n % R),
+                                                    pin=n % 5 == 0)
                 adapters.add(a)
                 res_after = resident_pages(pool, adapters)
                 evicted = sum(p for x, p in res_before.items() if x not in res_after)
                 # Loading lowers the pages available to KV by exactly its page count (less what
-                # the eviction of idle adapters gave back).
-                assert pool.stats().free_pages == before.free_pages - n_pages + evicted
+                # the eviction of idle adapters gave back); a busy pool registers it without pages
+                # and changes nothing else.
+                assert resident == pool.adapter_info(a).resident
+                if resident:
+                    assert pool.stats().free_pages == before.free_pages - n_pages + evicted
+                else:
+                    assert n_pages > before.free_pages + before.evictable_pages
+                    assert pool.stats().free_pages == before.free_pages and evicted == 0
             elif op == 7:
                 pool.unload_adapter(a)
                 unloading.add(a)
                 if a not in seq_adapter.values():
                     assert pool.stats().free_pages == before.free_pages + res_before.get(a, 0)
+            elif op == 8 and n % 3 == 2:
+                keep = [b]
+                if pool.prefetch_adapter(a, keep):  # paged in ahead of a batch, evicting only idle ones
+                    res_after = resident_pages(pool, adapters)
+                    assert a in res_after and (b not in res_before or b in res_after)
+                else:
+                    assert pool.stats() == before
             elif op == 8:
                 pool.pin_adapter(a, bool(n % 2))
             else:

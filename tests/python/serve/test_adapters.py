@@ -1,5 +1,7 @@
 """LoRA adapters through `mlc_lora serve`: selection by `model`, runtime load/unload, path checks,
-and 64 concurrent streams over 8 adapters; references are HF + PEFT greedy runs of the same folders.
+64 concurrent streams over 8 adapters, and loads while 64 streams fill a small pool (with a host
+tier budget of 0: copies dropped and read again); references are HF + PEFT greedy runs of the same
+folders.
 """
 
 from __future__ import annotations
@@ -255,3 +257,84 @@ def test_load_inplace_replaces_and_vllm_texts(server, client, setup):
     assert got == want
     r = _unload(server, "never-loaded")
     assert r.status_code == 404 and r.json()["error"]["message"] == "The lora adapter 'never-loaded' cannot be found."
+
+
+# A second server on the same library with a pool of BUSY_TOKENS tokens (about 30 pages: the
+# streams' KV and the startup adapters fill it) and a host tier budget of 0.
+BUSY_TOKENS = 480
+STREAM_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def busy_server(setup):
+    _, _, compiled, adapter_dir = setup
+    startup = [arg for name in ("a0", "a1", "a2", "a3") for arg in ("--adapter", f"{name}={adapter_dir / name}")]
+    with run_server(compiled, "--api-key", API_KEY, "--served-model-name", "tiny", *startup,
+                    "--adapter-dir", str(adapter_dir), "--max-total-tokens", str(BUSY_TOKENS),
+                    "--adapter-host-bytes", "0") as url:
+        yield url
+
+
+def test_loads_while_64_streams_fill_the_pool(busy_server, setup, tmp_path):
+    """64 greedy streams over four adapters keep every page busy; loading a4 (6 pages) then answers
+    200 and a broken folder 400 without touching the streams. Every stream and a4's first request
+    equal PEFT's greedy tokens; the tier counters show copies read again from their folders."""
+    from mlc_lora.lora import peft_adapter_plan
+    from mlc_lora.runner import read_compiled_config
+
+    base, refs, compiled, adapter_dir = setup
+    url = busy_server
+    pages = peft_adapter_plan(adapter_dir / "a4", read_compiled_config(compiled, "cpu")).num_pages
+    broken = adapter_dir / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, '
+                                               '"target_modules": ["q_proj"]}')
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    prompts = [PROMPT_IDS + [(i * 7 + k) % 90 + 3 for k in range(4 + i % 9)] for i in range(64)]
+    models = [f"a{i % 4}" for i in range(64)]
+
+    async def one(c, i):
+        stream = await c.completions.create(  # logprobs: a chunk for every token, even one with no text yet
+            model=models[i], prompt=prompts[i], max_tokens=STREAM_TOKENS, temperature=0, logprobs=1, stream=True,
+            extra_body={"ignore_eos": True})
+        chunks = [ch async for ch in stream]
+        return chunks[-1].choices[0].finish_reason, [t for ch in chunks for t in ch.choices[0].token_ids]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0,
+                                      http_client=openai.DefaultAsyncHttpxClient(
+                                          limits=httpx.Limits(max_connections=100))) as c:
+            tasks = [asyncio.create_task(one(c, i)) for i in range(64)]
+            busy = None
+            for _ in range(400):
+                m = await asyncio.to_thread(scrape, url)
+                room = m['mlc_lora_pool_pages{kind="free"}'] + m["mlc_lora_engine_pool_pages_evictable"]
+                if m["mlc_lora_num_requests_running"] >= 4 and room < pages:
+                    busy = m
+                    break
+                await asyncio.sleep(0.01)
+            loaded = await asyncio.to_thread(_load, url, "a4", adapter_dir / "a4")
+            bad = await asyncio.to_thread(_load, url, "bad", broken)
+            return busy, loaded, bad, await asyncio.gather(*tasks)
+
+    busy, loaded, bad, results = asyncio.run(run())
+    assert busy is not None, "the 64 streams never filled the pool"
+    assert loaded.status_code == 200, loaded.text
+    assert bad.status_code == 400 and "broken" in bad.json()["error"]["message"], bad.text
+    for i, (finish, tokens) in enumerate(results):
+        want, _ = greedy_reference(refs[models[i]], prompts[i], STREAM_TOKENS)
+        assert (finish, tokens) == ("length", want), i
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    assert {m.id for m in client.models.list().data} == {"tiny", "a0", "a1", "a2", "a3", "a4"}
+    _, want_lp = greedy_reference(refs["a4"], PROMPT_IDS, 8)
+    lps, _ = _greedy(client, "a4")
+    assert lps == pytest.approx(want_lp, abs=1e-3)
+    m = wait_idle(url)
+    hits = {t: m[f'mlc_lora_adapter_tier_hits_total{{tier="{t}"}}'] for t in ("device", "host", "disk")}
+    assert sum(hits.values()) == 64 + 1 and hits["disk"] >= 1  # a4's request: its copy was dropped
+    assert m['mlc_lora_adapter_tier_misses_total{tier="device"}'] == hits["host"] + hits["disk"]
+    assert m["mlc_lora_adapter_disk_reads_total"] >= 1 and m["mlc_lora_adapter_host_drops_total"] >= 1
+    assert m["mlc_lora_adapter_page_ins_total"] >= 1 and m["mlc_lora_adapter_host_bytes"] > 0
+    lead = m["mlc_lora_adapter_prefetch_lead_seconds_count"]
+    assert lead <= m["mlc_lora_adapter_prefetch_page_ins_total"]
+    assert m['mlc_lora_adapter_prefetch_lead_seconds_bucket{le="+Inf"}'] == lead
