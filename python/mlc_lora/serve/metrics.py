@@ -138,20 +138,27 @@ class _EngineCollector:
                 served.add_metric([name, "generated"], generated)
             yield served
         if s.get("prefix_caching"):
-            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                                      "cache", value=s["prefix_cache_query_tokens"])
-            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache "
-                                      "(not computed)", value=s["prefix_cache_hit_tokens"])
-            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate", "Prefix cache hit tokens / query tokens "
-                                    "since start", value=s["prefix_cache_hit_rate"])
-            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_pages", "Pool pages keyed in the prefix cache "
-                                    "(held by requests or idle)", value=s["prefix_cache_pages"])
-            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evictions", "Prefix cache pages evicted for room",
-                                      value=s["prefix_cache_evictions"])
+            yield from _scalars(s, (
+                (CounterMetricFamily, "prefix_cache_queries", "prefix_cache_query_tokens",
+                 "Prompt tokens looked up in the prefix cache"),
+                (CounterMetricFamily, "prefix_cache_hits", "prefix_cache_hit_tokens",
+                 "Prompt tokens found in the prefix cache (not computed)"),
+                (GaugeMetricFamily, "prefix_cache_hit_rate", "prefix_cache_hit_rate",
+                 "Prefix cache hit tokens / query tokens since start"),
+                (GaugeMetricFamily, "prefix_cache_pages", "prefix_cache_pages",
+                 "Pool pages keyed in the prefix cache (held by requests or idle)"),
+                (CounterMetricFamily, "prefix_cache_evictions", "prefix_cache_evictions",
+                 "Prefix cache pages evicted for room")))
         # everything else the engine reports, under its own name
         for k, v in sorted(s.items()):
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 yield GaugeMetricFamily(f"{PREFIX}_engine_{k}", f"engine stats()['{k}']", value=v)
+
+
+def _scalars(s: dict[str, Any], specs):
+    """One unlabelled metric per (family, metric name, stats() key, help)."""
+    for family, name, key, help_ in specs:
+        yield family(f"{PREFIX}_{name}", help_, value=s[key])
 
 
 def adapter_tier_metrics(s: dict[str, Any]):
@@ -169,14 +176,14 @@ def adapter_tier_metrics(s: dict[str, Any]):
     misses.add_metric(["host"], n["disk"])
     yield hits
     yield misses
-    yield CounterMetricFamily(f"{PREFIX}_adapter_prefetch_page_ins", "Adapters paged in ahead of their "
-                              "requests by prefetch", value=s["adapter_prefetch_page_ins"])
-    yield CounterMetricFamily(f"{PREFIX}_adapter_disk_reads", "Adapter folders read again after their host "
-                              "copy was dropped", value=s["adapter_disk_reads"])
-    yield CounterMetricFamily(f"{PREFIX}_adapter_host_drops", "Adapter host copies dropped for the host "
-                              "tier's budget", value=s["adapter_host_drops"])
-    yield GaugeMetricFamily(f"{PREFIX}_adapter_host_bytes", "Bytes of the adapters' host copies",
-                            value=s["adapter_host_bytes"])
+    yield from _scalars(s, (
+        (CounterMetricFamily, "adapter_prefetch_page_ins", "adapter_prefetch_page_ins",
+         "Adapters paged in ahead of their requests by prefetch"),
+        (CounterMetricFamily, "adapter_disk_reads", "adapter_disk_reads",
+         "Adapter folders read again after their host copy was dropped"),
+        (CounterMetricFamily, "adapter_host_drops", "adapter_host_drops",
+         "Adapter host copies dropped for the host tier's budget"),
+        (GaugeMetricFamily, "adapter_host_bytes", "adapter_host_bytes", "Bytes of the adapters' host copies")))
     lead = s["adapter_prefetch_lead_seconds"]
     yield HistogramMetricFamily(f"{PREFIX}_adapter_prefetch_lead_seconds", "Seconds from an adapter's prefetch "
                                 "page-in to the first step of the request it was prefetched for",
