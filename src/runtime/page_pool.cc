@@ -26,6 +26,7 @@ PagePool::PagePool(int32_t num_pages, int32_t page_size)
                                            "token; got ", num_pages, " pages of ", page_size));
   }
   owner_.assign(num_pages, Owner::kFree);
+  owned_[static_cast<int>(Owner::kFree)] = num_pages;
   kv_refs_.assign(num_pages, 0);
   // A stack popped from the back: page 0 is handed out first, like TVM's cache.
   free_.reserve(num_pages);
@@ -53,7 +54,7 @@ int32_t PagePool::TakePage(Owner owner) {
   // Callers have checked that enough pages are free.
   int32_t p = free_.back();
   free_.pop_back();
-  owner_[p] = owner;
+  SetOwner(p, owner);
   kv_refs_[p] = owner == Owner::kKV ? 1 : 0;
   return p;
 }
@@ -64,14 +65,14 @@ void PagePool::ReleaseKVPage(int32_t page) {
       IdleCachedPage(page);  // keyed: kept for later sequences of its adapter
       return;
     }
-    owner_[page] = Owner::kFree;
+    SetOwner(page, Owner::kFree);
     free_.push_back(page);
   }
 }
 
 void PagePool::ReleaseAdapterPages(Adapter* a) {
   for (int32_t p : a->pages) {
-    owner_[p] = Owner::kFree;
+    SetOwner(p, Owner::kFree);
     free_.push_back(p);
   }
   a->pages.clear();
@@ -84,10 +85,8 @@ PoolStats PagePool::Stats() const {
               static_cast<int64_t>(idle_cache_.size()), prefix_queries_, prefix_query_tokens_,
               prefix_hit_tokens_, cached_evictions_};
   s.evictable = s.cached_idle;
-  for (Owner o : owner_) {
-    s.kv += o == Owner::kKV;
-    s.adapter += o == Owner::kAdapter;
-  }
+  s.kv = owned_[static_cast<int>(Owner::kKV)];
+  s.adapter = owned_[static_cast<int>(Owner::kAdapter)];
   for (const auto& [id, a] : adapters_) {
     if (a.pinned) s.pinned += a.n_pages;
     if (!a.resident) continue;
@@ -104,7 +103,7 @@ void PagePool::Clear() {
   seqs_.clear();
   // the prefix cache goes too: every keyed page is idle now
   for (const auto& [page, c] : cache_) {
-    owner_[page] = Owner::kFree;
+    SetOwner(page, Owner::kFree);
     free_.push_back(page);
   }
   cache_.clear();
@@ -469,7 +468,7 @@ int64_t PagePool::AttachPrefix(int64_t seq, const std::vector<int32_t>& tokens) 
   for (int32_t p : pages) {
     if (kv_refs_[p] == 0) {
       idle_cache_.erase(IdleKey(p));
-      owner_[p] = Owner::kKV;
+      SetOwner(p, Owner::kKV);
     }
     ++kv_refs_[p];
   }
@@ -516,7 +515,7 @@ int64_t PagePool::InsertPrefix(int64_t seq, int64_t start, const std::vector<int
         // one, as a hit would have, and give back the copy; the chain goes on.
         if (kv_refs_[keyed]++ == 0) {
           idle_cache_.erase(IdleKey(keyed));
-          owner_[keyed] = Owner::kKV;
+          SetOwner(keyed, Owner::kKV);
         }
         ReleaseKVPage(page);
         s.pages[i] = keyed;
@@ -538,7 +537,7 @@ int64_t PagePool::InsertPrefix(int64_t seq, int64_t start, const std::vector<int
 }
 
 void PagePool::IdleCachedPage(int32_t page) {
-  owner_[page] = Owner::kCached;
+  SetOwner(page, Owner::kCached);
   cache_.at(page).last_use = clock_;
   idle_cache_.insert(IdleKey(page));
 }
@@ -550,7 +549,7 @@ void PagePool::UncachePage(int32_t page) {
   if (auto parent = cache_.find(c.parent); parent != cache_.end()) --parent->second.children;
   if (kv_refs_[page] == 0) {
     idle_cache_.erase(IdleKey(page));
-    owner_[page] = Owner::kFree;
+    SetOwner(page, Owner::kFree);
     free_.push_back(page);
   }
   cache_.erase(it);
@@ -603,6 +602,11 @@ void PagePool::CheckInvariants() const {
                  : idle_cached       ? Owner::kCached
                                      : Owner::kFree;
     if (owner_[p] != want) fail(Cat("page ", p, " owner tag"));
+  }
+  for (int o = 0; o < 4; ++o) {
+    if (std::count(owner_.begin(), owner_.end(), static_cast<Owner>(o)) != owned_[o]) {
+      fail(Cat("the count of owner tag ", o));
+    }
   }
   CheckPrefixCache();
   PoolStats s = Stats();

@@ -198,6 +198,11 @@ class PagePool {
   // kCached: a keyed page no sequence holds (a keyed page that sequences hold is kKV)
   enum class Owner : int8_t { kFree, kKV, kAdapter, kCached };
 
+  void SetOwner(int32_t page, Owner owner) {
+    --owned_[static_cast<int>(owner_[page])];
+    ++owned_[static_cast<int>(owner)];
+    owner_[page] = owner;
+  }
   const Seq& GetSeq(int64_t seq) const;
   Seq& GetSeq(int64_t seq);
   const Adapter& GetAdapter(int64_t adapter) const;
@@ -242,6 +247,7 @@ class PagePool {
   int32_t num_pages_, page_size_;
   std::vector<int32_t> free_;      // LIFO stack of free page ids
   std::vector<Owner> owner_;       // per page
+  int64_t owned_[4] = {0, 0, 0, 0};  // pages per owner tag (Stats stays O(adapters))
   std::vector<int32_t> kv_refs_;   // per page: sequences holding it (KV pages only)
   std::unordered_map<int64_t, Seq> seqs_;
   std::unordered_map<int64_t, Adapter> adapters_;

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..contract import SAMPLER_FUNCTIONS
 from ..errors import MLCLoraError
+from ..runner import keep_gil_on_device
 from .scheduler import SamplingParams, Sequence
 
 LOGIT_BIAS_MAX = 100.0  # OpenAI's bound on a logit_bias value
@@ -100,6 +101,7 @@ class Sampler:
                 raise MLCLoraError(f"{runner.model_dir} has no sampling functions (compiled by an older "
                                    "mlc-lora); compile it again") from e
         self.device = runner.device
+        keep_gil_on_device(self.device, *self.fn.values())  # (reading the results back lets it go)
 
     def _t(self, a: np.ndarray):
         import tvm  # pylint: disable=import-outside-toplevel

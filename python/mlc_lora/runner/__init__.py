@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 from ..errors import MLCLoraError
 from .base import Runner
 from .config import CompiledConfig, read_compiled_config
-from .device import _tvm, device_of, load_cublas, load_cuda_runtime  # noqa: F401  (_tvm: for the scripts)
+from .device import _tvm, device_of, keep_gil_on_device, load_cublas, load_cuda_runtime  # noqa: F401  (_tvm: for the scripts)
 from .pool import AdapterInfo, DevicePool, HostCopy, Pool, PoolStats
 from .sharded import ShardedModelRunner, ShardedPool
 from .single import ModelRunner
@@ -38,5 +38,5 @@ def open_runner(model_dir: str | Path, device: str = "cpu", params: Optional[Seq
 
 
 __all__ = ["AdapterInfo", "CompiledConfig", "DevicePool", "HostCopy", "ModelRunner", "Pool", "PoolStats", "Runner",
-           "ShardedModelRunner", "ShardedPool", "device_of", "load_cublas", "load_cuda_runtime", "open_runner",
-           "read_compiled_config"]
+           "ShardedModelRunner", "ShardedPool", "device_of", "keep_gil_on_device", "load_cublas", "load_cuda_runtime",
+           "open_runner", "read_compiled_config"]

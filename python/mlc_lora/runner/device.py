@@ -80,6 +80,20 @@ def device_of(name: str):
     raise MLCLoraError(f"unknown device {name!r}; use 'cpu' or 'cuda'")
 
 
+def keep_gil_on_device(device, *fns) -> None:
+    """Calls of `fns` keep the GIL where `device` is not the CPU. On a GPU a model function only
+    queues work (kernels, graph launches) and returns in a millisecond or two; a call that lets
+    the GIL go must win it back from the thread that took it meanwhile (the asyncio side of the
+    engine, which may keep it for the interpreter's switch interval, 5 ms). The engine thread
+    lets it go where it waits for the device (reading results back). On the CPU the call is
+    the computation itself: there the GIL goes, so that other threads run meanwhile."""
+    if device.dlpack_device_type() == _tvm().cpu(0).dlpack_device_type():
+        return
+    for f in fns:
+        if f is not None:
+            f.release_gil = False
+
+
 # The Relax VM's memory allocators. "pooled" keeps every buffer it ever freed, keyed by size, for
 # reuse: each new prefill length leaves buffers of new sizes behind, so memory would grow with every
 # distinct prompt length; ModelRunner releases the cached buffers after POOLED_PREFILL_SIZES new

@@ -368,6 +368,11 @@ class DevicePool(Pool):
         f = self._funcs.get(name)
         if f is None:
             f = self._funcs[name] = _tvm().get_global_func(name)
+            # Bookkeeping of microseconds: keep the GIL. A call that lets it go has to win it back
+            # from the thread that took it meanwhile (the asyncio side, which may hold it for the
+            # interpreter's switch interval, 5 ms): a few such calls per step cost the engine
+            # thread ~1 ms a step on the H200.
+            f.release_gil = False
         return f
 
     def _run(self, name: str, *args) -> None:

@@ -11,7 +11,8 @@ from ..contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_I
 from ..errors import MLCLoraError, PoolExhaustedError
 from .base import LoraInputs, Runner, logit_rows
 from .config import CompiledConfig
-from .device import ALLOCATORS, POOLED_PREFILL_SIZES, _tvm, default_allocator, device_of, load_cublas
+from .device import (ALLOCATORS, POOLED_PREFILL_SIZES, _tvm, default_allocator, device_of, keep_gil_on_device,
+                     load_cublas)
 from .pool import DevicePool
 
 
@@ -79,6 +80,8 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         if self.lora is not None and self.lora.fused is not None:
             self._fused_fns = (self._optional_fn("prefill" + FUSED_FUNCTION_SUFFIX),
                                self._vm["decode" + FUSED_FUNCTION_SUFFIX])
+        keep_gil_on_device(self._device, self._embed, self._prefill, self._decode, *(self._base_fns or ()),
+                           *self._fused_fns)
 
     @property
     def device(self):

@@ -210,3 +210,23 @@ def test_sharded_pool_acts_on_every_shard_in_step(sharded, qv_models):
     pool.pin_adapter(0, True)  # now it fits: paged back in on both shards
     assert [i.resident and i.pinned for i in pool.shard_adapter_info(0)] == [True, True]
     pool.check_invariants()
+
+
+def test_pool_calls_keep_the_gil_and_model_calls_keep_it_only_off_the_cpu(runner):
+    """Calls that let the GIL go must win it back from whichever thread took it meanwhile (up to the
+    interpreter's switch interval): the pool's bookkeeping keeps it; a model function lets it go on
+    the CPU (the call is the computation) and keeps it on a GPU (it only queues work)."""
+    import tvm
+
+    from mlc_lora.runner import keep_gil_on_device
+
+    pool = new_pool(runner)
+    pool.stats()
+    pool.available_pages()
+    assert pool._funcs and all(not f.release_gil for f in pool._funcs.values())  # pylint: disable=protected-access
+    decode = runner.vm["decode"]
+    keep_gil_on_device(tvm.cpu(0), decode)
+    assert decode.release_gil
+    keep_gil_on_device(tvm.cuda(0), decode, None)  # (a device object needs no GPU)
+    assert not decode.release_gil
+    assert runner._decode.release_gil  # pylint: disable=protected-access  (this runner is on the CPU)
