@@ -203,41 +203,50 @@ JSON PatternValue(const JSON& patterns, const std::string& key, const std::strin
 }
 
 float HalfToFloat(uint16_t h) {
-  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  float out;
-  if (exp == 0) {
-    out = std::ldexp(static_cast<float>(man), -24);
-  } else if (exp == 31) {
-    out = man ? std::nanf("") : INFINITY;
-  } else {
-    out = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
-  }
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   uint32_t bits;
-  std::memcpy(&bits, &out, 4);
-  bits |= sign;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // infinity, or NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);  // rebias 15 -> 127
+  } else {
+    const float sub = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
+    std::memcpy(&bits, &sub, 4);
+    bits |= sign;
+  }
+  float out;
   std::memcpy(&out, &bits, 4);
   return out;
 }
 
-/*! \brief Element `i` of a float tensor of the safetensors file (F32, F16, BF16 or F64). */
-float Element(const SafeTensorsFile::Entry& e, int64_t i) {
+/*!
+ * \brief Elements start, start + stride, ... (n of them) of a float tensor of the safetensors file
+ *        (F32, F16, BF16 or F64) as float32, the dtype dispatched once per call.
+ */
+void ReadElements(const SafeTensorsFile::Entry& e, int64_t start, int64_t stride, int64_t n, float* out) {
+  const uint8_t* d = e.data;
   if (e.dtype == "F32") {
-    float x;
-    std::memcpy(&x, e.data + 4 * i, 4);
-    return x;
+    for (int64_t i = 0; i < n; ++i) std::memcpy(out + i, d + 4 * (start + i * stride), 4);
+  } else if (e.dtype == "F64") {
+    for (int64_t i = 0; i < n; ++i) {
+      double x;
+      std::memcpy(&x, d + 8 * (start + i * stride), 8);
+      out[i] = static_cast<float>(x);
+    }
+  } else if (e.dtype == "F16") {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, d + 2 * (start + i * stride), 2);
+      out[i] = HalfToFloat(h);
+    }
+  } else {  // BF16
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t h;
+      std::memcpy(&h, d + 2 * (start + i * stride), 2);
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(out + i, &bits, 4);
+    }
   }
-  if (e.dtype == "F64") {
-    double x;
-    std::memcpy(&x, e.data + 8 * i, 8);
-    return static_cast<float>(x);
-  }
-  uint16_t h;
-  std::memcpy(&h, e.data + 2 * i, 2);
-  if (e.dtype == "F16") return HalfToFloat(h);
-  uint32_t bits = static_cast<uint32_t>(h) << 16;  // BF16
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
 }
 
 /*! \brief The largest LoRA scale accepted: the largest finite float16. */
@@ -258,28 +267,49 @@ class PeftRows : public AdapterRows {
       return;
     }
     if (!b) {
-      for (int64_t i = 0; i < in; ++i) out[i] = Finite(p.a_name, Element(*p.a, k * in + i), k * in + i);
+      ReadElements(*p.a, k * in, 1, in, out);
+      CheckFinite(p.a_name, out, in, k * in, 1);
       return;
     }
+    if (b_of_ != &p) {  // B (out, r) read once per pair, transposed: row k is column k of B
+      b_t_.resize(outf * p.r);
+      std::vector<float> in_row(p.r);
+      for (int64_t o = 0; o < outf; ++o) {
+        ReadElements(*p.b, o * p.r, 1, p.r, in_row.data());
+        for (int64_t c = 0; c < p.r; ++c) b_t_[c * outf + o] = in_row[c];
+      }
+      b_of_ = &p;
+    }
+    const float* col = b_t_.data() + k * outf;
+    CheckFinite(p.b_name, col, outf, k, p.r);
     // numpy's float32 array * Python float: the scalar is cast to float32 (NEP 50).
     const float ratio = static_cast<float>(p.ratio);
-    for (int64_t o = 0; o < outf; ++o) out[o] = Finite(p.b_name, Element(*p.b, o * p.r + k), o * p.r + k) * ratio;
+    for (int64_t o = 0; o < outf; ++o) out[o] = col[o] * ratio;
   }
 
  private:
-  /*! \brief x, or InvalidArgument naming the tensor and the flat index of a NaN or infinity. */
-  static float Finite(const std::string& tensor, float x, int64_t index) {
-    if (!std::isfinite(x)) {
-      throw InvalidArgument("tensor '" + tensor + "' holds a value that is not finite (" + std::to_string(x) +
-                            ") at flat index " + std::to_string(index));
+  /*!
+   * \brief InvalidArgument naming the tensor and the flat index of the first NaN or infinity
+   *        among x[0..n) (elements start, start + stride, ... of the tensor).
+   */
+  static void CheckFinite(const std::string& tensor, const float* x, int64_t n, int64_t start, int64_t stride) {
+    bool finite = true;
+    for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(x[i]);
+    if (finite) return;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!std::isfinite(x[i])) {
+        throw InvalidArgument("tensor '" + tensor + "' holds a value that is not finite (" + std::to_string(x[i]) +
+                              ") at flat index " + std::to_string(start + i * stride));
+      }
     }
-    return x;
   }
 
  public:
 
  private:
   const PeftAdapter& a_;
+  mutable const PeftAdapter::Pair* b_of_ = nullptr;  // whose B b_t_ holds
+  mutable std::vector<float> b_t_;                    // B transposed: (r, out)
 };
 
 }  // namespace

@@ -272,3 +272,33 @@ def test_every_malformed_header_is_a_lora_error(tmp_path, header, nbytes):
 def test_bad_patterns_are_lora_errors(tmp_path, config, match):
     with pytest.raises(LoraError, match=match):
         _load_packed(_write(tmp_path / "pat", config=config), CFG)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_every_stored_dtype_packs_its_exact_values(tmp_path, dtype):
+    """A/B stored as float16 (with subnormals, signed zeros and the largest half), bfloat16 or
+    float64 pack to exactly what numpy's cast to float32 gives; a NaN/inf is found at its flat
+    index in B (read column by column) too."""
+    import ml_dtypes
+
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16}.get(dtype, np.dtype(dtype))
+    rng = np.random.default_rng(3)
+    special = np.array([0.0, -0.0, 6e-8, -6e-8, 3e-5, 65504.0, -65504.0, 1.0], np.float32)
+    t = {}
+    for l in (0, 1):
+        for m, (shape_a, shape_b) in {"q_proj": ((4, 64), (64, 4)), "v_proj": ((4, 64), (32, 4))}.items():
+            a = rng.standard_normal(shape_a).astype(np.float32)
+            b = rng.standard_normal(shape_b).astype(np.float32)
+            a.flat[:8], b.flat[-8:] = special, special
+            t[f"{PREFIX}.{l}.self_attn.{m}.lora_A.weight"] = a.astype(np_dtype)
+            t[f"{PREFIX}.{l}.self_attn.{m}.lora_B.weight"] = b.astype(np_dtype)
+    got = _load_packed(_write(tmp_path / dtype, tensors=t), CFG)
+    for (l, m), (a, bt) in got.weights.items():
+        part = f"{PREFIX}.{l}.self_attn.{m}"
+        np.testing.assert_array_equal(a, t[f"{part}.lora_A.weight"].astype(np.float32))
+        np.testing.assert_array_equal(bt, t[f"{part}.lora_B.weight"].astype(np.float32).T)
+    name = f"{PREFIX}.1.self_attn.v_proj.lora_B.weight"
+    t[name] = t[name].copy()
+    t[name].flat[9] = np.inf  # row 2, column 1 of B (32, 4)
+    with pytest.raises(LoraError, match=rf"{name}.*not finite.*flat index 9\b"):
+        _load_packed(_write(tmp_path / f"{dtype}-inf", tensors=t), CFG)
