@@ -18,6 +18,25 @@ def _tvm():
     return tvm
 
 
+# tvm-ffi's container accessors (what reading an Array or a Map returned by the runtime calls, once
+# per element): O(1) lookups that need not let the GIL go. A call that lets it go must win it back
+# from the thread that took it meanwhile (the asyncio side, up to the interpreter's switch interval):
+# the engine thread reads the pool's stats, adapter infos and LoRA tables every step.
+CONTAINER_ACCESSORS = ("ArrayGetItem", "ArraySize", "MapGetItem", "MapGetItemOrMissing", "MapCount", "MapSize")
+
+
+def keep_gil_in_container_access() -> None:
+    import tvm_ffi._ffi_api as api  # pylint: disable=import-outside-toplevel
+
+    for name in CONTAINER_ACCESSORS:
+        f = getattr(api, name, None)
+        if f is not None:
+            f.release_gil = False
+
+
+keep_gil_in_container_access()
+
+
 def load_cuda_runtime() -> None:
     """Runtime-only TVM does not autoload its CUDA device API; load it once."""
     tvm = _tvm()

@@ -230,3 +230,10 @@ def test_pool_calls_keep_the_gil_and_model_calls_keep_it_only_off_the_cpu(runner
     keep_gil_on_device(tvm.cuda(0), decode, None)  # (a device object needs no GPU)
     assert not decode.release_gil
     assert runner._decode.release_gil  # pylint: disable=protected-access  (this runner is on the CPU)
+    # reading the Arrays and Maps the runtime returns (stats, adapter infos, LoRA tables)
+    import tvm_ffi._ffi_api as api
+
+    from mlc_lora.runner.device import CONTAINER_ACCESSORS
+
+    assert all(not getattr(api, n).release_gil for n in CONTAINER_ACCESSORS if hasattr(api, n))
+    assert {"ArrayGetItem", "MapGetItem"} <= {n for n in CONTAINER_ACCESSORS if hasattr(api, n)}
