@@ -26,6 +26,7 @@ CONTAINER_ACCESSORS = ("ArrayGetItem", "ArraySize", "MapGetItem", "MapGetItemOrM
 
 
 def keep_gil_in_container_access() -> None:
+    """Set once, at import, for the whole process (these functions are tvm-ffi's own singletons)."""
     import tvm_ffi._ffi_api as api  # pylint: disable=import-outside-toplevel
 
     for name in CONTAINER_ACCESSORS:
