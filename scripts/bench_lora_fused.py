@@ -211,6 +211,16 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                 # the compiled shape with no adapter in the batch: the kernel's GEMM alone
                 groups["linear"]["compiled, no adapter"] = (lambda i, c=cfgs[0]: pt.launch_linear(i, c[0], c[1], 0))
                 groups["linear"]["cublas"] = (lambda i: torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2]))
+                # the route past FUSED_MAX_TOKENS at this token count (which route wins where)
+                pair = _pair_configs(LT, pt)[0][0]
+                pt.launch_shrink(0, pair)
+
+                def cublas_pair(i, g=pair):
+                    torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2])
+                    pt.launch_shrink(i, g)
+                    pt.launch_expand(i, g)
+
+                groups["linear"]["cublas + pair"] = cublas_pair
             else:
                 shrinks, expands = _pair_configs(LT, pt)
                 pt.launch_shrink(0, shrinks[0])
