@@ -17,6 +17,17 @@
       pinned adapters and no KV page. Prints per round the requests served, tokens per second,
       resident memory (and on CUDA the device memory in use) against the first round after
       warm-up; exits 1 if memory grew past --rss-margin-mb or a round did not end idle.
+      Diagnostics for memory growth (glibc hosts):
+        --malloc-trim   call glibc's malloc_trim(0) before each reading, so the C heap hands its
+                        free pages back: RSS then counts what is in use, not the heap's high-water
+                        mark (a leak still grows; retained free heap no longer does). Each round
+                        also prints the RSS before the trim and the trim's time.
+        --heap-stats    each round prints glibc's mallinfo2(): C heap bytes in use (all arenas,
+                        mmap'd blocks included) and bytes free inside the heap. In use growing
+                        round after round is a leak; free growing while in use stays is retention.
+        --trace-python N  tracemalloc from the start (and gc's objects by type): after warm-up and
+                        at the end prints the N source lines whose Python allocations grew most and
+                        the N object types whose counts grew most.
 
 MODEL_DIR: a compiled folder (the engine mode needs one compiled with LoRA, e.g.
 `mlc_lora compile smollm2-135m -o DIR --target llvm --max-lora-rank 16 --lora-pool-pages 256`).
@@ -45,6 +56,44 @@ def rss_mb() -> float:
     import resource  # pylint: disable=import-outside-toplevel
 
     return pages * resource.getpagesize() / 2**20
+
+
+def _libc():
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    return ctypes.CDLL("libc.so.6")
+
+
+def malloc_trim() -> float:
+    """glibc's malloc_trim(0): every arena's free pages back to the system. Returns its seconds."""
+    t0 = time.perf_counter()
+    _libc().malloc_trim(0)
+    return time.perf_counter() - t0
+
+
+def heap_mb() -> dict:
+    """glibc's mallinfo2() over all arenas: MB in use (small chunks + mmap'd blocks) and MB free
+    inside the heap (kept by the allocator, not returned to the system)."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    class Mallinfo2(ctypes.Structure):  # pylint: disable=too-few-public-methods
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    f = _libc().mallinfo2
+    f.restype = Mallinfo2
+    m = f()
+    return dict(heap_used_mb=(m.uordblks + m.hblkhd) / 2**20, heap_free_mb=m.fordblks / 2**20,
+                heap_mmap_mb=m.hblkhd / 2**20)
+
+
+def object_counts() -> dict:
+    """Objects the garbage collector tracks, by type name."""
+    import collections  # pylint: disable=import-outside-toplevel
+    import gc  # pylint: disable=import-outside-toplevel
+
+    gc.collect()
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
 
 
 def device_mb(device: str) -> float | None:
@@ -269,9 +318,12 @@ def idle_problems(stats: dict, listed: list[dict]) -> list[str]:
 
 def soak(model_dir, device: str = "cpu", *, minutes: float = 0.0, rounds: int = 0, warmup_rounds: int = 2,
          adapters: int = 4, requests: int = 24, max_prompt: int = 0, max_tokens: int = 24, seed: int = 0,
-         log=print) -> list[dict]:
+         log=print, trim: bool = False, heap_stats: bool = False, at_end=None) -> list[dict]:
     """Rounds of `traffic_round` on an AsyncMLCEngine until `rounds` (or `minutes`) have passed; each
-    round's outcome counts, tokens per second, resident (and device) memory, idle problems."""
+    round's outcome counts, tokens per second, resident (and device) memory, idle problems. `trim`:
+    malloc_trim(0) before reading memory (the row also keeps the RSS before it, `rss_untrimmed_mb`);
+    `heap_stats`: the C heap's bytes in use and free (mallinfo2). `at_end()` runs after the last
+    round while the engine is still up."""
     import asyncio  # pylint: disable=import-outside-toplevel
     import gc  # pylint: disable=import-outside-toplevel
 
@@ -296,37 +348,90 @@ def soak(model_dir, device: str = "cpu", *, minutes: float = 0.0, rounds: int = 
                 dt = time.perf_counter() - t0
                 counts["tokens"], tokens = st["num_generated_tokens"] - tokens, st["num_generated_tokens"]
                 gc.collect()
+                extra = {}
+                if trim:
+                    extra["rss_untrimmed_mb"] = rss_mb()
+                    extra["trim_ms"] = 1e3 * malloc_trim()
+                if heap_stats:
+                    extra.update(heap_mb())
                 row = dict(round=r, warmup=r < warmup_rounds, seconds=dt, tokens_per_s=counts["tokens"] / dt,
                            rss_mb=rss_mb(), problems=idle_problems(st, await eng.list_adapters()),
-                           preemptions=st["num_preemptions"], evictions=st["adapter_evictions"], **counts)
+                           preemptions=st["num_preemptions"], evictions=st["adapter_evictions"], **counts, **extra)
                 dev = device_mb(device)
                 if dev is not None:
                     row["device_mb"] = dev
                 rows.append(row)
                 log(row)
                 r += 1
+            if at_end is not None:
+                at_end()
 
         asyncio.run(run())
     return rows
 
 
+def print_growth(base, end, top: int) -> None:
+    """The `top` source lines whose traced Python allocations grew most from snapshot `base` to `end`,
+    and the object types whose counts grew most (`base`, `end`: (tracemalloc snapshot, counts))."""
+    import tracemalloc  # pylint: disable=import-outside-toplevel
+
+    filt = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib._bootstrap>")]
+    stats = end[0].filter_traces(filt).compare_to(base[0].filter_traces(filt), "lineno")
+    total = sum(s.size_diff for s in stats)
+    print(f"python allocations (tracemalloc) since warm-up: {total / 2**20:+.2f} MB in all; top {top} lines:")
+    for s in stats[:top]:
+        fr = s.traceback[0]
+        print(f"  {s.size_diff / 2**10:+9.1f} KiB {s.count_diff:+7d} blocks  {fr.filename}:{fr.lineno}")
+    grown = sorted(((end[1][k] - base[1].get(k, 0), k) for k in end[1]), reverse=True)[:top]
+    print(f"objects tracked by gc since warm-up: {sum(end[1].values()) - sum(base[1].values()):+d}; top {top} types:")
+    for d, k in grown:
+        print(f"  {d:+8d} {k} ({end[1][k]})")
+
+
 def engine_main(args) -> int:
     base = None
+    traced = {}
+    if args.trace_python:
+        import tracemalloc  # pylint: disable=import-outside-toplevel
+
+        tracemalloc.start()
+
+    def snapshot(first: bool):
+        # the counts must see the warm-up snapshot's own objects (tuples) both times: after it is
+        # taken at warm-up, before the last one is taken at the end
+        import tracemalloc  # pylint: disable=import-outside-toplevel
+
+        if first:
+            snap = tracemalloc.take_snapshot()
+            return snap, object_counts()
+        counts = object_counts()
+        return tracemalloc.take_snapshot(), counts
 
     def log(row):
         nonlocal base
         if base is None and not row["warmup"]:
             base = row
+            if args.trace_python:
+                traced["base"] = snapshot(True)
         grow = "" if base is None else f" (+{row['rss_mb'] - base['rss_mb']:.0f} MB since warm-up)"
         dev = f" device {row['device_mb']:.0f} MB" if "device_mb" in row else ""
+        diag = ""
+        if "rss_untrimmed_mb" in row:
+            diag += f" untrimmed {row['rss_untrimmed_mb']:.0f} MB trim {row['trim_ms']:.1f} ms"
+        if "heap_used_mb" in row:
+            diag += f" heap used {row['heap_used_mb']:.1f} free {row['heap_free_mb']:.1f} MB"
         print(f"round {row['round']:4d} {row['seconds']:6.1f}s served {row['served']:3d} aborted {row['aborted']:3d} "
               f"refused {row['refused']:2d} {row['tokens_per_s']:7.1f} tok/s preempt {row['preemptions']:5d} "
-              f"evict {row['evictions']:4d} RSS {row['rss_mb']:7.0f} MB{grow}{dev}"
+              f"evict {row['evictions']:4d} RSS {row['rss_mb']:7.0f} MB{grow}{dev}{diag}"
               + (f" NOT IDLE: {'; '.join(row['problems'])}" if row["problems"] else ""), flush=True)
+
+    def at_end():
+        if args.trace_python and "base" in traced:
+            print_growth(traced["base"], snapshot(False), args.trace_python)
 
     rows = soak(args.model_dir, args.device, minutes=args.minutes, rounds=args.rounds, adapters=args.adapters,
                 requests=args.requests, max_prompt=args.max_prompt, max_tokens=args.max_tokens, seed=args.seed,
-                log=log)
+                log=log, trim=args.malloc_trim, heap_stats=args.heap_stats, at_end=at_end)
     after = [r for r in rows if not r["warmup"]]
     growth = max(r["rss_mb"] for r in after) - after[0]["rss_mb"] if after else 0.0
     bad = [r for r in rows if r["problems"]]
@@ -334,6 +439,11 @@ def engine_main(args) -> int:
                    served=sum(r["served"] for r in rows), aborted=sum(r["aborted"] for r in rows),
                    refused=sum(r["refused"] for r in rows), rss_growth_after_warmup_mb=growth,
                    rss_first_mb=after[0]["rss_mb"] if after else None, rounds_not_idle=len(bad))
+    for k in ("rss_untrimmed_mb", "heap_used_mb", "heap_free_mb"):
+        if after and k in after[0]:
+            summary[k.removesuffix("_mb") + "_growth_after_warmup_mb"] = max(r[k] for r in after) - after[0][k]
+    if after and "trim_ms" in after[0]:
+        summary["trim_ms_max"] = max(r["trim_ms"] for r in rows)
     if after and "device_mb" in after[0]:
         summary["device_growth_after_warmup_mb"] = max(r["device_mb"] for r in after) - after[0]["device_mb"]
     print(json.dumps(summary))
@@ -369,6 +479,11 @@ def main() -> int:
     e.add_argument("--rss-margin-mb", type=float, default=64.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--json", help="also write every round here")
+    e.add_argument("--malloc-trim", action="store_true",
+                   help="glibc malloc_trim(0) before each memory reading (free heap back to the system)")
+    e.add_argument("--heap-stats", action="store_true", help="print the C heap's MB in use and free (mallinfo2)")
+    e.add_argument("--trace-python", type=int, default=0, metavar="N",
+                   help="tracemalloc: the N lines (and object types) that grew most from warm-up to the end")
     args = p.parse_args()
     if args.mode == "alloc":
         return alloc_main(args)
