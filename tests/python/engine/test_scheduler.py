@@ -222,6 +222,18 @@ def _submit(sched, by_id, name, slot, n, prompt_len=8, max_tokens=4):
     return seqs
 
 
+def _flood_then_ask(sched, pool, by_id, flood, then) -> list:
+    """`flood` = (client, slot, n) requests, one step, then `then`'s, stepped until done; the
+    sequences in the order they were admitted."""
+    _submit(sched, by_id, *flood)
+    admitted: list = []
+    _step(sched, pool, admitted)
+    _submit(sched, by_id, *then)
+    while _step(sched, pool, admitted):
+        pass
+    return admitted
+
+
 def _step(sched, pool, admitted: list, one_adapter: bool = False) -> bool:
     """One step as the engine takes it: schedule, run on the fake pool, count generated tokens."""
     before = {s.seq_id for s in sched.running}
@@ -278,13 +290,7 @@ def test_fair_share_admits_the_least_served_client_and_fifo_does_not():
     def admissions(fair):
         pool = FakePool(1024, {0: 1, 1: 1})
         sched, by_id = _fair_scheduler(pool, max_num_seqs=2, fair=fair)
-        _submit(sched, by_id, "A", 0, 12)
-        admitted: list = []
-        _step(sched, pool, admitted)
-        _submit(sched, by_id, "B", 1, 3)
-        while _step(sched, pool, admitted):
-            pass
-        return [s.adapter_name for s in admitted]
+        return [s.adapter_name for s in _flood_then_ask(sched, pool, by_id, ("A", 0, 12), ("B", 1, 3))]
 
     fair, fifo = admissions(True), admissions(False)
     assert sorted(fair) == sorted(fifo) == ["A"] * 12 + ["B"] * 3
@@ -337,12 +343,7 @@ def test_the_resident_preference_within_fair_share_and_fifo(fair):
         pool = FakePool(1024, {0: 2, 1: 2}, pinned=(1,))
         kw = dict(adapter_resident=lambda a: pool.adapters[a]["resident"]) if resident else {}
         sched, by_id = _fair_scheduler(pool, max_num_seqs=1, fair=fair, **kw)
-        _submit(sched, by_id, "B", 1, 20)
-        admitted: list = []
-        _step(sched, pool, admitted)
-        _submit(sched, by_id, "A", 0, 3)
-        while _step(sched, pool, admitted):
-            pass
+        admitted = _flood_then_ask(sched, pool, by_id, ("B", 1, 20), ("A", 0, 3))
         assert not sched.waiting and len(admitted) == 23
         return [i for i, s in enumerate(admitted) if s.adapter_name == "A"]
 
