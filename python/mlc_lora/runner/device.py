@@ -18,10 +18,20 @@ def _tvm():
     return tvm
 
 
-# tvm-ffi's container accessors (what reading an Array or a Map returned by the runtime calls, once
-# per element): O(1) lookups that need not let the GIL go. A call that lets it go must win it back
-# from the thread that took it meanwhile (the asyncio side, up to the interpreter's switch interval):
-# the engine thread reads the pool's stats, adapter infos and LoRA tables every step.
+def keep_gil(*fns) -> None:
+    """Calls of these tvm-ffi functions keep the GIL (tvm-ffi lets it go by default). A call that lets
+    it go must win it back from the thread that took it meanwhile: the engine's asyncio side, which
+    may keep it for the interpreter's switch interval (5 ms). For calls of microseconds, and those
+    that only queue GPU work, that wait is the whole cost (~1 ms a step on the H200 for the pool's
+    few calls); the engine thread lets the GIL go only where it waits (reading results back from
+    the device, a forward on the CPU)."""
+    for f in fns:
+        if f is not None:
+            f.release_gil = False
+
+
+# tvm-ffi's container accessors: what reading an Array or a Map returned by the runtime calls, once
+# per element (the engine thread reads the pool's stats, adapter infos and LoRA tables every step).
 CONTAINER_ACCESSORS = ("ArrayGetItem", "ArraySize", "MapGetItem", "MapGetItemOrMissing", "MapCount", "MapSize")
 
 
@@ -29,10 +39,7 @@ def keep_gil_in_container_access() -> None:
     """Set once, at import, for the whole process (these functions are tvm-ffi's own singletons)."""
     import tvm_ffi._ffi_api as api  # pylint: disable=import-outside-toplevel
 
-    for name in CONTAINER_ACCESSORS:
-        f = getattr(api, name, None)
-        if f is not None:
-            f.release_gil = False
+    keep_gil(*(getattr(api, name, None) for name in CONTAINER_ACCESSORS))
 
 
 keep_gil_in_container_access()
@@ -101,17 +108,11 @@ def device_of(name: str):
 
 
 def keep_gil_on_device(device, *fns) -> None:
-    """Calls of `fns` keep the GIL where `device` is not the CPU. On a GPU a model function only
-    queues work (kernels, graph launches) and returns in a millisecond or two; a call that lets
-    the GIL go must win it back from the thread that took it meanwhile (the asyncio side of the
-    engine, which may keep it for the interpreter's switch interval, 5 ms). The engine thread
-    lets it go where it waits for the device (reading results back). On the CPU the call is
-    the computation itself: there the GIL goes, so that other threads run meanwhile."""
-    if device.dlpack_device_type() == _tvm().cpu(0).dlpack_device_type():
-        return
-    for f in fns:
-        if f is not None:
-            f.release_gil = False
+    """`keep_gil(*fns)` where `device` is not the CPU: on a GPU a model function only queues work
+    (kernels, graph launches); on the CPU the call is the computation itself, and there the GIL
+    goes, so that other threads run meanwhile."""
+    if device.dlpack_device_type() != _tvm().cpu(0).dlpack_device_type():
+        keep_gil(*fns)
 
 
 # The Relax VM's memory allocators. "pooled" keeps every buffer it ever freed, keyed by size, for

@@ -21,7 +21,7 @@ from ..errors import LoraError
 from ..lora.layout import LoraSpec, PackedAdapter, pack_adapter
 from ..lora.peft import AdapterPlan, LoraAdapter, pack_peft_adapter
 from .config import CompiledConfig
-from .device import _tvm
+from .device import _tvm, keep_gil
 
 # TVM's KV-state builtins (any paged KV cache).
 PAD_SEQUENCE_IDS = 1 << 62  # the first id of the padding sequences (`Pool.padding_sequences`)
@@ -368,11 +368,7 @@ class DevicePool(Pool):
         f = self._funcs.get(name)
         if f is None:
             f = self._funcs[name] = _tvm().get_global_func(name)
-            # Bookkeeping of microseconds: keep the GIL. A call that lets it go has to win it back
-            # from the thread that took it meanwhile (the asyncio side, which may hold it for the
-            # interpreter's switch interval, 5 ms): a few such calls per step cost the engine
-            # thread ~1 ms a step on the H200.
-            f.release_gil = False
+            keep_gil(f)  # bookkeeping of microseconds
         return f
 
     def _run(self, name: str, *args) -> None:
