@@ -220,31 +220,29 @@ float HalfToFloat(uint16_t h) {
 }
 
 /*!
- * \brief Elements start, start + stride, ... (n of them) of a float tensor of the safetensors file
- *        (F32, F16, BF16 or F64) as float32, the dtype dispatched once per call.
+ * \brief Elements [start, start + n) of a float tensor of the safetensors file (F32, F16, BF16 or
+ *        F64) as float32, the dtype dispatched once per call.
  */
-void ReadElements(const SafeTensorsFile::Entry& e, int64_t start, int64_t stride, int64_t n, float* out) {
-  const uint8_t* d = e.data;
+void ReadElements(const SafeTensorsFile::Entry& e, int64_t start, int64_t n, float* out) {
   if (e.dtype == "F32") {
-    for (int64_t i = 0; i < n; ++i) std::memcpy(out + i, d + 4 * (start + i * stride), 4);
+    std::memcpy(out, e.data + 4 * start, 4 * n);
   } else if (e.dtype == "F64") {
     for (int64_t i = 0; i < n; ++i) {
       double x;
-      std::memcpy(&x, d + 8 * (start + i * stride), 8);
+      std::memcpy(&x, e.data + 8 * (start + i), 8);
       out[i] = static_cast<float>(x);
     }
-  } else if (e.dtype == "F16") {
+  } else {  // F16, BF16
+    const bool half = e.dtype == "F16";
     for (int64_t i = 0; i < n; ++i) {
       uint16_t h;
-      std::memcpy(&h, d + 2 * (start + i * stride), 2);
-      out[i] = HalfToFloat(h);
-    }
-  } else {  // BF16
-    for (int64_t i = 0; i < n; ++i) {
-      uint16_t h;
-      std::memcpy(&h, d + 2 * (start + i * stride), 2);
-      const uint32_t bits = static_cast<uint32_t>(h) << 16;
-      std::memcpy(out + i, &bits, 4);
+      std::memcpy(&h, e.data + 2 * (start + i), 2);
+      if (half) {
+        out[i] = HalfToFloat(h);
+      } else {
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(out + i, &bits, 4);
+      }
     }
   }
 }
@@ -267,7 +265,7 @@ class PeftRows : public AdapterRows {
       return;
     }
     if (!b) {
-      ReadElements(*p.a, k * in, 1, in, out);
+      ReadElements(*p.a, k * in, in, out);
       CheckFinite(p.a_name, out, in, k * in, 1);
       return;
     }
@@ -275,7 +273,7 @@ class PeftRows : public AdapterRows {
       b_t_.resize(outf * p.r);
       std::vector<float> in_row(p.r);
       for (int64_t o = 0; o < outf; ++o) {
-        ReadElements(*p.b, o * p.r, 1, p.r, in_row.data());
+        ReadElements(*p.b, o * p.r, p.r, in_row.data());
         for (int64_t c = 0; c < p.r; ++c) b_t_[c * outf + o] = in_row[c];
       }
       b_of_ = &p;
@@ -293,9 +291,6 @@ class PeftRows : public AdapterRows {
    *        among x[0..n) (elements start, start + stride, ... of the tensor).
    */
   static void CheckFinite(const std::string& tensor, const float* x, int64_t n, int64_t start, int64_t stride) {
-    bool finite = true;
-    for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(x[i]);
-    if (finite) return;
     for (int64_t i = 0; i < n; ++i) {
       if (!std::isfinite(x[i])) {
         throw InvalidArgument("tensor '" + tensor + "' holds a value that is not finite (" + std::to_string(x[i]) +
@@ -303,8 +298,6 @@ class PeftRows : public AdapterRows {
       }
     }
   }
-
- public:
 
  private:
   const PeftAdapter& a_;
