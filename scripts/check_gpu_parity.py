@@ -64,7 +64,7 @@ def load_adapters(pool, folders: list[str]) -> list[str]:
     if len(set(names)) != len(names):
         raise SystemExit(f"adapter folders must have distinct names, got {names}")
     for slot, (name, folder) in enumerate(zip(names, folders)):
-        pool.add_adapter(slot, pool.read_adapter(folder, name), pin=True)
+        pool.load_adapter(slot, folder, pin=True, name=name)
     return names
 
 
