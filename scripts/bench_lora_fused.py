@@ -260,6 +260,85 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
     return 0
 
 
+def routes(a) -> int:  # pylint: disable=too-many-locals
+    """The routes a linear could take with its LoRA delta, timed together per linear and token count
+    (4 x r8): what the compiled wrapper runs (`fused`: the one-kernel linear up to FUSED_MAX_TOKENS,
+    above cuBLAS + the pair), cuBLAS + the pair in sequence, the shrink on a second stream beside
+    cuBLAS (joined before the expand; both streams inside the captured graph), and the rank columns
+    inside the GEMM: cuBLAS over K + P x RANK_COLUMNS inputs (the batch's B rows appended to W's rows,
+    each token's scaled shrink appended to x), alone and after a copy of x and the shrink (its cost
+    without a kernel written for it)."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
+
+    out = []
+    side = torch.cuda.Stream()
+    for name in a.linears.split(","):
+        for T in map(int, a.tokens.split(",")):
+            pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
+            go = LT.cols_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
+            bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
+            consts, warps = LT.constants(pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, bm, 8)
+            k_ext = pt.in_f + len(pt.widths) * LT.RANK_COLUMNS
+            w_ext = [torch.empty((pt.out_f, k_ext), device="cuda", dtype=pt.w[0].dtype) for _ in range(pt.copies)]
+            x_ext = [torch.zeros((T, k_ext), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
+            for c in range(pt.copies):
+                w_ext[c][:, :pt.in_f].copy_(pt.w[c])
+                w_ext[c][:, pt.in_f:].normal_()
+
+            def gemm(i):
+                torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2])
+
+            def pair(i):
+                gemm(i)
+                pt.launch_shrink(i, go)
+                pt.launch_expand(i, go)
+
+            def overlap(i):
+                cur = torch.cuda.current_stream()
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):
+                    pt.launch_shrink(i, go)
+                gemm(i)
+                cur.wait_stream(side)
+                pt.launch_expand(i, go)
+
+            def gemm_ext(i):
+                torch.matmul(x_ext[i], w_ext[i].t(), out=pt.y[i % 2])
+
+            def ext(i):
+                pt.launch_shrink(i, go)
+                x_ext[i][:, :pt.in_f].copy_(pt.x[i])
+                gemm_ext(i)
+
+            cands = {"cublas": gemm, "cublas + pair": pair, "cublas || shrink, expand": overlap,
+                     "cublas(K+cols)": gemm_ext, "shrink + copy + cublas(K+cols)": ext}
+            if T <= LT.FUSED_MAX_TOKENS:
+                cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
+            for label in ("cublas + pair", "cublas || shrink, expand") + (
+                    ("one-kernel linear",) if T <= LT.FUSED_MAX_TOKENS else ()):
+                cands[label](0)
+                cands[label](0)  # twice: the split tiles' counters were left at zero
+                torch.cuda.synchronize()
+                if not pt.error() < TOL:
+                    raise SystemExit(f"{name} T={T} {label}: its LoRA delta is off: error {pt.error():.3g}")
+            us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
+            print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
+            out.append(dict(linear=name, T=T, us=us))
+            del w_ext, x_ext, pt
+            torch.cuda.empty_cache()
+    print("\nOne layer (the four linears), us:")
+    labels = list(out[0]["us"])
+    print("| T | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for T in sorted({r["T"] for r in out}):
+        rows = [r["us"] for r in out if r["T"] == T]
+        print(f"| {T} | " + " | ".join(f"{sum(r.get(k, float('nan')) for r in rows):.1f}" for k in labels) + " |")
+    cli.write_results(Path(a.out), {"routes": out})
+    return 0
+
+
 def summarize(rows, log=print):
     """Per point and per layer (the four linears summed): fused vs cuBLAS + the faster peer."""
     log("| dtype | adapters | T | linear | cublas us | fused us | cublas+vllm | cublas+sgl | fused / (cublas+peer) "
@@ -352,10 +431,15 @@ def main(argv=None) -> int:
     t.add_argument("--linears", default=",".join(LINEARS))
     t.add_argument("--dtype", default="float16")
     t.add_argument("--out", default="bench_lora_fused_tune.json")
+    o = sub.add_parser("routes", help="time the routes a linear could take with its delta (the GPU)")
+    o.add_argument("--tokens", default="16,64,128,256,512,1024,2048")
+    o.add_argument("--linears", default=",".join(LINEARS))
+    o.add_argument("--dtype", default="float16")
+    o.add_argument("--out", default="bench_lora_fused_routes.json")
     p = sub.add_parser("plot", help="tables and chart of a results file (here)")
     p.add_argument("results")
     a = cli.parse(ap, argv)
-    return {"run": run, "tune": tune, "plot": plot}[a.cmd](a)
+    return {"run": run, "tune": tune, "routes": routes, "plot": plot}[a.cmd](a)
 
 
 if __name__ == "__main__":
