@@ -5,7 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .passes import AttachSampler, DispatchAttention, DispatchCublas, DispatchKVCache, LoraRewrite
+from .passes import AttachSampler, DispatchActivation, DispatchAttention, DispatchCublas, DispatchKVCache, LoraRewrite
 from .passes.dispatch_cublas import GEMV_MAX_ROWS
 
 GEMM_BACKENDS = ("cublas", "tvm")
@@ -38,6 +38,10 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
         cpu = target.kind.name == "llvm"
         passes.append(DispatchCublas(cpu=cpu, arch=None if cpu else str(target.arch),
                                      gemv_max_rows=gemv_max_rows))
+    if target.kind.name == "cuda":
+        # silu(gate) * up on one Triton kernel (fp16/bf16, where Triton is installed), in every
+        # function, base and LoRA alike.
+        passes.append(DispatchActivation(str(target.arch)))
     if not stock_kv_cache:
         # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
         passes.append(DispatchKVCache())

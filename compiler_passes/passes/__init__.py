@@ -1,9 +1,10 @@
 """The Relax passes of mlc-lora, one per file; pipeline.py lists them in the order they run."""
 
 from .attach_sampler import AttachSampler
+from .dispatch_activation import DispatchActivation
 from .dispatch_attention import DispatchAttention
 from .dispatch_cublas import DispatchCublas
 from .dispatch_kv_cache import DispatchKVCache
 from .lora_rewrite import LoraRewrite
 
-__all__ = ["AttachSampler", "DispatchAttention", "DispatchCublas", "DispatchKVCache", "LoraRewrite"]
+__all__ = ["AttachSampler", "DispatchActivation", "DispatchAttention", "DispatchCublas", "DispatchKVCache", "LoraRewrite"]

@@ -121,7 +121,8 @@ def test_prefill_keeps_the_tables_as_inputs():
 def test_fused_functions_are_one_kernel_call_per_linear_decode_in_graphs():
     """decode_fused: every target linear is one call of the fused linear (base GEMM + delta),
     inside the graphs; no cuBLAS/gemv call and no sgmv kernel is left for them (the lm_head keeps
-    its GEMM); prefill_fused the same."""
+    its GEMM); prefill_fused the same. Both run the activation kernel (DispatchActivation) on
+    gate|up's output, as decode does."""
     pytest.importorskip("triton")
     cfg, lowered = _lowered(fused=True)
     fused = "decode" + FUSED_FUNCTION_SUFFIX
@@ -129,6 +130,8 @@ def test_fused_functions_are_one_kernel_call_per_linear_decode_in_graphs():
     assert captures, "decode_fused was not captured"
     inside = [c for f in captures for c in _calls(f, "lora_linear_triton_")]
     assert len(inside) == 4 * cfg.num_hidden_layers
+    assert len([c for f in captures for c in _calls(f, "silu_mul_triton_96_float16")]) == cfg.num_hidden_layers
+    assert not [c for f in captures for c in _calls(f, "fused_split")]
     assert not [c for f in captures for c in _calls(f, "lora_sgmv_")]
     assert sum(len(_calls(f, "mlc_lora_linear_")) for f in captures) == 1  # lm_head
     # same inputs as decode, so the runner passes the same (fixed-address) tables
@@ -141,6 +144,7 @@ def test_fused_functions_are_one_kernel_call_per_linear_decode_in_graphs():
     # decode itself is unchanged: cuBLAS/gemv + the sgmv kernels
     dec = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_cuda_graph_capture")]
     assert sum(len(_calls(f, "lora_sgmv_")) for f in dec) == 2 * 4 * cfg.num_hidden_layers
+    assert sum(len(_calls(f, "silu_mul_triton_96_float16")) for f in dec) == cfg.num_hidden_layers
     # the fused linears of a function share one (COUNTER_SLOTS,) int32 counter tensor of zeros (the
     # split kernels leave it so), a constant of the library: the same object in every call
     from mlc_lora.compiler_passes.ops.lora.linear_triton import COUNTER_SLOTS

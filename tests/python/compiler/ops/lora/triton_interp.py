@@ -1,4 +1,4 @@
-"""Runs the Triton sgmv kernels under Triton's interpreter (the CPU emulation of the kernels):
+"""Runs the Triton kernels under Triton's interpreter (the CPU emulation of the kernels):
 `python -m tests.python.compiler.ops.lora.triton_interp IN.npz OUT.npz` with TRITON_INTERPRET=1 set
 before triton is imported (Triton's own jit'd library functions are interpreted only then), so
 test_sgmv_triton.py runs it in a process of its own."""
@@ -76,10 +76,27 @@ def run_cols(inp: dict) -> dict:
     return {"y": y.numpy()}
 
 
+def run_silu_mul(inp: dict) -> dict:
+    """ops/activation_triton.py's kernel, launched as its TIR wrapper launches it."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops import activation_triton as AT
+
+    _interpreter_scalars()
+    y = torch.from_numpy(np.ascontiguousarray(inp["gate_up"]))
+    n, inter = y.shape[0], y.shape[1] // 2
+    h = torch.full((n, inter), float("nan"), dtype=y.dtype)
+    bn = AT.block_cols(inter)
+    AT.silu_mul_kernel[(-(-n // AT.BM), inter // bn)](y, h, n, I=inter, BM=AT.BM, BN=bn, num_warps=AT.WARPS)
+    return {"h": h.numpy()}
+
+
 def run(inp: dict) -> dict:
     """The shrink then the in-place expand, launched as the TIR wrappers launch them."""
     if "w" in inp:
         return run_linear(inp)
+    if "gate_up" in inp:
+        return run_silu_mul(inp)
     import torch
 
     from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
