@@ -14,7 +14,8 @@ batch that mixes the base model and LoRA adapters.
 `device` teacher-forces the CPU's greedy tokens so that every step's logits are comparable, and
 separately reports how many of its own greedy tokens agree with the CPU's, per row (prompt x
 adapter). It exits 1 when a row fails the gate: a greedy token differing within the first
-GATE_STEPS steps, or a relative logit error above GATE_REL_ERR.
+GATE_STEPS steps (unless the first such token is a tie at this build's precision, reported as one:
+`compare_row`), or a relative logit error above GATE_REL_ERR.
 """
 
 from __future__ import annotations
@@ -206,13 +207,22 @@ def adapter_folders(names: list[str], folders: list[str]) -> list[str]:
 def compare_row(ref_logits: np.ndarray, logits: np.ndarray, want: np.ndarray, own: np.ndarray) -> dict:
     """One row: logits [steps, V] (teacher-forced) against the CPU's, and its own greedy tokens
     against the CPU's; `ok` is the gate (no differing token before GATE_STEPS, rel err within
-    GATE_REL_ERR)."""
+    GATE_REL_ERR), except that a first differing token at a tie passes, marked `tie`: the CPU's
+    margin between its token and the one chosen here is within this build's logit error at that
+    step (max |a - b| over the vocabulary), so the two cannot be told apart at its precision (a
+    float16 build against float32: SmolLM2's pirate row of prompt #2 has a margin of 0.008 at its
+    first token, against errors of ~0.06)."""
     a, b = logits.astype(np.float64), ref_logits.astype(np.float64)
     rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
     diff = np.flatnonzero(own != want)
     first = int(diff[0]) if diff.size else None
+    tie = None
+    if first is not None and first < len(b):  # the steps before `first` fed the same tokens: same context
+        margin = float(b[first, want[first]] - b[first, own[first]])
+        if margin <= float(np.abs(a[first] - b[first]).max()):
+            tie = margin
     return dict(max_abs=float(np.abs(a - b).max()), rel=rel, same=float((own == want).mean()), first_diff=first,
-                ok=(first is None or first >= GATE_STEPS) and rel <= GATE_REL_ERR)
+                tie=tie, ok=(first is None or first >= GATE_STEPS or tie is not None) and rel <= GATE_REL_ERR)
 
 
 def device(args) -> int:
@@ -253,12 +263,13 @@ def device(args) -> int:
                                     prompt=f"#{row_prompt[i]}"))
     print_table(results, [str(t) for t in ref["texts"]])
     failed = [r for r in results if not r["ok"]]
+    ties = [r for r in results if r["ok"] and r["tie"] is not None]
     if failed:
         print(f"FAIL: {len(failed)} of {len(results)} rows differ in a greedy token before step {GATE_STEPS} "
-              f"or have rel err > {GATE_REL_ERR:g}")
+              f"(not at a tie) or have rel err > {GATE_REL_ERR:g}")
         return 1
-    print(f"PASS: all {len(results)} rows agree in every greedy token before step {GATE_STEPS} "
-          f"with rel err <= {GATE_REL_ERR:g}")
+    print(f"PASS: {len(results) - len(ties)} of {len(results)} rows agree in every greedy token before step "
+          f"{GATE_STEPS}, {len(ties)} first differ at a tie of the CPU's logits; rel err <= {GATE_REL_ERR:g}")
     return 0
 
 
@@ -268,7 +279,8 @@ def print_table(results: list[dict], texts: list[str]) -> None:
           f"{'greedy same':>12} {'1st diff step':>14}  gate")
     for r in results:
         print(f"{r['build']:<28} {r['dtype']:<9} {r['adapter']:<10} {r['prompt']:>6} {r['max_abs']:>10.3e} "
-              f"{r['rel']:>10.3e} {r['same']:>12.1%} {str(r['first_diff']):>14}  {'ok' if r['ok'] else 'FAIL'}")
+              f"{r['rel']:>10.3e} {r['same']:>12.1%} {str(r['first_diff']):>14}  "
+              + ("FAIL" if not r["ok"] else "ok" if r["tie"] is None else f"tie (CPU margin {r['tie']:.3g})"))
 
 
 def convert(weights: str | None, lib_dir: Path, cfg: dict) -> None:

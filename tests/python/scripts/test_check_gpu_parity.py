@@ -84,7 +84,7 @@ def test_mixed_batch_rows_match_peft(setup):
 
 
 def _table_rows(out: str) -> list[list[str]]:
-    return [line.split() for line in out.splitlines() if line.endswith(("  ok", "  FAIL"))]
+    return [line.split() for line in out.splitlines() if line.endswith(("  ok", "  FAIL")) or "  tie (" in line]
 
 
 def test_device_gate(setup, tmp_path, capsys):
@@ -106,7 +106,7 @@ def test_device_gate(setup, tmp_path, capsys):
     assert [(x[2], x[3]) for x in rows] == [("base", "#0"), ("base", "#1"), ("caps", "#0"), ("caps", "#1"),
                                            ("pir", "#0"), ("pir", "#1")]
     assert all(x[4:9] == ["0.000e+00", "0.000e+00", "100.0%", "None", "ok"] for x in rows), r.stdout
-    assert "compiler modules: []" in r.stdout and "PASS: all 6 rows" in r.stdout
+    assert "compiler modules: []" in r.stdout and "PASS: 6 of 6 rows agree" in r.stdout and "0 first differ" in r.stdout
 
     # greedy tokens changed past the kept logits (fed at decode steps 10 and 20: the logits compared
     # stay equal): row 1 at step 20 (past the gate), row 3 at step 10; row 5's logits 5% off
@@ -126,6 +126,24 @@ def test_device_gate(setup, tmp_path, capsys):
     # a reference adapter without its folder
     with pytest.raises(SystemExit, match=r"the reference ran adapters \['caps', 'pir'\]; --adapters gave \['caps'\]"):
         parity.main(args[:-1])
+
+
+def test_first_difference_at_a_tie_passes_and_is_named():
+    """A first differing token passes the gate only where the CPU's margin between its token and the
+    one chosen is within the build's logit error at that step."""
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((3, 50))
+    want, own = np.array([7, 3, 4, 4]), np.array([7, 9, 4, 1])  # differ first at step 1
+    ref[1, 3], ref[1, 9] = 5.0, 4.99  # the CPU's margin: 0.01
+    dev = ref + 0.004 * rng.standard_normal(ref.shape)
+    dev[1, 9] = ref[1, 9] + 0.02  # the error that flips it (>= the margin)
+    row = parity.compare_row(ref, dev, want, own)
+    assert row["ok"] and row["first_diff"] == 1 and row["tie"] == pytest.approx(0.01)
+    ref[1, 9] = 4.5  # a margin of 0.5, beyond the error: a real difference
+    assert not parity.compare_row(ref, dev, want, own)["ok"]
+    # a first difference past the logits kept (step 3 of 3 steps kept) is never a tie
+    row = parity.compare_row(ref, dev, want, np.array([7, 3, 4, 1]))
+    assert row["first_diff"] == 3 and row["tie"] is None and not row["ok"]
 
 
 def test_split_and_join(tmp_path):
