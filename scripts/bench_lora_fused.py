@@ -4,6 +4,7 @@ CUDA graph of n calls over rotated copies of every input, the median replay / n)
 
   python scripts/bench_lora_fused.py run [--tokens 1,16,64,128,256,1024,4096] [--adapters 4x8,2x16] \
       [--dtypes bfloat16,float16] [--out bench_lora_fused.json]          # the GPU
+  python scripts/bench_lora_fused.py tune | routes [--tokens ...] [--linears ...]  # the GPU
   python scripts/bench_lora_fused.py plot bench_lora_fused.json          # here
 
 Ours is compiler_passes/ops/lora/linear_triton.py as its TIR wrapper runs it, with the constants the
