@@ -46,11 +46,12 @@ def lora_gather_ref(x, arena, layer, num_layers, slot, rank, scale, a_off, b_off
 
 def lora_dense_rows_ref(arena, layer, num_layers, rank, scale, a_off, b_off, m, in_f, out_f, max_rank):
     """Semantics: A[k] = A[0, m] row k, Bs[k] = scale[0, m] * B[0, m]^T row k for k < rank[0];
-    zero rows for k >= rank[0] or when there is no slot (S == 0). A (R, in_m), Bs (R, out_m)."""
+    zero rows for k >= rank[0], when there is no slot (S == 0) or the adapter does not target m
+    (scale[0, m] == 0: no rows). A (R, in_m), Bs (R, out_m)."""
     base = layer * (arena.size // num_layers)
     a = np.zeros((max_rank, in_f), arena.dtype)
     b = np.zeros((max_rank, out_f), arena.dtype)
-    if len(rank) == 0:
+    if len(rank) == 0 or scale[0, m] == 0:
         return a, b
     for k in range(rank[0]):
         a[k] = arena[base + a_off[0, m, k]: base + a_off[0, m, k] + in_f]

@@ -1,5 +1,6 @@
 """Stage 1 (`single`) as TIR: gather the batch's one adapter (slot 0) into dense A and scale*B^T
-per module, then two dense matmuls. Rows past rank[0] are zero (a dense GEMM has a fixed R).
+per module, then two dense matmuls. Rows past rank[0], and every row of a module the adapter does
+not target (scale 0: its pages hold no rows for it), are zero (a dense GEMM has a fixed R).
 Reference: reference.lora_dense_rows_ref (semantics: reference.py).
 """
 
@@ -21,8 +22,9 @@ def lora_dense_rows_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_r
                            num_modules: int, dtype: str, target: tvm.target.Target):
     """The stage-1 row gather of module `m`; reference: `reference.lora_dense_rows_ref`.
 
-    Semantics: A[k] = A[0, m][k], Bs[k] = scale[0, m] * B[0, m].T[k] for k < rank[0], zero rows
-    otherwise; the pass then adds ((x * (slot >= 0)) @ A.T) @ Bs to y, i.e. y[t] += scale[0, m] *
+    Semantics: A[k] = A[0, m][k], Bs[k] = scale[0, m] * B[0, m].T[k] for k < rank[0] where
+    scale[0, m] != 0, zero rows otherwise (an untargeted module's offsets point at no rows: reading
+    them would put whatever the pages hold into x @ A.T, and 0 * inf is NaN); the pass then adds ((x * (slot >= 0)) @ A.T) @ Bs to y, i.e. y[t] += scale[0, m] *
     (x[t] @ A[0, m].T) @ B[0, m].T for every token on slot 0 (stage 1: one slot per batch).
 
     Signature: (arena (size,), rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R),
@@ -55,7 +57,7 @@ def lora_dense_rows_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_r
                 for o in T.serial(out_f):
                     B[k, o] = T.cast(0, dtype)
                 if S > 0:
-                    if k < rank[0]:
+                    if k < rank[0] and scale[0, m] != T.float32(0):
                         for i in T.serial(in_f):
                             A[k, i] = arena[base + T.cast(a_off[0, m, k], "int64") + i]
                         for o in T.serial(out_f):
@@ -88,7 +90,7 @@ def lora_dense_rows_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_r
                         flag = T.sblock_alloc_buffer((1,), "int32", scope="local")
                         flag[0] = 0
                         if S > 0:
-                            if bk < rank[0]:
+                            if bk < rank[0] and scale[0, m] != T.float32(0):
                                 flag[0] = 1
                         if c < in_f:
                             A[bk, c] = T.cast(0, dtype)

@@ -101,6 +101,23 @@ def test_dense_rows_kernel_matches_reference(ranks):
         assert np.all(ra[ranks[0]:] == 0) and np.all(np.abs(ra[: ranks[0]]).max(axis=1) > 0)
 
 
+def test_dense_rows_of_an_untargeted_module_are_zero():
+    """An adapter that does not target the module (scale 0) has no rows for it: its offsets may
+    point at pages holding anything (here inf), and A's rows must stay zero, or the dense path's
+    x @ A.T is inf and 0 * inf gives NaN logits (what a pool arena with unwritten pages did)."""
+    rng = np.random.default_rng(4)
+    arena, _, rank, scale, a_off, b_off = _random_tables(rng, 1, ranks=[5])
+    scale[0, MOD] = 0.0
+    arena[:] = np.inf
+    lib = _build(lora_dense_rows_kernel(IN, OUT, MOD, L, R, M, "float32", tvm.target.Target("llvm")))
+    a = _t(np.full((R, IN), 3.0, np.float32))
+    b = _t(np.full((R, OUT), 3.0, np.float32))
+    lib["main"](_t(arena), _t(rank), _t(scale), _t(a_off), _t(b_off), 1, a, b)
+    assert not a.numpy().any() and not b.numpy().any()
+    ra, rb = lora_ref.lora_dense_rows_ref(arena, 1, L, rank, scale, a_off, b_off, MOD, IN, OUT, R)
+    assert not ra.any() and not rb.any()
+
+
 def test_dense_rows_equal_gather_for_one_slot():
     """Stage 1's dense path gives stage 2's result when every adapter token uses slot 0."""
     rng = np.random.default_rng(2)
