@@ -123,6 +123,40 @@ ALLOCATORS = ("naive", "pooled")
 POOLED_PREFILL_SIZES = 8
 
 
+# glibc's malloc serves a block of at least its mmap threshold (128 KiB at start) with mmap and
+# unmaps it when freed, but raises the threshold to the size of every mmap'd block freed (up to 32
+# MiB, the trim threshold to twice that): from then on blocks that size come from the heap, which
+# keeps its free space (malloc_trim(0) after every soak round returned next to none of it). The naive
+# allocator frees a forward's activations every step, and under prompts of varied lengths resident
+# memory grew in steps for an hour without levelling off (+76 MB; docs/BENCHMARKS.md, "Soak").
+# Pinned at these values (mallopt, which also ends the raising), large buffers go back on free.
+MALLOC_MMAP_THRESHOLD = 128 << 10
+_MALLOPT_DONE = False
+
+
+def hand_back_freed_buffers() -> bool:
+    """Pin glibc's mmap threshold (and trim threshold) for this process, once; where the allocator
+    is not glibc's, or MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ in the environment set them
+    already, leave them. Returns whether they were set."""
+    global _MALLOPT_DONE  # pylint: disable=global-statement
+    import os  # pylint: disable=import-outside-toplevel
+
+    if _MALLOPT_DONE or any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
+        return False
+    _MALLOPT_DONE = True
+    try:
+        import ctypes  # pylint: disable=import-outside-toplevel
+
+        libc = ctypes.CDLL("libc.so.6")
+        if not hasattr(libc, "gnu_get_libc_version"):  # not glibc
+            return False
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
+                    and libc.mallopt(m_trim_threshold, 2 * MALLOC_MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
+
+
 def default_allocator(device: str) -> str:
     """The allocator a runner on `device` uses unless told otherwise: "naive" on the CPU, where it is
     as fast as "pooled" and holds nothing (docs/BENCHMARKS.md, "Memory under varied prompt

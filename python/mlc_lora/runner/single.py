@@ -11,8 +11,8 @@ from ..contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_I
 from ..errors import MLCLoraError, PoolExhaustedError
 from .base import LoraInputs, Runner, logit_rows
 from .config import CompiledConfig
-from .device import (ALLOCATORS, POOLED_PREFILL_SIZES, _tvm, default_allocator, device_of, keep_gil_on_device,
-                     load_cublas)
+from .device import (ALLOCATORS, POOLED_PREFILL_SIZES, _tvm, default_allocator, device_of, hand_back_freed_buffers,
+                     keep_gil_on_device, load_cublas)
 from .pool import DevicePool
 
 
@@ -44,6 +44,8 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         self.allocator = allocator or default_allocator(device)
         if self.allocator not in ALLOCATORS:
             raise MLCLoraError(f"unknown allocator {self.allocator!r}; use one of {', '.join(ALLOCATORS)}")
+        if self.allocator == "naive" and self._device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type():
+            hand_back_freed_buffers()  # each step's activations go back to the system when freed
         self._vm = tvm.runtime.vm.VirtualMachine(lib, self._device, memory_cfg=self.allocator)
         # The pooled allocator keeps every buffer it freed, by size, and a prefill of a token count
         # not seen before leaves buffers of new sizes: after this many new counts the cached
