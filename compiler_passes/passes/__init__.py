@@ -7,4 +7,5 @@ from .dispatch_cublas import DispatchCublas
 from .dispatch_kv_cache import DispatchKVCache
 from .lora_rewrite import LoraRewrite
 
-__all__ = ["AttachSampler", "DispatchActivation", "DispatchAttention", "DispatchCublas", "DispatchKVCache", "LoraRewrite"]
+__all__ = ["AttachSampler", "DispatchActivation", "DispatchAttention", "DispatchCublas", "DispatchKVCache",
+           "LoraRewrite"]

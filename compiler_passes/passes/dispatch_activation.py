@@ -87,14 +87,7 @@ class _Rewriter(PyExprMutator):
             name = f"silu_mul_triton_{inter}_{dtype}"
             self.wrappers[key] = self.builder_.add_func(func.with_attr("global_symbol", name), name)
             self.modules[key] = ext
-        rows = tvm.sym.Analyzer().simplify(_prod(y.ty.shape.values[:-1]))
-        y2 = self.builder_.emit(relax.op.reshape(y, relax.ShapeExpr([rows, width])))
+        y2 = self.builder_.emit(relax.op.reshape(y, [-1, width]))  # (rows, 2I): rows inferred
+        rows = y2.ty.shape.values[0]
         h = self.builder_.emit(relax.call_tir(self.wrappers[key], [y2], relax.TensorType([rows, inter], dtype)))
         return relax.op.reshape(h, call.ty.shape)
-
-
-def _prod(values):
-    out = tvm.tirx.IntImm("int64", 1)
-    for v in values:
-        out = out * v
-    return out

@@ -24,8 +24,9 @@ def lora_dense_rows_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_r
 
     Semantics: A[k] = A[0, m][k], Bs[k] = scale[0, m] * B[0, m].T[k] for k < rank[0] where
     scale[0, m] != 0, zero rows otherwise (an untargeted module's offsets point at no rows: reading
-    them would put whatever the pages hold into x @ A.T, and 0 * inf is NaN); the pass then adds ((x * (slot >= 0)) @ A.T) @ Bs to y, i.e. y[t] += scale[0, m] *
-    (x[t] @ A[0, m].T) @ B[0, m].T for every token on slot 0 (stage 1: one slot per batch).
+    them would put whatever the pages hold into x @ A.T, and 0 * inf is NaN); the pass then adds
+    ((x * (slot >= 0)) @ A.T) @ Bs to y, i.e. y[t] += scale[0, m] * (x[t] @ A[0, m].T) @ B[0, m].T
+    for every token on slot 0 (stage 1: one slot per batch).
 
     Signature: (arena (size,), rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R),
     layer: int64, A (R, in_f) [out], Bs (R, out_f) [out]).
