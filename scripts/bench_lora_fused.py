@@ -40,7 +40,7 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
 
     def __init__(self, torch, LT, name, T, N, r, dtype_name, seed):
         dev, dtype = "cuda", getattr(torch, dtype_name)
-        self.LT, self.T, self.N, self.r = LT, T, N, r
+        self.torch, self.LT, self.T, self.N, self.r = torch, LT, T, N, r
         self.in_f, self.widths = LINEARS[name]
         self.out_f, P = sum(self.widths), len(self.widths)
         ranks = [r] * N
@@ -63,6 +63,16 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
                               device=dev, dtype=torch.float32) if T <= LT.FUSED_MAX_TOKENS else self.v
         self.cnt = torch.zeros((LT.COUNTER_SLOTS * 4,), device=dev, dtype=torch.int32)
         self.mod_ids = list(range(P))
+
+    def launch_gemm(self, c):
+        """cuBLAS (torch.matmul): y = x @ W.T, the base linear alone."""
+        self.torch.matmul(self.x[c], self.w[c].t(), out=self.y[c % 2])
+
+    def launch_pair(self, c, go):
+        """The route past FUSED_MAX_TOKENS: cuBLAS, then the shrink and the in-place expand."""
+        self.launch_gemm(c)
+        self.launch_shrink(c, go)
+        self.launch_expand(c, go)
 
     def launch_linear(self, c, consts, warps, slots=None):
         grid = (-(-self.T // consts["BM"]) * consts["SPLIT"], self.out_f // consts["BN"])
@@ -100,7 +110,7 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
     """us per call of every candidate, and the fused kernel's error, for one linear and batch."""
     pt = Point(torch, LT, name, T, N, r, dtype_name, seed)
     dev, in_f, widths, out_f, copies = "cuda", pt.in_f, pt.widths, pt.out_f, pt.copies
-    x, w, mods, slot, y = pt.x, pt.w, pt.mods, pt.slot, pt.y
+    x, mods, slot, y = pt.x, pt.mods, pt.slot, pt.y
     bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
     consts, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), r, bm, 8)
     go = LT.cols_launch(T, in_f, widths, pt.mod_ids, len(widths), r, 8)
@@ -109,14 +119,11 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
         if T <= LT.FUSED_MAX_TOKENS:  # the one-kernel linear
             pt.launch_linear(c, consts, warps)
             return
-        # above it, as the wrapper: cuBLAS, the shrink over the rank columns, the in-place expand
-        torch.matmul(x[c], w[c].t(), out=y[c % 2])
-        pt.launch_shrink(c, go)
-        pt.launch_expand(c, go)
+        pt.launch_pair(c, go)  # above it, as the wrapper
 
     fused(0)
     err = pt.error()
-    cands = {"cublas": (lambda c: torch.matmul(x[c], w[c].t(), out=y[c % 2]), copies),
+    cands = {"cublas": (pt.launch_gemm, copies),
              "fused": (fused, copies)}
     if peers is not None:
         pa = mods[0][0]  # peers: one module of the fused width
@@ -131,11 +138,11 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
         offs_cpu = torch.tensor([0, out_f], dtype=torch.int32)
 
         def vllm(c):
-            torch.matmul(x[c], w[c].t(), out=y[c % 2])
+            pt.launch_gemm(c)
             peers.vllm_lora_linear(y[c % 2], x[c], a4[c], b4[c], meta, SCALE)
 
         def sglang(c):
-            torch.matmul(x[c], w[c].t(), out=y[c % 2])
+            pt.launch_gemm(c)
             peers.sgl_lora_linear(y[c % 2], x[c], pa[c], pb[c], sgl, offs, offs_cpu)
 
         cands.update({"cublas+vllm": (vllm, copies), "cublas+sgl": (sglang, copies)})
@@ -211,17 +218,11 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                     lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in cfgs}
                 # the compiled shape with no adapter in the batch: the kernel's GEMM alone
                 groups["linear"]["compiled, no adapter"] = (lambda i, c=cfgs[0]: pt.launch_linear(i, c[0], c[1], 0))
-                groups["linear"]["cublas"] = (lambda i: torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2]))
+                groups["linear"]["cublas"] = pt.launch_gemm
                 # the route past FUSED_MAX_TOKENS at this token count (which route wins where)
                 pair = _pair_configs(LT, pt)[0][0]
                 pt.launch_shrink(0, pair)
-
-                def cublas_pair(i, g=pair):
-                    torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2])
-                    pt.launch_shrink(i, g)
-                    pt.launch_expand(i, g)
-
-                groups["linear"]["cublas + pair"] = cublas_pair
+                groups["linear"]["cublas + pair"] = lambda i, g=pair: pt.launch_pair(i, g)
             else:
                 shrinks, expands = _pair_configs(LT, pt)
                 pt.launch_shrink(0, shrinks[0])
@@ -230,13 +231,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                 groups["expand"] = {f"BM{g['expand']['BM']} BN{g['expand']['BN']} w{g['expand_warps']}": (
                     lambda i, g=g: pt.launch_expand(i, g)) for g in expands}
                 # the whole linear: cuBLAS, then the pair adding into y, against cuBLAS alone
-                def linear(i, g=shrinks[0]):
-                    torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2])
-                    pt.launch_shrink(i, g)
-                    pt.launch_expand(i, g)
-
-                groups["linear"] = {"cublas + pair": linear, "cublas": (
-                    lambda i: torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2]))}
+                groups["linear"] = {"cublas + pair": lambda i, g=shrinks[0]: pt.launch_pair(i, g),
+                                    "cublas": pt.launch_gemm}
             for kind, fns in groups.items():
                 ok = {}
                 for label, fn in fns.items():
@@ -263,12 +259,11 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
 
 def routes(a) -> int:  # pylint: disable=too-many-locals
     """The routes a linear could take with its LoRA delta, timed together per linear and token count
-    (4 x r8): what the compiled wrapper runs (`fused`: the one-kernel linear up to FUSED_MAX_TOKENS,
-    above cuBLAS + the pair), cuBLAS + the pair in sequence, the shrink on a second stream beside
-    cuBLAS (joined before the expand; both streams inside the captured graph), and the rank columns
-    inside the GEMM: cuBLAS over K + P x RANK_COLUMNS inputs (the batch's B rows appended to W's rows,
-    each token's scaled shrink appended to x), alone and after a copy of x and the shrink (its cost
-    without a kernel written for it)."""
+    (4 x r8): the compiled ones (the one-kernel linear up to FUSED_MAX_TOKENS, cuBLAS + the pair in
+    sequence above), the shrink on a second stream beside cuBLAS (joined before the expand; both
+    streams inside the captured graph), and the rank columns inside the GEMM: cuBLAS over K + P x
+    RANK_COLUMNS inputs (the batch's B rows appended to W's rows, each token's scaled shrink appended
+    to x), alone and after a copy of x and the shrink (its cost without a kernel written for it)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -288,20 +283,12 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                 w_ext[c][:, :pt.in_f].copy_(pt.w[c])
                 w_ext[c][:, pt.in_f:].normal_()
 
-            def gemm(i):
-                torch.matmul(pt.x[i], pt.w[i].t(), out=pt.y[i % 2])
-
-            def pair(i):
-                gemm(i)
-                pt.launch_shrink(i, go)
-                pt.launch_expand(i, go)
-
             def overlap(i):
                 cur = torch.cuda.current_stream()
                 side.wait_stream(cur)
                 with torch.cuda.stream(side):
                     pt.launch_shrink(i, go)
-                gemm(i)
+                pt.launch_gemm(i)
                 cur.wait_stream(side)
                 pt.launch_expand(i, go)
 
@@ -313,7 +300,8 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                 x_ext[i][:, :pt.in_f].copy_(pt.x[i])
                 gemm_ext(i)
 
-            cands = {"cublas": gemm, "cublas + pair": pair, "cublas || shrink, expand": overlap,
+            cands = {"cublas": pt.launch_gemm, "cublas + pair": lambda i: pt.launch_pair(i, go),
+                     "cublas || shrink, expand": overlap,
                      "cublas(K+cols)": gemm_ext, "shrink + copy + cublas(K+cols)": ext}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
