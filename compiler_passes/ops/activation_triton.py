@@ -1,8 +1,10 @@
 """The gated MLP's activation `silu(gate) * up` over a gate|up linear's output, as one Triton kernel.
 
-TVM's fused split/silu/multiply kernel reads the (n, 2I) output of gate|up and writes (n, I) at a
-third of the memory bandwidth (61 us at 1024 Llama-2-7B tokens on the H200, where the bytes take
-~20 us; this kernel ~20 us). DispatchActivation puts it in that kernel's place on CUDA fp16/bf16,
+TVM's fused split/silu/multiply kernel reads the (n, 2I) output of gate|up and writes (n, I) at
+about a third of the memory bandwidth (61 us at 1024 Llama-2-7B tokens on the H200 in a profiler
+trace of a prefill step, where the 67 MB take ~20 us; this kernel added ~20 us to cuBLAS's gate|up
+in `bench_lora_fused.py routes`: two methods, so the end-to-end before/after in
+docs/BENCHMARKS.md is what decides). DispatchActivation puts it in that kernel's place on CUDA fp16/bf16,
 in every function of a library, base or LoRA.
 
 Semantics (y (n, 2I) = [gate | up], model dtype; h (n, I)):
