@@ -44,30 +44,44 @@ def test_soak_memory_bounded_and_pool_idle_after_every_round(tiny_lora):
     assert max(after) - after[0] < RSS_MARGIN_MB, after
 
 
+_HANDS_BACK = """
+import sys
+
+import soak
+import tvm
+from mlc_lora.runner import ModelRunner
+
+runner = ModelRunner(sys.argv[1], "cpu")
+assert runner.allocator == "naive"
+for i in range(3):  # the first free would raise glibc's own (dynamic) threshold past 4 MB
+    before = soak.heap_mb()
+    buf = tvm.runtime.empty((1 << 20,), "float32", tvm.cpu(0))
+    mapped = soak.heap_mb()["heap_mmap_mb"] - before["heap_mmap_mb"]
+    del buf
+    assert mapped >= 4, f"buffer {i}: 4 MB from the heap, not mmap'd"
+    assert soak.heap_mb()["heap_free_mb"] - before["heap_free_mb"] < 1
+"""
+
+
 def test_cpu_runner_hands_large_freed_buffers_back(tiny_lora):
     """glibc raises its mmap threshold to the size of every mmap'd block freed (up to 32 MB); from
     then on blocks that size come from the heap, which keeps its free space (malloc_trim(0) returned
     next to none of it). The naive allocator frees a forward's activations every step,
     so under varied prompt lengths resident memory grew in steps and never levelled off (the CPU
     soak). A CPU runner pins the threshold: a large buffer is mmap'd and unmapped when freed, every
-    time."""
+    time. Checked in a process of its own: in the test process, free heap space that earlier tests
+    left behind may serve the block before any mmap is needed."""
     import ctypes  # pylint: disable=import-outside-toplevel
-
-    import tvm  # pylint: disable=import-outside-toplevel
+    import os  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
 
     try:
         ctypes.CDLL("libc.so.6").mallinfo2  # pylint: disable=expression-not-assigned
     except (OSError, AttributeError):
         pytest.skip("glibc 2.33 or later only")
-
-    from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
-
-    runner = ModelRunner(tiny_lora, "cpu")
-    assert runner.allocator == "naive"
-    for i in range(3):  # the first free would raise glibc's own (dynamic) threshold past 4 MB
-        before = soak.heap_mb()
-        buf = tvm.runtime.empty((1 << 20,), "float32", tvm.cpu(0))
-        mapped = soak.heap_mb()["heap_mmap_mb"] - before["heap_mmap_mb"]
-        del buf
-        assert mapped >= 4, f"buffer {i}: 4 MB from the heap, not mmap'd"
-        assert soak.heap_mb()["heap_free_mb"] - before["heap_free_mb"] < 1
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    r = subprocess.run([sys.executable, "-c", _HANDS_BACK, str(tiny_lora)], capture_output=True, text=True,
+                       timeout=300, check=False, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
