@@ -5,19 +5,21 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from .passes import AttachSampler, DispatchActivation, DispatchAttention, DispatchCublas, DispatchKVCache, LoraRewrite
+from .passes import (AttachSampler, DispatchActivation, DispatchAttention, DispatchCublas, DispatchKVCache,
+                     LoraRewrite, ReserveRankRows)
 from .passes.dispatch_cublas import GEMV_MAX_ROWS
 
 GEMM_BACKENDS = ("cublas", "tvm")
 
 
 def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
-                 lora: dict | None = None, stock_kv_cache: bool = False,
+                 lora: dict | None = None, rank_rows: bool = False, stock_kv_cache: bool = False,
                  gemm: str = "cublas", attention: str = "flash",
                  gemv_max_rows: int = GEMV_MAX_ROWS) -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
-    `lora` (LoraRewrite's keyword arguments) and `extra_passes` run first, on the exported module,
+    `lora` (LoraRewrite's keyword arguments; `rank_rows`: ReserveRankRows before it) and
+    `extra_passes` run first, on the exported module,
     while linears are still `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
     `stock_kv_cache` keeps TVM's own paged KV cache (tests compare the two). `gemm` picks who runs
     the base linears: "cublas" (our runtime's GEMM extern: cuBLAS on CUDA, its multi-threaded
@@ -30,6 +32,10 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, not {gemm!r}")
     passes = []
     if lora is not None:
+        if rank_rows:
+            # Rows below each targeted weight for the batch's A rows (the fused linears' rank rows route).
+            passes.append(ReserveRankRows(param_names=lora["param_names"], modules=lora["modules"],
+                                          linears=lora["linears"]))
         # Paged-adapter tables on prefill/decode, base + delta on every target linear.
         passes.append(LoraRewrite(target=target, **lora))
     passes += list(extra_passes or [])

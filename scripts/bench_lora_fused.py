@@ -31,7 +31,7 @@ LINEARS = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "gate_up": (
            "down": (11008, (4096,))}
 SCALE = 0.5
 TOL = 2e-2  # relative error of the output's LoRA delta against float64
-CANDIDATES = ("cublas", "fused", "cublas+vllm", "cublas+sgl")
+CANDIDATES = ("cublas", "fused", "cublas+vllm", "cublas+sgl", "fused(rows)")  # (rows: past FUSED_MAX_TOKENS)
 
 
 class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-methods
@@ -94,6 +94,34 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
             o += wp
         return ((self.y[0].double() - ref).norm() / (ref - base).norm()).item()
 
+    def rows_setup(self):
+        """The rank rows route's buffers: each copy of W with rank_rows(P) rows below it (random:
+        the fill must overwrite them), e; returns its launch plan."""
+        torch, LT = self.torch, self.LT
+        go = LT.rows_launch(self.T, self.in_f, self.widths, self.mod_ids, len(self.widths), self.r, 8)
+        self.w_rows = []
+        for c in range(self.copies):
+            w = torch.randn((go["rows"], self.in_f), device="cuda").to(self.w[c].dtype)
+            w[:self.out_f].copy_(self.w[c])
+            self.w_rows.append(w)
+        self.e = torch.empty((self.T, go["rows"]), device="cuda", dtype=self.w[0].dtype)
+        return go
+
+    def launch_gemm_rows(self, c):
+        """cuBLAS over W's rows and the rank rows: e = x @ [W; A rows].T."""
+        self.torch.matmul(self.x[c], self.w_rows[c].t(), out=self.e)
+
+    def launch_rows(self, c, go):
+        """The rank rows route past FUSED_MAX_TOKENS (`--lora-rank-rows`): the fill, cuBLAS over both,
+        the expand from e into y."""
+        self.LT.lora_fill_rows_kernel[go["fill_grid"]](self.arena, self.rank, self.scale, self.a_off[c],
+                                                       self.w_rows[c], self.N, 0, **go["fill"],
+                                                       num_warps=go["fill_warps"])
+        self.launch_gemm_rows(c)
+        self.LT.lora_expand_rows_kernel[go["expand_grid"]](self.e, self.arena, self.slot, self.rank, self.scale,
+                                                           self.b_off[c], self.y[c % 2], self.T, self.N, 0,
+                                                           **go["expand"], num_warps=go["expand_warps"])
+
     def launch_shrink(self, c, go):
         self.LT.lora_shrink_cols_kernel[go["shrink_grid"]](self.x[c], self.arena, self.rank, self.scale, self.a_off[c],
                                                            self.v, self.T, self.N, 0, go["chunk"], **go["shrink"],
@@ -114,6 +142,7 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
     bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
     consts, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), r, bm, 8)
     go = LT.cols_launch(T, in_f, widths, pt.mod_ids, len(widths), r, 8)
+    go_rows = pt.rows_setup() if T > LT.FUSED_MAX_TOKENS else None
 
     def fused(c):
         if T <= LT.FUSED_MAX_TOKENS:  # the one-kernel linear
@@ -125,6 +154,11 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
     err = pt.error()
     cands = {"cublas": (pt.launch_gemm, copies),
              "fused": (fused, copies)}
+    err_rows = None
+    if go_rows is not None:  # --lora-rank-rows' route past the one-kernel linear
+        pt.launch_rows(0, go_rows)
+        err_rows = pt.error()
+        cands["fused(rows)"] = (lambda c: pt.launch_rows(c, go_rows), copies)
     if peers is not None:
         pa = mods[0][0]  # peers: one module of the fused width
         pb = torch.cat([m[1] for m in mods], dim=2)  # (copies, N, out_f, r)
@@ -147,8 +181,8 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
 
         cands.update({"cublas+vllm": (vllm, copies), "cublas+sgl": (sglang, copies)})
     us = compare(cands)
-    return dict(linear=name, T=T, N=N, r=r, dtype=dtype_name, err=err, config=consts, num_warps=warps,
-                copies=copies, **us)
+    return dict(linear=name, T=T, N=N, r=r, dtype=dtype_name, err=err, err_rows=err_rows, config=consts,
+                num_warps=warps, copies=copies, **us)
 
 
 def _linear_configs(LT, pt, bm):
@@ -263,7 +297,10 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     sequence above), the shrink on a second stream beside cuBLAS (joined before the expand; both
     streams inside the captured graph), and the rank columns inside the GEMM: cuBLAS over K + P x
     RANK_COLUMNS inputs (the batch's B rows appended to W's rows, each token's scaled shrink appended
-    to x), alone and after a copy of x and the shrink (its cost without a kernel written for it)."""
+    to x), alone and after a copy of x and the shrink (its cost without a kernel written for it);
+    the rank rows inside the GEMM (`--lora-rank-rows`): cuBLAS over N + P x RANK_COLUMNS outputs
+    (the batch's A rows below W's: the shrink inside the GEMM), alone and with the fill and the
+    expand from its output (the compiled route)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -300,12 +337,15 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                 x_ext[i][:, :pt.in_f].copy_(pt.x[i])
                 gemm_ext(i)
 
+            go_rows = pt.rows_setup()
             cands = {"cublas": pt.launch_gemm, "cublas + pair": lambda i: pt.launch_pair(i, go),
                      "cublas || shrink, expand": overlap,
-                     "cublas(K+cols)": gemm_ext, "shrink + copy + cublas(K+cols)": ext}
+                     "cublas(K+cols)": gemm_ext, "shrink + copy + cublas(K+cols)": ext,
+                     "cublas(N+rows)": pt.launch_gemm_rows,
+                     "fill + cublas(N+rows) + expand": lambda i: pt.launch_rows(i, go_rows)}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
-            for label in ("cublas + pair", "cublas || shrink, expand") + (
+            for label in ("cublas + pair", "cublas || shrink, expand", "fill + cublas(N+rows) + expand") + (
                     ("one-kernel linear",) if T <= LT.FUSED_MAX_TOKENS else ()):
                 cands[label](0)
                 cands[label](0)  # twice: the split tiles' counters were left at zero
@@ -351,8 +391,10 @@ def summarize(rows, log=print):
     out = []
     for (dt, N, rk, T), s in layers.items():
         peer = min(s["cublas+vllm"], s["cublas+sgl"])
+        rows = (f" (rank rows route: {s['fused(rows)']:.1f} us, {s['fused(rows)'] / peer:.2f}, "
+                f"{s['fused(rows)'] / s['cublas'] - 1:+.3f})") if s["fused(rows)"] == s["fused(rows)"] else ""
         log(f"| {dt} | {N} x r{rk} | {T} | {s['cublas']:.1f} | {s['fused']:.1f} | {peer:.1f} | {s['fused'] / peer:.2f} "
-            f"| {s['fused'] / s['cublas'] - 1:+.3f} | {peer / s['cublas'] - 1:+.3f} |")
+            f"| {s['fused'] / s['cublas'] - 1:+.3f} | {peer / s['cublas'] - 1:+.3f} |{rows}")
         out.append(dict(dtype=dt, N=N, r=rk, T=T, **s))
     return out
 
@@ -366,6 +408,10 @@ def draw(layers, path):
         series["fused / cuBLAS"][1].append(lay["fused"] / lay["cublas"])
         series["(cuBLAS + faster peer) / cuBLAS"][0].append(lay["T"])
         series["(cuBLAS + faster peer) / cuBLAS"][1].append(min(lay["cublas+vllm"], lay["cublas+sgl"]) / lay["cublas"])
+        if lay.get("fused(rows)", float("nan")) == lay.get("fused(rows)"):  # measured past FUSED_MAX_TOKENS
+            rows = series.setdefault("fused, rank rows route / cuBLAS", ([], []))
+            rows[0].append(lay["T"])
+            rows[1].append(lay["fused(rows)"] / lay["cublas"])
     return charts.lines(panels, path, title="One Llama-2-7B layer's linears with LoRA, time / the base GEMMs (H200)",
                         xlabel="tokens", ylabel="x base GEMMs", hline=1.0)
 
@@ -389,8 +435,9 @@ def run(a) -> int:
                     row = run_point(torch, peers, LT, name, T, N, r, dt, seed=T * 131 + N * 7 + r)
                     print(f"{dt} {N}x r{r} T={T} {name}: " + " ".join(
                         f"{k} {row[k]:.1f}" for k in CANDIDATES if k in row) + f" err {row['err']:.1e}", flush=True)
-                    if not row["err"] < TOL:
-                        raise SystemExit(f"the fused kernel's output is off: {row['err']:.2e}")
+                    if not row["err"] < TOL or not (row["err_rows"] is None or row["err_rows"] < TOL):
+                        raise SystemExit(f"the fused kernel's output is off: {row['err']:.2e} (rank rows route: "
+                                         f"{row['err_rows']})")
                     rows.append(row)
     layers = summarize(rows)
     out = cli.write_results(Path(a.out), {"rows": rows, "layers": layers})

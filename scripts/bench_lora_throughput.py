@@ -56,6 +56,10 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # the same 4 x r8 on the TIR stage-3 kernels (a shrink and an expand per module, then the
     # concat and add), which the CUDA kernels (one pair per fused linear, in place) replace
     "lora4-tir": ("lora-tir", [(8, 4)]),
+    # the library with rank rows (--lora-rank-rows): past 64 tokens the fused functions run the
+    # shrink inside cuBLAS's GEMM; and with no adapter (its base functions read views of the weights)
+    "lora4-rows": ("lora-rows", [(8, 4)]),
+    "lora0-rows": ("lora-rows", []),
 }
 
 
@@ -88,10 +92,12 @@ def compile_libs(a) -> int:
             "lora-nofused": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_fused=False),
             "lora-triton": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="triton"),
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
-            "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir")}
-    # by default every library the target can build (the CUDA C++ and Triton stage 3 are CUDA only)
-    names = a.libs.split(",") if a.libs else [n for n, o in libs.items()
-                                              if o.lora_sgmv_backend not in ("cuda", "triton") or a.target == "cuda"]
+            "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir"),
+            "lora-rows": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_rank_rows=True)}
+    # by default every library the target can build (the CUDA C++ and Triton stage 3 and the rank
+    # rows route are CUDA only)
+    names = a.libs.split(",") if a.libs else [n for n, o in libs.items() if a.target == "cuda" or (
+        o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows)]
     for name in names:
         if name not in libs:
             raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")
@@ -103,7 +109,16 @@ def compile_libs(a) -> int:
     return 0
 
 
-def run_config(name, lib_dir, device, requests, params, torch, a, size):
+def lib_params(weights: dict, cfg: dict) -> list:
+    """The library's params (cfg: its compiled config) from the run's weights, made at the largest
+    shape any library asks (a library with rank rows: its targeted weights are taller): each a
+    view of the first rows its library expects, none copied."""
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    return [tvm_ffi.from_dlpack(weights[n][:cfg["param_shapes"][n][0]]) for n in cfg["param_names"]]
+
+
+def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     """One config through AsyncMLCEngine; adapters are made and loaded before the clock starts."""
     from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
     from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
@@ -122,7 +137,7 @@ def run_config(name, lib_dir, device, requests, params, torch, a, size):
     # every config gets the same KV pages; the LoRA pool holds the adapters on top of them
     total_tokens = (a.kv_pages or size["kv_pages"]) * 16 + spec_pages * 16
     engine = AsyncMLCEngine(folder, a.device, max_num_seqs=a.max_num_seqs or size["max_batch_size"],
-                            max_total_tokens=total_tokens, params=[params[n] for n in cfg["param_names"]])
+                            max_total_tokens=total_tokens, params=lib_params(weights, cfg))
     try:
         t0 = time.perf_counter()
         modules = [m["name"] for m in cfg["lora"]["modules"]] if cfg.get("lora") else []
@@ -165,13 +180,13 @@ def run_config(name, lib_dir, device, requests, params, torch, a, size):
                 step_times={k: v for k, v in step_times.items() if v["steps"]})
 
 
-def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 64)) -> float:
-    """The LoRA library's prefill and (graph-captured) decode with the pool's tables, a mixed
+def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib="lora") -> float:
+    """The LoRA library `lib`'s prefill and (graph-captured) decode with the pool's tables, a mixed
     batch (an adapter of ranks[0], base model, an adapter of ranks[1]), against
     harness.torch_llama in float32; returns the largest relative error ||ours - ref|| / ||ref||
     over the rows. Ranks summing to at most the library's fused rank columns run prefill_fused
-    (110 tokens: cuBLAS + the shrink/expand pair) and decode_fused (3 tokens: the one-kernel linear),
-    others prefill and decode."""
+    (110 tokens: cuBLAS + the shrink/expand pair, or the rank rows route) and decode_fused (3 tokens:
+    the one-kernel linear), others prefill and decode."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
@@ -180,17 +195,17 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 
     from mlc_lora.models.random_model import random_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
-    folder = lib_dir / "lora"
+    folder = lib_dir / lib
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     mc = cfg["model_config"]
-    r = ModelRunner(folder, device, params=[params[n] for n in cfg["param_names"]])
+    r = ModelRunner(folder, device, params=lib_params(weights, cfg))
     spec = r.lora
     kv = r.create_pool(4, 128 * 16)
     ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
            for i, rank in enumerate(ranks)}
     fused = spec.fused_fits(2, sum(ranks))
     suffix = FUSED_FUNCTION_SUFFIX if fused else ""
-    print(f"check: adapters of ranks {ranks}: prefill{suffix} and decode{suffix} run")
+    print(f"check {lib}: adapters of ranks {ranks}: prefill{suffix} and decode{suffix} run")
     for i, ad in ads.items():
         p = pack_adapter(spec, ad, r.compiled.numpy_dtype)
         kv.load_packed_adapter(i, p, True)
@@ -201,7 +216,8 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 
         kv.add_sequence(sid)
         kv.set_sequence_adapter(sid, aid)
     seqs = [list(p) for _, p in rows]
-    ref_model = TorchLlama(weights, mc, torch, torch.float32)
+    base = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())["param_shapes"]
+    ref_model = TorchLlama({n: w[:base[n][0]] for n, w in weights.items()}, mc, torch, torch.float32)
 
     def ref(ids, adapter):
         return ref_model.prefill(torch.as_tensor([ids], device=tdev), adapter)[0]
@@ -231,7 +247,6 @@ def check_parity(lib_dir, device, tdev, weights, params, torch, seed, ranks=(8, 
 
 def run_lora(a) -> int:  # pylint: disable=too-many-locals
     import torch  # pylint: disable=import-outside-toplevel  (before TVM: loads libcublas first)
-    import tvm_ffi  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
@@ -248,18 +263,24 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, "
           f"{sum(n for _, n in requests)} output tokens; {note}")
     cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
-    lcfg = json.loads((lib_dir / "lora" / CONFIG_FILE).read_text())
-    if cfg["param_names"] != lcfg["param_names"]:
-        raise SystemExit("the base and LoRA libraries were compiled from different models")
+    for name in a.configs.split(","):
+        if name not in CONFIGS:
+            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
+    libs = list(dict.fromkeys(["lora"] + [CONFIGS[n][0] for n in a.configs.split(",")]))
+    shapes = dict(cfg["param_shapes"])  # the largest of each weight any library asks (rank rows: taller)
+    for lib in libs:
+        lcfg = json.loads((lib_dir / lib / CONFIG_FILE).read_text())
+        if cfg["param_names"] != lcfg["param_names"]:
+            raise SystemExit(f"the base and {lib} libraries were compiled from different models")
+        shapes.update({n: s for n, s in lcfg["param_shapes"].items() if s[0] > shapes[n][0]})
     t0 = time.time()
-    weights = random_model.make_params(cfg, torch, tdev, seed=a.seed)
+    weights = random_model.make_params(dict(cfg, param_shapes=shapes), torch, tdev, seed=a.seed)
     if tdev != "cpu":
         torch.cuda.synchronize()
     print(f"weights: {sum(v.numel() for v in weights.values()) / 1e9:.2f} B params on {tdev} in {time.time() - t0:.1f} s")
-    params = {n: tvm_ffi.from_dlpack(v) for n, v in weights.items()}
-    if (a.smoke or a.check) and not a.no_check:
-        err = max(check_parity(lib_dir, a.device, tdev, weights, params, torch, a.seed, ranks)
-                  for ranks in ((8, 64), (8, 16)))
+    if (a.smoke or a.check) and not a.no_check:  # every LoRA library the configs run
+        err = max(check_parity(lib_dir, a.device, tdev, weights, torch, a.seed, ranks, lib)
+                  for lib in libs if lib != "base" for ranks in ((8, 64), (8, 16)))
         tol = 1e-4 if cfg["dtype"] == "float32" else 2e-2
         print(f"check: LoRA library vs torch reference, worst rel err {err:.2e} (tolerance {tol:g})", flush=True)
         if not err < tol:
@@ -268,9 +289,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     out = Path(a.out)
     old = json.loads(out.read_text()) if out.is_file() and a.append else {}
     for name in a.configs.split(","):
-        if name not in CONFIGS:
-            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
-        r = run_config(name, lib_dir, tdev, requests, params, torch, a, size)
+        r = run_config(name, lib_dir, tdev, requests, weights, torch, a, size)
         results.append(r)
         print(f"{name}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "
               f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "

@@ -21,6 +21,13 @@ from ..ops.lora.linear_triton import FUSED
 
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+_VIEW = tvm.ir.Op.get("relax.memory.view")
+
+
+def linear_weight_re(linears: dict[str, Sequence[tuple[str, int, int]]]) -> re.Pattern:
+    """Matches the param name of a layer's linear of one of these kinds: group 1 the layer, 2 the kind."""
+    kinds = "|".join(map(re.escape, linears))
+    return re.compile(rf"layers[._](\d+)[._](?:.*[._])?({kinds})[._]weight$")
 
 
 @tvm.transform.module_pass(opt_level=0, name="LoraRewrite")
@@ -75,8 +82,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         self.fused = fused
         # the rows' element offsets are multiples of this when every row length is (16-byte loads)
         self.row_align = 8 if all(i % 8 == 0 and o % 8 == 0 for _, i, o in modules) else 1
-        kinds = "|".join(map(re.escape, self.linears))
-        self._name_re = re.compile(rf"layers[._](\d+)[._](?:.*[._])?({kinds})[._]weight$")
+        self._name_re = linear_weight_re(self.linears)
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         target = self.target or tvm.target.Target.current(allow_none=True) or tvm.target.Target("llvm")
@@ -159,7 +165,8 @@ class _Rewriter(relax.PyExprMutator):
     # --- matching ---------------------------------------------------------------------------
 
     def _weight(self, rhs: relax.Expr) -> tuple[str | None, relax.Expr | None]:
-        """(name, W) of a linear's `permute_dims(W)` operand; (None, None) if it is not one."""
+        """(name, W) of a linear's `permute_dims(W)` operand; (None, None) if it is not one. Where
+        W is a view of a weight's first rows (ReserveRankRows), the whole weight."""
         if not isinstance(rhs, relax.Var):
             return None, None
         perm = self.lookup_binding(rhs)
@@ -171,6 +178,9 @@ class _Rewriter(relax.PyExprMutator):
         w = perm.args[0]
         if isinstance(w, relax.Var):
             bound = self.lookup_binding(w)
+            if isinstance(bound, relax.Call) and bound.op == _VIEW and isinstance(bound.args[0], relax.Var):
+                w = bound.args[0]
+                bound = self.lookup_binding(w)
             if isinstance(bound, relax.TupleGetItem) and bound.tuple_value.same_as(self.packed):
                 return self.opts.param_names[bound.index], w
             if bound is None:

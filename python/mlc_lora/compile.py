@@ -52,6 +52,10 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # linear and its LoRA delta over the batch's rank columns (one kernel for small batches, cuBLAS +
     # a shrink/expand pair above), for batches whose adapters fit them (ops/lora/linear_triton.py)
     lora_fused: bool = True
+    # with lora_fused: the fused functions' batches past 64 tokens take the rank rows route (each
+    # targeted weight stored with 32 spare rows per part for the batch's A rows, so that cuBLAS's GEMM
+    # computes the shrink too; passes/reserve_rank_rows.py) instead of cuBLAS + a shrink/expand pair
+    lora_rank_rows: bool = False
     # Megatron-style tensor parallelism over this many GPUs (docs/TP.md).
     tensor_parallel_shards: int = 1
 
@@ -107,7 +111,8 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
     # Weights first: a wrong-shaped or missing tensor (the user's input) fails in seconds, not
     # after the library build.
     steps.set_postfix_str("converting weights")
-    convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress)
+    convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress,
+                    extra_rows=weight_extra_rows(lora, model_module(arch), cfg))
     steps.update()
 
     steps.set_postfix_str(f"building library ({options.target})")
@@ -191,7 +196,12 @@ def lora_spec(cfg, options: CompileOptions):
 
         if linear_triton.triton is not None:
             spec = dataclasses.replace(spec, fused={
-                "rank_columns": linear_triton.RANK_COLUMNS, "slot_columns": linear_triton.SLOT_COLUMNS})
+                "rank_columns": linear_triton.RANK_COLUMNS, "slot_columns": linear_triton.SLOT_COLUMNS,
+                **({"rank_rows": True} if options.lora_rank_rows else {})})
+    if options.lora_rank_rows and spec.fused is None:
+        raise CompileError("--lora-rank-rows is a route of the fused functions, which this compile does not "
+                           "build (they need --target cuda, --lora-kernel sgmv, float16/bfloat16, one shard, "
+                           "Triton installed and no --no-lora-fused)")
     return spec
 
 
@@ -237,7 +247,8 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     use_graph = options.target == "cuda" and options.cuda_graph
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)
-    pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, gemm=options.gemm,
+    rank_rows = bool(lora is not None and lora.fused and lora.fused.get("rank_rows"))
+    pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, rank_rows=rank_rows, gemm=options.gemm,
                             attention=options.attention, gemv_max_rows=options.gemv_max_rows)
     with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": use_graph}):
         ex = tvm.compile(mod, target, relax_pipeline=pipeline)
@@ -258,15 +269,29 @@ def _decode_graph_attrs(mod, max_batch_size: int):
     return mod
 
 
+def weight_extra_rows(lora, arch_module, cfg):
+    """name -> the zero rows the compiled library expects below that weight (the rank rows route's,
+    passes/reserve_rank_rows.py), 0 for the others."""
+    if lora is None or not (lora.fused and lora.fused.get("rank_rows")):
+        return lambda name: 0
+    from .compiler_passes.passes.reserve_rank_rows import extra_rows  # pylint: disable=import-outside-toplevel
+
+    names, linears = lora.module_names, arch_module.fused_linear_parts(cfg)
+    return lambda name: extra_rows(name, names, linears)
+
+
 def convert_weights(source: ModelSource, weight_map, cfg, dtype: str, path: Path,
-                    progress: bool = True) -> None:
+                    progress: bool = True, extra_rows=lambda name: 0) -> None:
+    """The model's weights in the library's names, dtype and shapes, into one safetensors file;
+    `extra_rows(name)` zero rows appended below a weight (weight_extra_rows)."""
     from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
     out: dict[str, np.ndarray] = {}
     it = tqdm(source.weights(), total=source.num_weights, desc="weights", unit="tensor",
               disable=not progress, leave=False)
     for name, arr in weight_map.convert_hf_weights(cfg, it, dtype):
-        out[name] = arr
+        rows = extra_rows(name)
+        out[name] = np.concatenate([arr, np.zeros((rows, *arr.shape[1:]), arr.dtype)]) if rows else arr
     save_file(out, str(path), metadata={"dtype": dtype})
 
 

@@ -7,6 +7,11 @@ that also multiplies, while it streams x, by the active adapters' A rows, and ad
 its epilogue: no LoRA launch at all. Above FUSED_MAX_TOKENS tokens (where that kernel's GEMM loses
 to cuBLAS) the same wrapper runs cuBLAS, then `lora_shrink_cols_kernel` (xa over the rank columns,
 the inputs split over blocks) and `lora_expand_cols_kernel` (the epilogue's maths, in place on y).
+With the rank rows route (`--lora-rank-rows`: passes/reserve_rank_rows.py stores each targeted
+weight with rank_rows(P) spare rows below its own) the batches past FUSED_MAX_TOKENS run instead
+`lora_fill_rows_kernel` (the batch's A rows into those rows), ONE cuBLAS GEMM over [W; A rows]
+(e = x @ W.T beside xa = x @ A_cat.T, the shrink at the GEMM's cost of 32 x P more outputs) and
+`lora_expand_rows_kernel` (y = e's first N columns + the delta from its xa columns).
 LoraRewrite builds the wrapper into `prefill_fused` and `decode_fused` (contract.FUSED_FUNCTION_SUFFIX),
 which the runner picks for a batch whose adapters' ranks sum to at most RANK_COLUMNS over at most
 SLOT_COLUMNS slots; other batches run `prefill`/`decode` (cuBLAS + the sgmv stage).
@@ -24,8 +29,9 @@ xa only each token's own slot's columns, scales them, and adds xa @ B_cat.T over
 fp32 before the one store. Narrow linears (few output tiles) split the K loop over SPLIT blocks per
 tile: each stores its fp32 partial x @ W.T and xa, and the block that finishes last sums them in
 split order and runs the epilogue. The LoRA product rounds xa to the model dtype (as PEFT's lora_A output).
-The pair adds the delta in fp32 to cuBLAS's rounded y (PEFT's order: base output, then delta).
-Reference (both routes): `linear_ref` below.
+The pair adds the delta in fp32 to cuBLAS's rounded y (PEFT's order: base output, then delta);
+the rank rows route's xa is cuBLAS's, rounded to the dtype before the scale.
+Reference (every route): `linear_ref` below; of the fill alone, `fill_rows_ref`.
 """
 
 from __future__ import annotations
@@ -324,6 +330,48 @@ if triton is not None:
         y = tl.load(y_ptrs, mask=wmask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=wmask)
 
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_fill_rows", "w_ptr"))
+    def lora_fill_rows_kernel(arena_ptr, rank_ptr, scale_ptr, aoff_ptr, w_ptr, S, base,
+                              K: tl.constexpr, N: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
+                              m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, BK: tl.constexpr,
+                              RS: tl.constexpr, SC: tl.constexpr, ALIGN: tl.constexpr):
+        """Grid (parts, K / BK): block (p, k) writes inputs [k * BK, (k + 1) * BK) of part p's RS
+        rank rows below the weight's N rows: w[N + p * RS + c] = A(column c of part p), zeros
+        where the column is not live (past the batch's ranks, a module its adapter leaves alone)."""
+        p = tl.program_id(0)
+        m = m0 + (p >= 1).to(tl.int32) * (m1 - m0) + (p >= 2).to(tl.int32) * (m2 - m1)
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        a_row, valid = _a_rows(m, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        kk = tl.program_id(1) * BK + tl.arange(0, BK)
+        a = tl.load(arena_ptr + a_row[:, None] + kk[None, :], mask=valid[:, None], other=0.0)
+        rows = N + p * RS + tl.arange(0, RS)
+        tl.store(w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], a)
+
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_expand_rows", "y_ptr"))
+    def lora_expand_rows_kernel(e_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr, n, S, base,
+                                N: tl.constexpr, M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr,
+                                m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr,
+                                P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr,
+                                SC: tl.constexpr, ALIGN: tl.constexpr):
+        """y[t, cols] = e[t, cols] + the delta of t's slot, where e = x @ [W; rank rows].T (N + P * RS
+        columns: the base output, then each part's products with its rank rows, xa)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        rmask = rows < n
+        cols = pid_n * BN + tl.arange(0, BN)
+        p, m, o_p = _part(pid_n * BN, m0, m1, m2, W0, W1)
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
+        E: tl.constexpr = N + P * RS
+        e_rows = e_ptr + rows[:, None].to(tl.int64) * E
+        xa = tl.load(e_rows + N + p * RS + tl.arange(0, RS)[None, :], mask=rmask[:, None], other=0.0)
+        delta, _ = _delta(xa.to(tl.float32), jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr,
+                          base, cols, o_p, y_ptr.dtype.element_ty, ALIGN)
+        yb = tl.load(e_rows + cols[None, :], mask=rmask[:, None], other=0.0)
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
+                 (yb.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=rmask[:, None])
+
 
 def _signature(dtype: str) -> dict:
     e = triton_build.PTR[dtype]
@@ -405,17 +453,69 @@ def cols_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], n
                 expand_warps=EXPAND_WARPS)
 
 
+def rank_rows(num_parts: int) -> int:
+    """Rows a weight of `num_parts` parts holds below its own for the batch's A rows (the rank
+    rows route; passes/reserve_rank_rows.py reserves them, the compile writes them as zeros)."""
+    return num_parts * RANK_COLUMNS
+
+
+def fill_rows_ref(arena, base, rank, scale, a_off, mods, in_f):
+    """Semantics of the fill: the (P * RANK_COLUMNS, in_f) rank rows of a linear whose parts are
+    modules `mods`: row p * RANK_COLUMNS + c is A[s, m_p][k] for rank column c = (slot s, row k)
+    (slot s owns the columns after the ranks of the slots before it) where s < SLOT_COLUMNS,
+    m_p >= 0 and scale[s, m_p] != 0; zeros elsewhere."""
+    out = np.zeros((len(mods) * RANK_COLUMNS, in_f), arena.dtype)
+    R = a_off.shape[2]  # (ranks clamped to 0..R, as the kernels read them)
+    cols = [(s, k) for s in range(min(len(rank), SLOT_COLUMNS)) for k in range(min(max(int(rank[s]), 0), R))]
+    for p, m in enumerate(mods):
+        for c, (s, k) in enumerate(cols[:RANK_COLUMNS]):
+            if m >= 0 and scale[s, m] != 0:
+                out[p * RANK_COLUMNS + c] = arena[base + a_off[s, m, k]: base + a_off[s, m, k] + in_f]
+    return out
+
+
+def _rows_signatures(dtype: str) -> tuple[dict, dict]:
+    e = triton_build.PTR[dtype]
+    fill = dict(arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32", w_ptr=e, S="i32", base="i64")
+    fill.update({k: "constexpr" for k in ("K", "N", "M", "R", "m0", "m1", "m2", "BK", "RS", "SC", "ALIGN")})
+    expand = dict(e_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32",
+                  y_ptr=e, n="i32", S="i32", base="i64")
+    expand.update({k: "constexpr" for k in ("N", "M", "R", "m0", "m1", "m2", "W0", "W1", "P", "BM", "BN", "RS",
+                                             "SC", "ALIGN")})
+    return fill, expand
+
+
+def rows_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
+                align: int) -> dict:
+    """How the TIR wrapper launches the rank rows route for n tokens (the fill, cuBLAS over the
+    N + P * RANK_COLUMNS rows, the expand): constants, grids, warps."""
+    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
+    w = (list(widths) + [0] * MAX_PARTS)[:2]
+    N, P = sum(widths), len(widths)
+    bk = next(b for b in (256, 128, 64, 32, 16) if in_f % b == 0)
+    fill = dict(K=in_f, N=N, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], BK=bk, RS=RANK_COLUMNS,
+                SC=SLOT_COLUMNS, ALIGN=align)
+    bn = next(b for b in (256, 128, 64, 32, 16) if all(x % b == 0 for x in widths))
+    expand = dict(N=N, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], P=P, BM=EXPAND_BM,
+                  BN=bn, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
+    return dict(fill=fill, expand=expand, fill_grid=(P, in_f // bk), fill_warps=4,
+                expand_grid=(-(-n // EXPAND_BM), N // bn), expand_warps=EXPAND_WARPS, rows=N + rank_rows(P))
+
+
 def scratch_elems(n, widths: Sequence[int]):
     """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes)."""
     return SPLIT_MAX * n * len(widths) * RANK_COLUMNS
 
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
-                   align: int, arch: str):
+                   align: int, arch: str, rows: bool = False):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), w (W, in_f), arena (size,), slot (n,),
     rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R), layer: int64, y (n, W) [out],
     v (scratch_elems,) float32 [out, scratch]). Up to FUSED_MAX_TOKENS tokens the fused kernel;
-    above, cuBLAS for x @ W.T, then the shrink into v and the in-place expand."""
+    above, cuBLAS for x @ W.T, then the shrink into v and the in-place expand. `rows` (the rank
+    rows route): w is (W + rank_rows(P), in_f), its last rows reserved; above FUSED_MAX_TOKENS the
+    batch's A rows are filled into them, cuBLAS computes e = x @ w.T (W + rank_rows(P) columns) and
+    the expand writes y from e; one more output, e (n, W + rank_rows(P)) [scratch]."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     from ..gemv.gemv_cuda import CUBLAS_GEMM  # pylint: disable=import-outside-toplevel
@@ -429,23 +529,34 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                                                               arch, Path(__file__))
         built[bm] = (name, threads, shared, W // consts["BN"], consts["SPLIT"])
         mods_out.append(mod)
-    sig_s, sig_e = _cols_signatures(dtype)
-    shrinks = {}
-    for variant in SHRINK_BM:
-        cs, ce = cols_constants(in_f, widths, mods, M, R, variant, align)
-        name, threads, shared, mod = triton_build.cuda_module(lora_shrink_cols_kernel, sig_s, cs, 4, arch,
-                                                              Path(__file__))
-        shrinks[variant] = (name, threads, shared, cs["BM"])
-        mods_out.append(mod)
-    en, eth, esh, emod = triton_build.cuda_module(lora_expand_cols_kernel, sig_e, ce, EXPAND_WARPS, arch,
-                                                  Path(__file__))
-    mods_out.append(emod)
-    e_nt, bk = W // ce["BN"], cs["BK"]
-    steps = in_f // bk
+    WR = W + rank_rows(P) if rows else W  # the weight's rows
+    if rows:  # past FUSED_MAX_TOKENS: the fill, cuBLAS over W's rows and the rank rows, the expand
+        go = rows_launch(1, in_f, widths, mods, M, R, align)
+        sig_f, sig_x = _rows_signatures(dtype)
+        fn_, fth, fsh, fmod = triton_build.cuda_module(lora_fill_rows_kernel, sig_f, go["fill"], go["fill_warps"],
+                                                       arch, Path(__file__))
+        xn, xth, xsh, xmod = triton_build.cuda_module(lora_expand_rows_kernel, sig_x, go["expand"],
+                                                      go["expand_warps"], arch, Path(__file__))
+        mods_out += [fmod, xmod]
+        f_grid, x_nt = go["fill_grid"], go["expand_grid"][1]
+    else:  # past FUSED_MAX_TOKENS: cuBLAS, then the shrink (two variants) and the in-place expand
+        sig_s, sig_e = _cols_signatures(dtype)
+        shrinks = {}
+        for variant in SHRINK_BM:
+            cs, ce = cols_constants(in_f, widths, mods, M, R, variant, align)
+            name, threads, shared, mod = triton_build.cuda_module(lora_shrink_cols_kernel, sig_s, cs, 4, arch,
+                                                                  Path(__file__))
+            shrinks[variant] = (name, threads, shared, cs["BM"])
+            mods_out.append(mod)
+        en, eth, esh, emod = triton_build.cuda_module(lora_expand_cols_kernel, sig_e, ce, EXPAND_WARPS, arch,
+                                                      Path(__file__))
+        mods_out.append(emod)
+        e_nt, bk = W // ce["BN"], cs["BK"]
+        steps = in_f // bk
+        qn, qth, qsh, q_bm = shrinks["small"]
+        gn, gth, gsh, g_bm = shrinks["large"]
     sn, sth, ssh, s_nt, s_split = built[16]
     ln, lth, lsh, l_nt, l_split = built[64]
-    qn, qth, qsh, q_bm = shrinks["small"]
-    gn, gth, gsh, g_bm = shrinks["large"]
 
     def lo(a, b):
         return T.max(T.int64(a), b) if isinstance(a, int) else T.max(a, b)
@@ -469,7 +580,53 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), T.int64(0), T.int64(0),
                       T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
 
+    @T.macro
+    def fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):
+        """The one-kernel linear, blocks of 16 or 64 tokens (it reads W's first W rows)."""
+        if n <= SMALL_MAX_TOKENS:
+            T.call_packed(sn, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
+                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                          layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 15) // 16 * s_split),
+                          s_nt, sth, ssh)
+        else:
+            T.call_packed(ln, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
+                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                          layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 63) // 64 * l_split),
+                          l_nt, lth, lsh)
+
     # pylint: disable=unused-variable
+    if rows:
+        @T.prim_func(s_tir=True)
+        def lora_linear_rows(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
+                             scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, cnt_h: T.handle,
+                             y_h: T.handle, v_h: T.handle, e_h: T.handle):
+            T.func_attr(kernel_attrs(True))
+            n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
+            x = T.match_buffer(x_h, (n, in_f), dtype)
+            w = T.match_buffer(w_h, (WR, in_f), dtype)
+            arena = T.match_buffer(arena_h, (size,), dtype)
+            slot = T.match_buffer(slot_h, (n,), "int32")
+            rank = T.match_buffer(rank_h, (S,), "int32")
+            scale = T.match_buffer(scale_h, (S, M), "float32")
+            a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
+            b_off = T.match_buffer(boff_h, (S, M, R), "int32")
+            cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
+            y = T.match_buffer(y_h, (n, W), dtype)
+            v = T.match_buffer(v_h, (nv,), "float32")
+            e = T.match_buffer(e_h, (n, WR), dtype)
+            if n > 0:
+                if n <= FUSED_MAX_TOKENS:
+                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+                else:
+                    T.call_packed(fn_, arena.data, rank.data, scale.data, a_off.data, w.data, T.Cast("int32", S),
+                                  layer * (size // L), T.int64(0), T.int64(0), f_grid[0], f_grid[1], fth, fsh)
+                    T.call_packed(CUBLAS_GEMM, x, w, e)
+                    T.call_packed(xn, e.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), T.int64(0),
+                                  T.int64(0), T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), x_nt, xth, xsh)
+
+        return lora_linear_rows, mods_out
+
     @T.prim_func(s_tir=True)
     def lora_linear_triton(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
                            scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, cnt_h: T.handle,
@@ -488,16 +645,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         y = T.match_buffer(y_h, (n, W), dtype)
         v = T.match_buffer(v_h, (nv,), "float32")
         if n > 0:
-            if n <= SMALL_MAX_TOKENS:
-                T.call_packed(sn, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                              b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                              layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 15) // 16 * s_split),
-                              s_nt, sth, ssh)
-            elif n <= FUSED_MAX_TOKENS:
-                T.call_packed(ln, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                              b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                              layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 63) // 64 * l_split),
-                              l_nt, lth, lsh)
+            if n <= FUSED_MAX_TOKENS:
+                fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
             else:
                 T.call_packed(CUBLAS_GEMM, x, w, y)
                 if n <= SHRINK_SMALL_MAX_TOKENS:
@@ -521,8 +670,10 @@ class FusedLinear:
 
     def emit(self, ctx, x, w, layer: int, parts: Sequence, tables: Mapping, counters, out_shape):
         """y = x @ W.T + every token's delta, (n, W) reshaped to `out_shape` (not yet emitted).
-        ctx: the rewrite's LoraContext; x (n, in) and w (W, in) relax Vars; parts: ops/lora Parts;
-        counters: the function's (COUNTER_SLOTS,) int32 zeros (`counters()`), shared by its linears."""
+        ctx: the rewrite's LoraContext; x (n, in) and w (W, in) relax Vars (w of W + rank_rows(P)
+        rows: the weight reserves the rank rows route's rows, which it then takes above
+        FUSED_MAX_TOKENS); parts: ops/lora Parts; counters: the function's (COUNTER_SLOTS,) int32
+        zeros (`counters()`), shared by its linears."""
         from tvm import relax  # pylint: disable=import-outside-toplevel
 
         from .stage import layer_arg, tokens  # pylint: disable=import-outside-toplevel
@@ -532,22 +683,31 @@ class FusedLinear:
         mods = tuple(p.module for p in parts)
         widths = tuple(p.width for p in parts)
         align = ctx.row_align if all(v % ctx.row_align == 0 for v in (in_f, *widths)) else 1
-        key = ("linear_triton", in_f, mods, widths, dtype)
+        w_rows, W = int(w.ty.shape.values[0]), sum(widths)
+        if w_rows not in (W, W + rank_rows(len(widths))):
+            raise ValueError(f"weight of {w_rows} rows for a linear of {W} outputs (or {W} + "
+                             f"{rank_rows(len(widths))} reserved rank rows)")
+        rows = w_rows != W
+        key = ("linear_triton", in_f, mods, widths, dtype, rows)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
 
         def make():
             func, mods_ = linear_wrapper(in_f, widths, mods, ctx.num_layers, ctx.max_rank, ctx.num_modules, dtype,
-                                         align, str(ctx.target.arch))
+                                         align, str(ctx.target.arch), rows=rows)
             for i, mod in enumerate(mods_):
                 ctx.external(key + ("module", i), lambda mod=mod: mod)
             return func
 
-        fn = ctx.kernel(key, f"lora_linear_triton_m{tag}_{in_f}x{sum(widths)}", make)
-        scratch = scratch_elems(n, widths) + split_scratch_elems(in_f, widths)
+        name = f"lora_linear_{'rows' if rows else 'triton'}_m{tag}_{in_f}x{W}"
+        fn = ctx.kernel(key, name, make)
+        outs = [relax.TensorType([n, W], dtype)]
+        if rows:  # no shrink partials; e = x @ [W; rank rows].T
+            outs += [relax.TensorType([max(1, split_scratch_elems(in_f, widths))], "float32"),
+                     relax.TensorType([n, w_rows], dtype)]
+        else:
+            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
         out = bb.emit(relax.call_tir(fn, [x, w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"], t["lora_scale"],
-                                          t["lora_a_off"], t["lora_b_off"], layer_arg(layer), counters],
-                                     [relax.TensorType([n, sum(widths)], dtype),
-                                      relax.TensorType([scratch], "float32")]))
+                                          t["lora_a_off"], t["lora_b_off"], layer_arg(layer), counters], outs))
         y = bb.emit(relax.TupleGetItem(out, 0))
         return relax.op.reshape(y, out_shape)
 

@@ -46,6 +46,10 @@ def parser() -> argparse.ArgumentParser:
                    help="do not build prefill_fused/decode_fused (sgmv on cuda fp16/bf16: each linear and its LoRA delta "
                         "over the batch's rank columns, run for batches over a few low-rank adapters; limits in the "
                         "compiled config)")
+    p.add_argument("--lora-rank-rows", action="store_true",
+                   help="with the fused functions: batches past 64 tokens compute the LoRA shrink inside cuBLAS's GEMM "
+                        "over each targeted weight and 32 rows per part reserved below it for the batch's A rows "
+                        "(the weights grow by those rows)")
     p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
                    help="split the model over K GPUs (Megatron-style; docs/TP.md)")
     return p
@@ -59,6 +63,7 @@ def main(argv: list[str]) -> int:
                           lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
                           lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
                           lora_sgmv_backend=a.lora_sgmv_backend, lora_fused=a.lora_fused,
+                          lora_rank_rows=a.lora_rank_rows,
                           gemm=a.gemm, gemv_max_rows=a.gemv_max_rows, cuda_graph=a.cuda_graph, attention=a.attention,
                           tensor_parallel_shards=a.tensor_parallel_shards)
     out = compile_model(a.model, a.output, opts)

@@ -44,7 +44,8 @@ class LoraSpec:
     # ones: A split by input, all of B). See docs/TP.md.
     tensor_parallel_shards: int = 1
     # The limits of the _fused functions (contract.FUSED_FUNCTION_SUFFIX) where the library has them: a
-    # batch over <= slot_columns adapters whose ranks sum to <= rank_columns runs them. None: none built.
+    # batch over <= slot_columns adapters whose ranks sum to <= rank_columns runs them; rank_rows: the
+    # targeted weights hold the rank rows route's reserved rows (passes/reserve_rank_rows.py). None: none built.
     fused: dict[str, int] | None = None
 
     def fused_fits(self, num_slots: int, rank_total: int) -> bool:
@@ -85,7 +86,10 @@ def _fused_limits(d: dict[str, Any]) -> dict[str, int] | None:
     """The config's fused limits; a library compiled before prefill_fused names them "fused_decode"
     and has decode_fused only (its kernel covers any token count)."""
     f = d.get("fused", d.get("fused_decode"))
-    return None if f is None else {"rank_columns": f["rank_columns"], "slot_columns": f["slot_columns"]}
+    if f is None:
+        return None
+    return {"rank_columns": f["rank_columns"], "slot_columns": f["slot_columns"],
+            **({"rank_rows": True} if f.get("rank_rows") else {})}
 
 
 def _shards(cfg) -> int:

@@ -42,6 +42,8 @@ def build(out: Path, model_cfg: dict, opts, name: str = "llama-random") -> float
     t0 = time.time()
     names = C.build_library(llama, cfg, opts.resolved_dtype(), opts, out / lib, lora=lora)
     shapes = llama_loader.param_shapes(cfg)
+    extra = C.weight_extra_rows(lora, llama, cfg)
+    shapes = {n: (s[0] + extra(n), *s[1:]) for n, s in shapes.items()}
     (out / CONFIG_FILE).write_text(json.dumps({
         "model_name": name, "architecture": "LlamaForCausalLM",
         "model_config": dataclasses.asdict(cfg), "dtype": opts.resolved_dtype(),

@@ -25,7 +25,7 @@ pytestmark = needs_nvcc  # the CUDA sgmv and gemv kernels are built at compile t
 TABLES = LORA_TABLE_INPUTS
 
 
-def _lowered(layers=2, fused=False):
+def _lowered(layers=2, fused=False, rank_rows=False):
     prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -34,11 +34,11 @@ def _lowered(layers=2, fused=False):
     mod, names = export_model(llama, cfg, "float16", cuda)
     spec = make_spec(cfg, 8, 64, None, "sgmv")
     if fused:
-        spec = dataclasses.replace(spec, fused={"rank_columns": 32, "slot_columns": 16})
+        spec = dataclasses.replace(spec, fused={"rank_columns": 32, "slot_columns": 16, "rank_rows": rank_rows})
     lora = lora_pass_options(spec, cfg, llama, names)
     mod = _decode_graph_attrs(mod, 4)
     with cuda, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
-        return cfg, get_pipeline(cuda, lora=lora)(mod)
+        return cfg, get_pipeline(cuda, lora=lora, rank_rows=rank_rows)(mod)
 
 
 def _calls(func, prefix):
@@ -163,3 +163,28 @@ def test_fused_functions_are_one_kernel_call_per_linear_decode_in_graphs():
         assert len(counters) == 4 * cfg.num_hidden_layers
         assert all(isinstance(c, tvm.ir.expr.Constant) and c.same_as(counters[0]) for c in counters)
         assert counters[0].value.numpy().tolist() == [0] * COUNTER_SLOTS
+
+
+def test_rank_rows_library_widens_the_weights_and_fuses_past_the_small_kernel():
+    """--lora-rank-rows: every targeted weight of every function is 32 rows per part taller; the
+    fused functions' linears (the rank rows wrapper, inside decode_fused's graphs) take the whole
+    weight, every other GEMM a view of its first rows (no copy kernel); lm_head is untouched."""
+    pytest.importorskip("triton")
+    cfg, lowered = _lowered(fused=True, rank_rows=True)
+    fused = "decode" + FUSED_FUNCTION_SUFFIX
+    captures = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith(fused + "_cuda_graph_capture")]
+    assert len([c for f in captures for c in _calls(f, "lora_linear_rows_")]) == 4 * cfg.num_hidden_layers
+    assert not [c for f in captures for c in _calls(f, "lora_linear_triton_")]
+    pre = "prefill" + FUSED_FUNCTION_SUFFIX
+    assert len(_calls(lowered[pre], "lora_linear_rows_")) == 4 * cfg.num_hidden_layers
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    want = {(qkv + 96, h), (h + 32, h), (2 * inter + 64, h), (h + 32, inter)}
+    for name in ("decode", "prefill", "decode" + BASE_FUNCTION_SUFFIX, fused, pre):
+        shapes = [tuple(int(v) for v in f.shape.values) for f in lowered[name].params[-1].ty.fields]
+        assert want <= set(shapes), name
+        assert (cfg.vocab_size, h) in shapes  # lm_head
+    # the views: one per targeted weight and layer in each function that runs the base GEMMs
+    text = lowered["decode" + BASE_FUNCTION_SUFFIX].script()
+    assert text.count("runtime.TVMTensorCreateView") == 4 * cfg.num_hidden_layers
+    assert "runtime.TVMTensorCreateView" not in lowered[fused].script()

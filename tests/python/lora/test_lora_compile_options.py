@@ -31,6 +31,35 @@ def test_lora_options_checked():
         lora_spec(cfg, CompileOptions(max_lora_rank=8, lora_pool_pages=4, lora_target_modules=["qkv"]))
     spec = lora_spec(cfg, CompileOptions(max_lora_rank=8, lora_pool_pages=4))
     assert spec.module_names == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # the rank rows route is the fused functions': asked for where they are not built, it is refused
+    with pytest.raises(CompileError, match="--lora-rank-rows is a route of the fused functions"):
+        lora_spec(cfg, CompileOptions(max_lora_rank=8, lora_pool_pages=4, lora_rank_rows=True))
+
+
+def test_rank_rows_flag_and_spec(monkeypatch, tmp_path):
+    """--lora-rank-rows reaches CompileOptions; a CUDA sgmv fp16 spec then records it in its fused
+    limits (the config's lora.fused.rank_rows), which LoraSpec reads back; the weights to widen
+    are the targeted linears' (compile.weight_extra_rows, 32 rows per part)."""
+    pytest.importorskip("triton")
+    from mlc_lora.compile import weight_extra_rows
+    from mlc_lora.lora.layout import LoraSpec
+    from mlc_lora.models import llama
+
+    seen = {}
+    monkeypatch.setattr(cli, "compile_model", lambda model, out, opts: seen.setdefault("opts", opts) and out)
+    cli.main(["m", "-o", str(tmp_path), "--lora-pool-pages", "64", "--max-lora-rank", "16", "--lora-kernel", "sgmv",
+              "--target", "cuda", "--lora-rank-rows"])
+    opts = seen["opts"]
+    assert opts.lora_rank_rows and opts.lora_fused
+    cfg = LlamaConfig(**TINY_CONFIGS["gqa"])
+    spec = lora_spec(cfg, opts)
+    assert spec.fused["rank_rows"] is True and LoraSpec.from_json(spec.to_json()) == spec
+    rows = weight_extra_rows(spec, llama, cfg)
+    assert rows("model.layers.1.self_attn.qkv_proj.weight") == 96 and rows("model.layers.0.mlp.down_proj.weight") == 32
+    assert rows("lm_head.weight") == 0 and rows("model.embed_tokens.weight") == 0
+    plain = lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False}))
+    assert "rank_rows" not in plain.fused and weight_extra_rows(plain, llama, cfg)(
+        "model.layers.1.self_attn.qkv_proj.weight") == 0
 
 
 def test_without_lora_flags_the_model_has_no_lora_inputs(tiny_models):

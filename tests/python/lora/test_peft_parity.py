@@ -118,7 +118,7 @@ _PEFT_CACHE = {}
 def _check_against_peft(refs, out, seqs):
     worst = 0.0
     for i, (aid, prompt) in enumerate(REQUESTS):
-        for step, got in enumerate(out[i]):
+        for step, got in enumerate(out.get(i, ())):  # (of the requests run)
             toks = tuple(seqs[i][: len(prompt) + step])
             if (aid, toks) not in _PEFT_CACHE:  # the same requests recur across tests
                 _PEFT_CACHE[aid, toks] = _peft_logits(refs[aid], list(toks))
@@ -242,3 +242,47 @@ def test_half_precision_library_matches_peft(lora_setup, tmp_path, dtype, tol):
         eng.load_adapter("a1", root / "adapter1")
         out = eng.completions.create(prompt=REQUESTS[0][1], max_tokens=3, ignore_eos=True, adapter_id="a1")
         assert len(out.choices[0].token_ids) == 3 and eng.list_adapters()[0]["resident"]
+
+
+def test_rank_rows_library_matches_peft(lora_setup, tmp_path, monkeypatch):
+    """A library whose targeted weights reserve the rank rows route's rows (--lora-rank-rows; the
+    fused functions are forced on here, on llvm, where they are the stage's copies: the route's
+    kernels are CUDA): the compile writes every such weight 32 rows per part taller, its rows
+    then zeros; with NaN put in them, mixed batches and a batch within the fused limits still
+    match PEFT: the base GEMMs and the stage read the weights' own rows only."""
+    import dataclasses
+
+    from safetensors.numpy import load_file, save_file
+
+    import mlc_lora.compile as C
+    from mlc_lora.contract import PARAMS_FILE
+
+    cfg, root, refs, compiled = lora_setup
+    real = C.lora_spec
+    monkeypatch.setattr(C, "lora_spec", lambda c, o: dataclasses.replace(
+        real(c, o), fused={"rank_columns": 32, "slot_columns": 16, "rank_rows": True}))
+    out = C.compile_model(root / "hf", tmp_path / "rows", CompileOptions(
+        prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96, max_lora_rank=64, lora_kernel="sgmv"),
+        progress=False)
+    params, plain = load_file(out / PARAMS_FILE), load_file(compiled["sgmv"] / PARAMS_FILE)
+    extra = {}
+    for name, arr in params.items():
+        n = plain[name].shape[0]
+        np.testing.assert_array_equal(arr[:n], plain[name])
+        assert not arr[n:].any()
+        if arr.shape[0] > n:
+            extra[name.split(".")[-2]] = arr.shape[0] - n
+            arr[n:] = np.nan
+    assert extra == {"qkv_proj": 96, "o_proj": 32, "gate_up_proj": 64, "down_proj": 32}
+    assert sum(a.shape[0] > plain[k].shape[0] for k, a in params.items()) == 4 * cfg.num_hidden_layers
+    save_file(params, str(out / PARAMS_FILE), metadata={"dtype": "float32"})
+    runner = ModelRunner(out)
+    assert runner.lora.fused.get("rank_rows") is True
+    # all requests (ranks past the fused limits), then adapter 1 (rank 4) with base rows: the fused functions
+    for batch in (list(range(len(REQUESTS))), [0, 1, 5, 7]):
+        kv = runner.create_pool(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
+        for aid in (3, 1, 5, 2, 4):
+            kv.load_packed_adapter(aid, pack_peft_adapter(root / f"adapter{aid}", runner.config), False)
+        out_, seqs = _run_batches(runner, "pool", [batch], kv=kv)
+        print(f"rank rows library: max abs error vs PEFT {_check_against_peft(refs, out_, seqs):.2e}")
+        kv.check_invariants()

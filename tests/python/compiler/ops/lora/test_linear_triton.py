@@ -38,17 +38,18 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
 
 @pytest.mark.parametrize("bm,n,split,swap", [(16, 21, 1, 0), (64, 70, 1, 0), (16, 21, 2, 0), (64, 70, 3, 0),
                                               (16, 21, 1, 1), (16, 21, 3, 1), ("small", 70, 1, 0),
-                                              ("large", 70, 1, 0)])
+                                              ("large", 70, 1, 0), ("rows", 70, 1, 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_kernel_matches_reference(tmp_path, bm, n, split, swap, dtype):
     """bm 16/64: the fused kernel's block heights, its K loop in `split` blocks per tile (3: one
     input step each, 2: two and one), its products taken transposed (`swap`); "small"/"large":
     cuBLAS's product, then the shrink variant and the in-place expand (the batches past
-    FUSED_MAX_TOKENS)."""
+    FUSED_MAX_TOKENS); "rows": the batch's A rows filled below W (over NaN), cuBLAS over both,
+    the expand from its extra columns (the rank rows route past FUSED_MAX_TOKENS)."""
     rng = np.random.default_rng(3)
     widths, mods, R = (64, 32, 32), (0, -1, 2), 16  # q|k|v with k untargeted
     K = 192 if isinstance(bm, int) else 576  # the shrink splits 576 inputs in two (5 + 4 steps of 64)
-    if not isinstance(bm, int):
+    if bm in ("small", "large"):
         assert LT.cols_launch(n, K, widths, mods, 4, R, 8, bm)["split"] == 2
     c = _case(rng, dtype, n, K, widths, [8, 16, 0, 4], R)  # ranks sum to 28 <= RANK_COLUMNS
     # a stale slot past the batch's (as a captured graph's fixed tables keep): no token uses it, its
@@ -64,6 +65,10 @@ def test_kernel_matches_reference(tmp_path, bm, n, split, swap, dtype):
     out = interpret(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)
+    if bm == "rows":  # the filled rows: the batch's A rows (the stale slot's among them), zeros past them
+        rows = LT.fill_rows_ref(c["arena"], c["base"], c["rank"], c["scale"], c["a_off"], mods, K)
+        np.testing.assert_array_equal(out["rows"], rows)
+        assert np.isnan(rows).any() and (rows[32:64] == 0).all()  # the untargeted part k: zeros
     base_only = c["x"].astype(np.float64) @ c["w"].astype(np.float64).T
     tol = 1e-5 if dtype == np.float32 else 4e-3
     got = out["y"].astype(np.float64)
@@ -156,3 +161,18 @@ def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
     mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule({"main": fn.with_attr("global_symbol", "main")}))
     host = tvm.ir.transform.Sequential([tvm.tirx.transform.MakePackedAPI(), tvm.tirx.transform.LowerTVMBuiltin()])(mod)
     assert "TVMBackendAllocWorkspace" not in host.script()
+
+
+def test_rank_rows_wrapper_builds_to_cubin_for_sm90(cubin_cache):
+    """The rank rows route's wrapper: the one-kernel linear's two block heights, the fill and the
+    expand from e (no shrink, no in-place expand); past the fused kernel's tokens it fills, calls
+    cuBLAS once over the weight's W + 3 x 32 rows and expands from e."""
+    fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a", rows=True)
+    assert len(mods) == 4 and len(list(cubin_cache.glob("*.cubin"))) == 4
+    script = fn.script()
+    assert "mlc_lora_triton_fill_rows_fp16" in script and "mlc_lora_triton_expand_rows_fp16" in script
+    assert "shrink_cols" not in script and "expand_cols" not in script
+    assert script.count("mlc_lora.runtime.cublas_gemm") == 1
+    assert "T.Buffer((6240, 4096)" in script and "T.Buffer((n, 6240)" in script  # w and e: 6144 + 96 rows
+    # the reserved rows of a linear are 32 per part, one definition
+    assert LT.rank_rows(3) == 96 and LT.rows_launch(100, 4096, (4096, 1024, 1024), (0, 1, 2), 7, 16, 8)["rows"] == 6240

@@ -35,7 +35,7 @@ def run_linear(inp: dict) -> dict:
     scale = inp["scale"]
     consts, warps = LT.constants(K, widths, mods, scale.shape[1], int(inp["R"]), int(inp["bm"]), 8)
     if "variant" in inp:
-        return run_cols(inp)
+        return run_cols(inp) if str(inp["variant"]) != "rows" else run_rows(inp)
     if "split" in inp:
         consts["SPLIT"] = int(inp["split"])
     if "swap" in inp:
@@ -74,6 +74,33 @@ def run_cols(inp: dict) -> dict:
         v, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["b_off"]), y, n, S, base, go["split"],
         **go["expand"], num_warps=go["expand_warps"])
     return {"y": y.numpy()}
+
+
+def run_rows(inp: dict) -> dict:
+    """The rank rows route: the fill into the rows below W (holding NaN before, as a weight's
+    reserved rows hold the previous batch's rows), x @ [W; rank rows].T (as cuBLAS: fp32 sums,
+    rounded to the dtype), the expand into a fresh y (NaN before), launched as the TIR wrapper does."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
+
+    _interpreter_scalars()
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    x, w, scale = inp["x"], inp["w"], inp["scale"]
+    mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
+    n, K = x.shape
+    go = LT.rows_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8)
+    w_ext = torch.full((go["rows"], K), float("nan"), dtype=t(x).dtype)
+    w_ext[:sum(widths)] = t(w)
+    S, base = len(inp["rank"]), int(inp["base"])
+    LT.lora_fill_rows_kernel[go["fill_grid"]](t(inp["arena"]), t(inp["rank"]), t(scale), t(inp["a_off"]), w_ext, S,
+                                              base, **go["fill"], num_warps=go["fill_warps"])
+    e = t((x.astype(np.float32) @ w_ext.numpy().astype(np.float32).T).astype(x.dtype))
+    y = torch.full((n, sum(widths)), float("nan"), dtype=e.dtype)
+    LT.lora_expand_rows_kernel[go["expand_grid"]](
+        e, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["b_off"]), y, n, S, base, **go["expand"],
+        num_warps=go["expand_warps"])
+    return {"y": y.numpy(), "rows": w_ext[sum(widths):].numpy()}
 
 
 def run_silu_mul(inp: dict) -> dict:
