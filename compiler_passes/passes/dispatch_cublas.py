@@ -10,7 +10,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from ..ops import cuda_build
 from ..ops.gemv import gemv_cuda
 
-# Registered by src/runtime/cublas_gemm.cc: out (..., N) = x (..., K) @ w (N, K)^T.
+# Registered by src/runtime/cublas_gemm.cc: out (..., N) = x (..., K) @ w (N' >= N, K)[:N]^T.
 CUBLAS_GEMM = "mlc_lora.runtime.cublas_gemm"
 DTYPES = ("float16", "bfloat16", "float32")
 CPU_DTYPES = ("float32",)  # what the extern's CPU path (src/runtime/cpu_gemm.cc) takes
@@ -20,7 +20,9 @@ GEMV_MAX_ROWS = 1
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchCublas")
 class DispatchCublas:  # pylint: disable=too-few-public-methods
-    """Rewrite matmul(x, permute_dims(W)) with a 2-D weight W into our GEMM (gemv / cuBLAS)."""
+    """Rewrite matmul(x, permute_dims(W)) with a 2-D weight W into our GEMM (gemv / cuBLAS). W may
+    be a view of a weight's first rows (ReserveRankRows): the GEMM then takes the whole weight and
+    reads the rows its output needs (no view made per call)."""
 
     def __init__(self, cpu: bool = False, arch: str | None = None, gemv_max_rows: int = GEMV_MAX_ROWS):
         # CPU: float32 only, and single rows too (TVM's CPU matmul is an unscheduled scalar loop).
@@ -57,6 +59,7 @@ class _Rewriter(PyExprMutator):
         self.gemv_dtypes: set[str] = set()
         self._matmul = tvm.ir.Op.get("relax.matmul")
         self._permute = tvm.ir.Op.get("relax.permute_dims")
+        self._view = tvm.ir.Op.get("relax.memory.view")
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = self.visit_expr_post_order(call)
@@ -67,6 +70,7 @@ class _Rewriter(PyExprMutator):
         if weight is None:
             return call
         x_ty, w_ty = x.ty, weight.ty
+        weight, w_rows = self._first_rows_of(weight)
         if not isinstance(x_ty, relax.TensorType) or x_ty.shape is None or x_ty.ndim < 1:
             return call
         out_dtype = call.attrs.out_dtype
@@ -80,18 +84,35 @@ class _Rewriter(PyExprMutator):
         if self._gemv_arch and isinstance(n, tvm.tirx.IntImm) and isinstance(k, tvm.tirx.IntImm) and (
             gemv_cuda.supported(str(x_ty.dtype), int(k), x_ty.ndim) is None
         ):
-            wrapper = self._gemv_wrapper(int(n), int(k), str(x_ty.dtype), x_ty.ndim)
+            wrapper = self._gemv_wrapper(int(n), int(k), str(x_ty.dtype), x_ty.ndim, w_rows)
             return relax.call_tir(wrapper, [x, weight], out_ty)
-        if not self._cpu and _is_static_one(rows):
+        if not self._cpu and _is_static_one(rows) and w_rows is None:
             # One static row: dlight's GEMV beats cuBLAS there (measured 0.8x of its time).
             return call
         return relax.call_dps_packed(relax.ExternFunc(CUBLAS_GEMM), [x, weight], out_ty)
 
-    def _gemv_wrapper(self, n: int, k: int, dtype: str, ndim: int) -> relax.GlobalVar:
-        key = (n, k, dtype, ndim)
+    def _first_rows_of(self, w: relax.Expr) -> tuple[relax.Expr, int | None]:
+        """(the weight, its rows) where `w` is a view of a weight's first rows (same dtype and row
+        length, no offset), else (w, None)."""
+        bound = self.lookup_binding(w) if isinstance(w, relax.Var) else None
+        if not (isinstance(bound, relax.Call) and bound.op == self._view):
+            return w, None
+        full, offset = bound.args[0], bound.args[3]
+        f_ty, v_ty = full.ty, w.ty
+        if not (isinstance(offset, relax.Tuple) and len(offset.fields) == 0 and isinstance(f_ty, relax.TensorType)
+                and f_ty.ndim == 2 and f_ty.shape is not None and f_ty.dtype == v_ty.dtype
+                and all(isinstance(d, tvm.tirx.IntImm) for d in (*f_ty.shape.values, *v_ty.shape.values))
+                and int(f_ty.shape.values[1]) == int(v_ty.shape.values[1])
+                and int(f_ty.shape.values[0]) >= int(v_ty.shape.values[0]) and _is_weight(full, self)):
+            return w, None
+        return full, int(f_ty.shape.values[0])
+
+    def _gemv_wrapper(self, n: int, k: int, dtype: str, ndim: int, w_rows: int | None = None) -> relax.GlobalVar:
+        key = (n, k, dtype, ndim, w_rows)
         if key not in self._wrappers:
-            name = f"mlc_lora_linear_{gemv_cuda.DTYPES[dtype]}_{n}x{k}_{ndim}d"
-            func = gemv_cuda.wrapper(n, k, dtype, ndim, self._gemv_max_rows)
+            rows = f"_of{w_rows}" if w_rows is not None else ""
+            name = f"mlc_lora_linear_{gemv_cuda.DTYPES[dtype]}_{n}{rows}x{k}_{ndim}d"
+            func = gemv_cuda.wrapper(n, k, dtype, ndim, self._gemv_max_rows, w_rows=w_rows)
             self._wrappers[key] = self.builder_.add_func(func.with_attr("global_symbol", name), name)
             self.gemv_dtypes.add(dtype)
         return self._wrappers[key]
@@ -115,11 +136,14 @@ class _Rewriter(PyExprMutator):
 
 
 def _is_weight(w: relax.Expr, rewriter: PyExprMutator) -> bool:
-    """A model weight: a function parameter, or TupleGetItem of the packed parameter tuple."""
+    """A model weight: a function parameter, or TupleGetItem of the packed parameter tuple, or a
+    view of the first rows of one (ReserveRankRows)."""
     if isinstance(w, relax.Var):
         bound = rewriter.lookup_binding(w)
         if bound is None:
             return True  # a function parameter ("plain" param mode)
+        if isinstance(bound, relax.Call) and bound.op == tvm.ir.Op.get("relax.memory.view"):
+            return _is_weight(bound.args[0], rewriter)
         w = bound
     return isinstance(w, relax.TupleGetItem) and isinstance(w.tuple_value, relax.Var) and (
         rewriter.lookup_binding(w.tuple_value) is None

@@ -2,8 +2,9 @@
  * \file cublas_gemm.cc
  * \brief out = x @ w^T through cuBLAS (fp32 accumulation), called by compiled models as an extern.
  *
- * Semantics: x (..., K), w (N, K), out (..., N), all contiguous, one dtype (float16, bfloat16 or
- * float32); out[m, n] = sum_k x[m, k] * w[n, k], accumulated in float32.
+ * Semantics: x (..., K), w (N' >= N, K), out (..., N), all contiguous, one dtype (float16, bfloat16
+ * or float32); out[m, n] = sum_k x[m, k] * w[n, k] for n < N, accumulated in float32 (w's rows past
+ * N, rows a weight reserves below its own for the LoRA rank rows route, are not read).
  *
  * libcublas.so.13 is opened at first use (dlopen) and the few prototypes and enum values used here
  * are declared below (checked against cublas_api.h / library_types.h of nvidia-cublas 13.x), so this
@@ -170,16 +171,16 @@ void CpuGemm(const ffi::TensorView& x, const ffi::TensorView& w, const ffi::Tens
              reinterpret_cast<float*>(DataOf(out)), m, n, k);
 }
 
-/*! \brief out (..., N) = x (..., K) @ w (N, K)^T; destination-passing (out is written). */
+/*! \brief out (..., N) = x (..., K) @ w[:N] (N' >= N, K)^T; destination-passing (out is written). */
 void CublasGemm(ffi::TensorView x, ffi::TensorView w, ffi::TensorView out) {
   if (w.ndim() != 2 || x.ndim() < 1 || out.ndim() != x.ndim()) {
     TVM_FFI_THROW(ValueError) << "cublas_gemm expects x (..., K), w (N, K), out (..., N); got ranks "
                               << x.ndim() << ", " << w.ndim() << ", " << out.ndim();
   }
-  const int64_t k = w.size(1), n = w.size(0);
-  if (x.size(-1) != k || out.size(-1) != n) {
+  const int64_t k = w.size(1), n = out.size(-1);
+  if (x.size(-1) != k || w.size(0) < n) {
     TVM_FFI_THROW(ValueError) << "cublas_gemm shape mismatch: x[..., " << x.size(-1) << "], w ["
-                              << n << ", " << k << "], out[..., " << out.size(-1) << "]";
+                              << w.size(0) << ", " << k << "], out[..., " << n << "]";
   }
   int64_t m = 1;
   for (int i = 0; i + 1 < x.ndim(); ++i) {

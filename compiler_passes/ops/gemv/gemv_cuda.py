@@ -60,9 +60,10 @@ def launch_threads(k: int) -> int:
     return 32 * max(1, min(MAX_WARPS, -(-steps // (32 * UNROLL))))
 
 
-def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int):
-    """Signature: (x (..., k), w (n_out, k), y (..., n_out) [out]); our kernels for
-    rows <= max_rows (rounded down to a bound in TOKENS), cuBLAS above."""
+def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int, w_rows: int | None = None):
+    """Signature: (x (..., k), w (w_rows or n_out, k), y (..., n_out) [out]); our kernels for
+    rows <= max_rows (rounded down to a bound in TOKENS), cuBLAS above; both read w's first n_out
+    rows (w_rows > n_out: a weight with rows reserved below its own, passes/reserve_rank_rows.py)."""
     why = supported(dtype, k, ndim)
     if why is not None:
         raise ValueError(f"no gemv kernels for {why}")
@@ -70,6 +71,9 @@ def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int):
     l1, l2, l4, l8 = (t if t <= max_rows else 0 for t in TOKENS)
     k1, k2, k4, k8 = (kernel_name(dtype, t) for t in TOKENS)
     grid, threads = -(-n_out // ROWS), launch_threads(k)
+    wr = n_out if w_rows is None else w_rows
+    if wr < n_out:
+        raise ValueError(f"a weight of {wr} rows for {n_out} outputs")
 
     # pylint: disable=unused-variable
     if ndim == 2:
@@ -78,7 +82,7 @@ def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int):
             T.func_attr(kernel_attrs(True))
             n = T.int64()
             x = T.match_buffer(x_h, (n, k), dtype)
-            w = T.match_buffer(w_h, (n_out, k), dtype)
+            w = T.match_buffer(w_h, (wr, k), dtype)
             y = T.match_buffer(y_h, (n, n_out), dtype)
             if n > 0:
                 if n <= l1:
@@ -97,7 +101,7 @@ def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int):
             T.func_attr(kernel_attrs(True))
             b, s = T.int64(), T.int64()
             x = T.match_buffer(x_h, (b, s, k), dtype)
-            w = T.match_buffer(w_h, (n_out, k), dtype)
+            w = T.match_buffer(w_h, (wr, k), dtype)
             y = T.match_buffer(y_h, (b, s, n_out), dtype)
             if b * s > 0:
                 if b * s <= l1:

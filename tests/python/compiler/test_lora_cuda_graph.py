@@ -184,7 +184,13 @@ def test_rank_rows_library_widens_the_weights_and_fuses_past_the_small_kernel():
         shapes = [tuple(int(v) for v in f.shape.values) for f in lowered[name].params[-1].ty.fields]
         assert want <= set(shapes), name
         assert (cfg.vocab_size, h) in shapes  # lm_head
-    # the views: one per targeted weight and layer in each function that runs the base GEMMs
-    text = lowered["decode" + BASE_FUNCTION_SUFFIX].script()
-    assert text.count("runtime.TVMTensorCreateView") == 4 * cfg.num_hidden_layers
-    assert "runtime.TVMTensorCreateView" not in lowered[fused].script()
+    # the other GEMMs (gemv / cuBLAS wrappers) take the whole weight and read its first rows: no view
+    # is made per call, and no linear falls back to TVM's matmul
+    for gv, f in lowered.functions_items():
+        if isinstance(f, relax.Function):
+            text = f.script()
+            assert "TVMTensorCreateView" not in text and "NT_matmul" not in text, gv.name_hint
+    base = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_base_cuda_graph_capture")]
+    wrappers = {c for f in base for c in _calls(f, "mlc_lora_linear_")}
+    assert wrappers == {f"mlc_lora_linear_f16_{n}_of{n + r}x{k}_3d" for n, k, r in (
+        (qkv, h, 96), (h, h, 32), (2 * inter, h, 64), (h, inter, 32))} | {f"mlc_lora_linear_f16_{cfg.vocab_size}x{h}_3d"}

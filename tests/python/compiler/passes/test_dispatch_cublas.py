@@ -102,6 +102,54 @@ def test_before_after():
     tvm.ir.assert_structural_equal(after, Expected)
 
 
+@tvm.script.ir_module
+class BeforeRows:
+    @R.function
+    def packed(x: R.Tensor(("n", 64), "float32"),
+               params: R.Tuple(R.Tensor((16 + 32, 64), "float32"), R.Tensor((64,), "float32"))):
+        n = T.int64()
+        with R.dataflow():
+            w_all = params[0]
+            w = R.memory.view(w_all, R.shape([16, 64]))
+            y = R.matmul(x, R.permute_dims(w, axes=[1, 0]))
+            R.output(y)
+        return y
+
+
+@tvm.script.ir_module
+class ExpectedRows:
+    @R.function
+    def packed(x: R.Tensor(("n", 64), "float32"),
+               params: R.Tuple(R.Tensor((16 + 32, 64), "float32"), R.Tensor((64,), "float32"))):
+        n = T.int64()
+        with R.dataflow():
+            w_all = params[0]
+            y = R.call_dps_packed("mlc_lora.runtime.cublas_gemm", (x, w_all),
+                                  out_ty=R.Tensor((n, 16), "float32"))
+            R.output(y)
+        return y
+
+
+def test_a_view_of_a_weights_first_rows_passes_the_weight():
+    """ReserveRankRows's views (a weight's first rows): the GEMM gets the whole weight and reads the
+    rows its output has; the view goes (no view made per call)."""
+    after = DispatchCublas(cpu=True)(BeforeRows)
+    relax.analysis.well_formed(after)
+    tvm.ir.assert_structural_equal(after, ExpectedRows)
+
+
+def test_extern_reads_the_first_rows_of_a_taller_weight(cublas_gemm):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 40)).astype("float32")
+    w = rng.standard_normal((24 + 32, 40)).astype("float32")
+    w[24:] = np.nan  # rows past the output's: never read
+    out = np.full((5, 24), np.nan, dtype="float32")
+    cublas_gemm(x, w, out)
+    np.testing.assert_allclose(out, x @ w[:24].T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="shape mismatch"):  # fewer rows than outputs
+        cublas_gemm(x, w[:20].copy(), out)
+
+
 def _tiny_llama(target, dtype="float32"):
     from mlc_lora.compile import export_model
     from mlc_lora.models import llama
@@ -319,7 +367,8 @@ def test_composes_with_lora_rewrite(kernel):
     assert text.count("R.matmul") == lora_text.count("R.matmul") - base
 
 
-@pytest.mark.parametrize("gemv_max_rows", [0, pytest.param(8, marks=needs_nvcc)])
+@needs_nvcc  # (the pipeline builds CUDA modules: gemv, the activation kernel)
+@pytest.mark.parametrize("gemv_max_rows", [0, 8])
 def test_decode_cuda_graphs_capture_the_linears(gemv_max_rows):
     """With decode's graph attributes, RewriteCUDAGraph lifts the linears (cuBLAS calls, or the
     gemv/cuBLAS wrappers) into the captured functions; the KV-cache attention calls stay in decode
@@ -327,8 +376,7 @@ def test_decode_cuda_graphs_capture_the_linears(gemv_max_rows):
     writing decode's output directly would stay outside, as the output is allocated per call.)"""
     from mlc_lora.compile import _decode_graph_attrs, prepare_cuda_build
 
-    if gemv_max_rows:
-        prepare_cuda_build()
+    prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     _, cfg, mod, _ = _tiny_llama(cuda, "float16")
     mod = _decode_graph_attrs(mod, 4)
