@@ -233,7 +233,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         lora = self.runner.lora is not None
         if lora:
             sched = self.scheduler
-            self.adapters.prepare_step(sched.queue_order(), len(sched.running),
+            self.adapters.prepare_step(sched.queue_order(preview=True), len(sched.running),
                                        self.max_num_seqs - len(sched.running))
         batch = self.scheduler.schedule()
         for seq in self.scheduler.rejected:

@@ -307,13 +307,15 @@ class Scheduler:
                 deferred = [d for d in deferred if d.skipped < MAX_SKIPS]
         yield from deferred
 
-    def queue_order(self) -> Iterator[Sequence]:
-        """The waiting sequences by the queue's policy: the order admission works from, and the one
-        prefetch looks ahead in (with no admission between its picks). First come first served: the
-        queue's order (preempted sequences were put in front). Fair share: preempted sequences
-        first, then, one at a time, the oldest request of the client with the least service (VTC;
-        ties: the client whose oldest request is older), each pick seeing the counter the previous
-        admission raised."""
+    def queue_order(self, preview: bool = False) -> Iterator[Sequence]:
+        """The waiting sequences by the queue's policy: the order admission works from, and (with
+        `preview`) the one prefetch looks ahead in. First come first served: the queue's order
+        (preempted sequences were put in front). Fair share: preempted sequences first, then, one
+        at a time, the oldest request of the client with the least service (VTC; ties: the client
+        whose oldest request is older), each pick seeing the counter the previous admission
+        raised; a preview admits nothing, so it raises a copy of the counters as each pick's
+        admission would (its prompt's weight), and sees the order admission would take if every
+        request fitted."""
         if not self.fair_share:
             yield from list(self.waiting)
             return
@@ -324,15 +326,23 @@ class Scheduler:
             else:
                 queues.setdefault(s.adapter_name, deque()).append(s)
         yield from resumed
+        raised: dict = {}  # preview: what the picks so far would have added to their clients' counters
+
+        def counter(c):
+            return self.service.of(c).counter + raised.get(c, 0.0)
+
         # only the client just picked changes its counter before the next pick: a heap suffices
-        heap = [(self.service.of(c).counter, q[0].seq_id, c) for c, q in queues.items()]
+        heap = [(counter(c), q[0].seq_id, c) for c, q in queues.items()]
         heapq.heapify(heap)
         while heap:
             _, _, client = heapq.heappop(heap)
             q = queues[client]
-            yield q.popleft()
+            seq = q.popleft()
+            yield seq
+            if preview:
+                raised[client] = raised.get(client, 0.0) + PROMPT_TOKEN_WEIGHT * len(seq.prompt_ids)
             if q:
-                heapq.heappush(heap, (self.service.of(client).counter, q[0].seq_id, client))
+                heapq.heappush(heap, (counter(client), q[0].seq_id, client))
 
     def _pick_adapter(self) -> Optional[int]:
         """Stage 1: the adapter of this batch, that of the oldest request on an adapter (base-model

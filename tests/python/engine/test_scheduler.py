@@ -301,6 +301,31 @@ def test_fair_share_admits_the_least_served_client_and_fifo_does_not():
     assert [i for i, c in enumerate(fair) if c == "B"] == [2, 3, 6], fair
 
 
+def test_fair_share_preview_is_the_order_admission_takes():
+    """Prefetch looks ahead in queue_order(preview=True): with nothing admitted between its picks it
+    raises a copy of the counters as each admission would, so it sees the clients alternate as
+    admission then makes them (without that it would see all of the least-served client's requests
+    first), and it changes no counter; first come first served is the queue either way."""
+    pool = FakePool(4096, {0: 1, 1: 1})
+    sched, by_id = _fair_scheduler(pool, max_num_seqs=16)
+    _submit(sched, by_id, "A", 0, 4, prompt_len=10)
+    _submit(sched, by_id, "B", 1, 4, prompt_len=10)
+    sched.service.of("B").counter = 15.0  # B was served more than A so far
+    before = {c: (s.counter, s.prompt_tokens) for c, s in sched.service.clients.items()}
+    preview = [s.adapter_name for s in sched.queue_order(preview=True)]
+    # A 0 -> 10 -> 20 (B's 15 is less) -> B 25 -> A 30 -> B 35 -> ...
+    assert preview == ["A", "A", "B", "A", "B", "A", "B", "B"]
+    assert {c: (s.counter, s.prompt_tokens) for c, s in sched.service.clients.items()} == before
+    assert [s.adapter_name for s in sched.queue_order()][:4] == ["A"] * 4  # no admission: A stays least
+    admitted: list = []
+    _step(sched, pool, admitted)  # every request fits: admission in one step, in the preview's order
+    assert [s.adapter_name for s in admitted] == preview
+    fifo, fb = _fair_scheduler(FakePool(4096, {0: 1, 1: 1}), max_num_seqs=16, fair=False)
+    _submit(fifo, fb, "B", 1, 2)
+    _submit(fifo, fb, "A", 0, 2)
+    assert [s.adapter_name for s in fifo.queue_order(preview=True)] == ["B", "B", "A", "A"]
+
+
 @pytest.mark.parametrize("one_adapter", [False, True])
 def test_fair_share_serves_every_request_that_fits_and_preempted_ones_resume(one_adapter):
     """The random mixes of test_every_request_that_fits_alone_is_served with fair share: nothing
