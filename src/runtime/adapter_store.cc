@@ -99,7 +99,8 @@ bool AdapterStore::Prefetch(int64_t id, const std::vector<int64_t>& keep) {
   if (Guard([&] { return pool_->AdapterResident(id); })) return true;
   CheckHost(id, "prefetching it");
   std::vector<int64_t> evicted;
-  if (!Guard([&] { return pool_->TryPageIn(id, keep, &evicted); })) return false;
+  // ahead of its batch: never at the cost of cached prefixes (a waiting request may hit them)
+  if (!Guard([&] { return pool_->TryPageIn(id, keep, &evicted, /*evict_cached=*/false); })) return false;
   CopyIn(id);
   return true;
 }

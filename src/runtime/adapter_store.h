@@ -62,7 +62,8 @@ class AdapterStore {
   /*! \brief Drop the host pages of a loaded adapter that holds no pool pages. */
   void DropHost(int64_t id);
   /*! \brief Page in a loaded adapter ahead of its batch if free pages and idle adapters not in
-   *  `keep` allow (PagePool::TryPageIn) and copy its rows in; whether it is resident now. */
+   *  `keep` allow (PagePool::TryPageIn; cached prefix pages are not evicted for it) and copy its
+   *  rows in; whether it is resident now. */
   bool Prefetch(int64_t id, const std::vector<int64_t>& keep);
   /*! \brief Throws ValueError if a batch of `seqs` would page in an adapter without host pages. */
   void CheckPageIns(const std::vector<int64_t>& seqs) const;

@@ -276,7 +276,7 @@ Reservation PagePool::ReserveAppend(const std::vector<int64_t>& seqs,
 // Adapters
 
 PagePool::EvictionPlan PagePool::PlanEviction(int64_t need, const std::vector<int64_t>& keep,
-                                              const std::string& what) const {
+                                              const std::string& what, bool cached) const {
   EvictionPlan plan;
   if (need <= num_free()) return plan;
   std::vector<std::pair<uint64_t, int64_t>> idle;  // (last use, id)
@@ -291,7 +291,7 @@ PagePool::EvictionPlan PagePool::PlanEviction(int64_t need, const std::vector<in
   // children are idle too and sort before it (older or as old, deeper), so a chain goes tail first.
   int64_t avail = num_free();
   auto a = idle.begin();
-  auto c = idle_cache_.begin();
+  auto c = cached ? idle_cache_.begin() : idle_cache_.end();
   while (avail < need && (a != idle.end() || c != idle_cache_.end())) {
     if (c == idle_cache_.end() || (a != idle.end() && a->first < std::get<0>(*c))) {
       avail += adapters_.at(a->second).n_pages;
@@ -360,7 +360,7 @@ bool PagePool::AddAdapter(int64_t adapter, int32_t n_pages, bool pinned,
 }
 
 bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
-                         std::vector<int64_t>* evicted) {
+                         std::vector<int64_t>* evicted, bool evict_cached) {
   Adapter& a = GetAdapter(adapter);
   if (a.unloading) {
     throw PoolError(PoolError::kValue, Cat("adapter ", adapter, " is being unloaded"));
@@ -369,7 +369,7 @@ bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
   std::vector<int64_t> k(keep);
   k.push_back(adapter);
   try {
-    PageIn(adapter, k, Cat("paging in adapter ", adapter), evicted);
+    PageIn(adapter, k, Cat("paging in adapter ", adapter), evicted, evict_cached);
   } catch (const PoolError& e) {
     if (e.kind == PoolError::kExhausted) return false;
     throw;
@@ -378,9 +378,9 @@ bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
 }
 
 void PagePool::PageIn(int64_t adapter, const std::vector<int64_t>& keep, const std::string& what,
-                      std::vector<int64_t>* evicted) {
+                      std::vector<int64_t>* evicted, bool evict_cached) {
   Adapter& a = GetAdapter(adapter);
-  Evict(PlanEviction(a.n_pages, keep, what), evicted);
+  Evict(PlanEviction(a.n_pages, keep, what, evict_cached), evicted);
   TakeAdapterPages(&a);
   a.last_use = ++clock_;
 }

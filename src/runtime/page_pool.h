@@ -104,17 +104,21 @@ class PagePool {
 
   // ---- adapters
   /*!
-   * \brief Register an adapter of `n_pages` pages and give it pages now if free pages and idle
-   * adapters allow; else it waits without pages (a busy pool never refuses a load) and is paged in
-   * by the first batch that uses it, by TryPageIn or by PinAdapter. Returns whether it is resident.
+   * \brief Register an adapter of `n_pages` pages and give it pages now if free pages, idle
+   * adapters and idle cached prefix pages allow (one least-recently-used order); else it waits
+   * without pages (a busy pool never refuses a load) and is paged in by the first batch that uses
+   * it, by TryPageIn or by PinAdapter. Returns whether it is resident.
    */
   bool AddAdapter(int64_t adapter, int32_t n_pages, bool pinned, std::vector<int64_t>* evicted);
   /*!
    * \brief Give a registered adapter without pages its pages now, evicting idle adapters that are
-   * not in `keep` (least recently used first). Returns false, changing nothing, when the free pages
-   * and those adapters are too few; true if it is resident afterwards. Counts as a page-in.
+   * not in `keep` and, with `evict_cached`, idle cached prefix pages (least recently used first over
+   * both). Returns false, changing nothing, when what it may evict is too little; true if it is
+   * resident afterwards. Counts as a page-in. A prefetch (ahead of its batch) leaves cached
+   * prefixes alone: a waiting request may be about to hit them.
    */
-  bool TryPageIn(int64_t adapter, const std::vector<int64_t>& keep, std::vector<int64_t>* evicted);
+  bool TryPageIn(int64_t adapter, const std::vector<int64_t>& keep, std::vector<int64_t>* evicted,
+                 bool evict_cached = true);
   /*! \brief Unload now if no sequence uses it, else when the last one lets go. */
   void RemoveAdapter(int64_t adapter);
   /*! \brief Pinning a non-resident adapter pages it in; returns true if it needs its weights. */
@@ -215,15 +219,15 @@ class PagePool {
   void ReleaseAdapterPages(Adapter* a);
   void DropRef(int64_t adapter);
   /*!
-   * \brief Idle adapters (not in `keep`) and keyed pages no sequence holds to evict, least
-   * recently used first over both, to get `need` free pages; throws if impossible.
+   * \brief Idle adapters (not in `keep`) and, with `cached`, keyed pages no sequence holds to
+   * evict, least recently used first over both, to get `need` free pages; throws if impossible.
    */
-  EvictionPlan PlanEviction(int64_t need, const std::vector<int64_t>& keep,
-                            const std::string& what) const;
+  EvictionPlan PlanEviction(int64_t need, const std::vector<int64_t>& keep, const std::string& what,
+                            bool cached = true) const;
   void Evict(const EvictionPlan& plan, std::vector<int64_t>* evicted);
   /*! \brief Evict for a non-resident adapter (throws like PlanEviction) and give it its pages. */
   void PageIn(int64_t adapter, const std::vector<int64_t>& keep, const std::string& what,
-              std::vector<int64_t>* evicted);
+              std::vector<int64_t>* evicted, bool evict_cached = true);
   /*! \brief Give a non-resident adapter pages from the free list (counts a page-in). */
   void TakeAdapterPages(Adapter* a);
 

@@ -233,6 +233,34 @@ def test_bad_input_is_refused_and_other_sequences_keep_running(tiny_models, runn
     pool.check_invariants()
 
 
+def test_prefetches_leave_cached_prefixes_batches_evict_them(runner):
+    """A prefetch (a page-in ahead of its batch) takes free pages and idle adapters only: a cached
+    prefix a waiting request may hit stays; the batch that needs the adapter then evicts by the
+    one least-recently-used order, cached pages included."""
+    L, E = geometry(runner)
+    pool = new_pool(runner, tokens=96)  # 7 pages
+    pool.load_packed_adapter(1, make_adapter(1, L, E, 4, rank=2), pin=True)
+    tokens = list(range(1, 3 * 16 + 1))
+    pool.add_sequence(0)
+    pool.begin_forward([0], [len(tokens)])  # 3 KV pages: the pool is full
+    pool.end_forward()
+    assert not pool.load_packed_adapter(2, make_adapter(2, L, E, 2, rank=2))  # waits without pages
+    assert pool.prefix_insert(0, 0, tokens) == 3
+    pool.remove_sequence(0)  # its 3 pages stay, keyed, idle
+    before = pool.stats()
+    assert (before.cached_idle_pages, before.free_pages) == (3, 0)
+    assert not pool.prefetch_adapter(2)  # only cached pages could make room: nothing changes
+    assert pool.stats() == before
+    assert pool.prefix_lookup(None, tokens)[0] == 32  # still hit (whole pages, the last token left out)
+    pool.add_sequence(1)
+    pool.set_sequence_adapter(1, 2)
+    pool.begin_forward([1], [1])  # demand: 2 adapter pages and 1 KV page, from the cached ones
+    pool.end_forward()
+    st = pool.stats()
+    assert pool.adapter_info(2).resident and (st.cached_idle_pages, st.cached_page_evictions) == (0, 3)
+    pool.check_invariants()
+
+
 def test_host_copies_are_dropped_and_handed_back(runner):
     """The host tier's side of the pool: a copy is dropped only without pages, a batch that would
     page in an adapter without its copy is refused and changes nothing, and the copy handed back
