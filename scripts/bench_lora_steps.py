@@ -23,7 +23,8 @@ from pathlib import Path
 from harness import cli
 from harness.timing import wall_time
 
-LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofused", 4)}
+LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofused", 4),
+        "lora4-rows": ("lora-rows", 4)}  # (lora-rows: --lora-rank-rows)
 RANK = 8
 KINDS = ("gemm", "lora", "attention", "other")
 
@@ -116,12 +117,11 @@ def restore_parts(r, kv) -> None:
 
 def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     import torch  # pylint: disable=import-outside-toplevel  (loads libcublas first)
-    import tvm_ffi  # pylint: disable=import-outside-toplevel
     from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.lora.layout import pack_adapter  # pylint: disable=import-outside-toplevel
-    from mlc_lora.models.random_model import make_params, random_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models.random_model import lib_params, make_params, random_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
     dev = a.device
@@ -133,7 +133,8 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     lib_dir = Path(a.lib_dir)
     cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
     mc = cfg["model_config"]
-    p = make_params(cfg, torch, dev)
+    p = make_params(cfg, torch, dev, others=[json.loads((lib_dir / LIBS[n][0] / CONFIG_FILE).read_text())
+                                             for n in a.configs.split(",")])
     sync()
     V = mc["vocab_size"]
     gen = torch.Generator(device="cpu").manual_seed(a.seed)
@@ -144,7 +145,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
         lib, n_ad = LIBS[name]
         folder = lib_dir / lib
         lcfg = json.loads((folder / CONFIG_FILE).read_text())
-        r = ModelRunner(folder, dev, params=[tvm_ffi.from_dlpack(p[n]) for n in lcfg["param_names"]])
+        r = ModelRunner(folder, dev, params=lib_params(p, lcfg))
         packed = []
         if n_ad:
             for i in range(n_ad):

@@ -109,15 +109,6 @@ def compile_libs(a) -> int:
     return 0
 
 
-def lib_params(weights: dict, cfg: dict) -> list:
-    """The library's params (cfg: its compiled config) from the run's weights, made at the largest
-    shape any library asks (a library with rank rows: its targeted weights are taller): each a
-    view of the first rows its library expects, none copied."""
-    import tvm_ffi  # pylint: disable=import-outside-toplevel
-
-    return [tvm_ffi.from_dlpack(weights[n][:cfg["param_shapes"][n][0]]) for n in cfg["param_names"]]
-
-
 def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     """One config through AsyncMLCEngine; adapters are made and loaded before the clock starts."""
     from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
@@ -137,7 +128,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     # every config gets the same KV pages; the LoRA pool holds the adapters on top of them
     total_tokens = (a.kv_pages or size["kv_pages"]) * 16 + spec_pages * 16
     engine = AsyncMLCEngine(folder, a.device, max_num_seqs=a.max_num_seqs or size["max_batch_size"],
-                            max_total_tokens=total_tokens, params=lib_params(weights, cfg))
+                            max_total_tokens=total_tokens, params=random_model.lib_params(weights, cfg))
     try:
         t0 = time.perf_counter()
         modules = [m["name"] for m in cfg["lora"]["modules"]] if cfg.get("lora") else []
@@ -198,7 +189,7 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
     folder = lib_dir / lib
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     mc = cfg["model_config"]
-    r = ModelRunner(folder, device, params=lib_params(weights, cfg))
+    r = ModelRunner(folder, device, params=random_model.lib_params(weights, cfg))
     spec = r.lora
     kv = r.create_pool(4, 128 * 16)
     ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
@@ -267,14 +258,12 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
         if name not in CONFIGS:
             raise SystemExit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
     libs = list(dict.fromkeys(["lora"] + [CONFIGS[n][0] for n in a.configs.split(",")]))
-    shapes = dict(cfg["param_shapes"])  # the largest of each weight any library asks (rank rows: taller)
-    for lib in libs:
-        lcfg = json.loads((lib_dir / lib / CONFIG_FILE).read_text())
-        if cfg["param_names"] != lcfg["param_names"]:
-            raise SystemExit(f"the base and {lib} libraries were compiled from different models")
-        shapes.update({n: s for n, s in lcfg["param_shapes"].items() if s[0] > shapes[n][0]})
     t0 = time.time()
-    weights = random_model.make_params(dict(cfg, param_shapes=shapes), torch, tdev, seed=a.seed)
+    try:  # one set of weights for every library (a library with rank rows takes taller ones)
+        weights = random_model.make_params(cfg, torch, tdev, seed=a.seed, others=[
+            json.loads((lib_dir / lib / CONFIG_FILE).read_text()) for lib in libs])
+    except ValueError as e:
+        raise SystemExit(f"the libraries were compiled from different models: {e}") from e
     if tdev != "cpu":
         torch.cuda.synchronize()
     print(f"weights: {sum(v.numel() for v in weights.values()) / 1e9:.2f} B params on {tdev} in {time.time() - t0:.1f} s")

@@ -56,18 +56,33 @@ def build(out: Path, model_cfg: dict, opts, name: str = "llama-random") -> float
     return time.time() - t0
 
 
-def make_params(cfg_json: dict, torch, device: str = "cuda", seed: int = 0) -> dict:
-    """Seeded random weights on `device`, by name, in the model's dtype."""
+def make_params(cfg_json: dict, torch, device: str = "cuda", seed: int = 0, others=()) -> dict:
+    """Seeded random weights on `device`, by name, in the model's dtype; with `others` (the configs
+    of other libraries of the same model) each at the largest shape any of them asks (a library
+    with rank rows stores its targeted weights taller), so one set serves them all (`lib_params`)."""
+    shapes = dict(cfg_json["param_shapes"])
+    for other in others:
+        if other["param_names"] != cfg_json["param_names"]:
+            raise ValueError(f"{other.get('model_name')} and {cfg_json.get('model_name')}: different models")
+        shapes.update({n: s for n, s in other["param_shapes"].items() if s[0] > shapes[n][0]})
     dtype = getattr(torch, cfg_json["dtype"])
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name in cfg_json["param_names"]:
-        shape = cfg_json["param_shapes"][name]
+        shape = shapes[name]
         if len(shape) == 1:
             out[name] = torch.ones(shape, dtype=dtype, device=device)
         else:
             out[name] = (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
     return out
+
+
+def lib_params(weights: dict, cfg_json: dict) -> list:
+    """The params of the library with config `cfg_json` from `make_params`'s weights: each a view
+    (no copy) of the first rows its library expects."""
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    return [tvm_ffi.from_dlpack(weights[n][:cfg_json["param_shapes"][n][0]]) for n in cfg_json["param_names"]]
 
 
 def random_adapter(name: str, model_config: dict, modules, rank: int, torch, device: str = "cuda",

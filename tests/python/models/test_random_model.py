@@ -42,3 +42,22 @@ def test_written_adapter_packs_like_the_one_in_memory(compiled_config, tmp_path,
     np.testing.assert_array_equal(got.b_off, want.b_off)
     assert np.abs(want.pages).max() > 0.01
     np.testing.assert_allclose(got.pages, want.pages, rtol=0, atol=tol)
+
+
+def test_one_set_of_weights_serves_libraries_of_different_row_counts():
+    """make_params with `others`: each weight at the largest shape any library asks (a rank-rows
+    library's targeted weights are taller); lib_params gives each library views of the rows it
+    expects, the same memory, the same values in the shared rows."""
+    from mlc_lora.models.random_model import lib_params, make_params
+
+    base = {"model_name": "m", "dtype": "float32", "param_names": ["w", "norm"],
+            "param_shapes": {"w": [4, 3], "norm": [3]}}
+    rows = dict(base, param_shapes={"w": [4 + 32, 3], "norm": [3]})
+    weights = make_params(base, torch, "cpu", seed=1, others=[rows])
+    assert tuple(weights["w"].shape) == (36, 3) and tuple(weights["norm"].shape) == (3,)
+    pb, pr = lib_params(weights, base), lib_params(weights, rows)
+    assert pb[0].shape == (4, 3) and pr[0].shape == (36, 3)
+    assert pb[0].data_ptr() == pr[0].data_ptr() == weights["w"].data_ptr()
+    np.testing.assert_array_equal(pb[0].numpy(), weights["w"][:4].numpy())
+    with pytest.raises(ValueError, match="different models"):
+        make_params(base, torch, "cpu", others=[dict(base, param_names=["v", "norm"])])
