@@ -183,13 +183,13 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
     from mlc_lora.contract import CONFIG_FILE, FUSED_FUNCTION_SUFFIX  # pylint: disable=import-outside-toplevel
     from mlc_lora.lora.layout import pack_adapter  # pylint: disable=import-outside-toplevel
-    from mlc_lora.models.random_model import random_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models.random_model import lib_params, random_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
     folder = lib_dir / lib
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     mc = cfg["model_config"]
-    r = ModelRunner(folder, device, params=random_model.lib_params(weights, cfg))
+    r = ModelRunner(folder, device, params=lib_params(weights, cfg))
     spec = r.lora
     kv = r.create_pool(4, 128 * 16)
     ads = {i: random_adapter(f"check{i}", mc, spec.module_names, rank, torch, tdev, seed=seed + 77 + i)
