@@ -60,7 +60,12 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # shrink inside cuBLAS's GEMM; and with no adapter (its base functions read views of the weights)
     "lora4-rows": ("lora-rows", [(8, 4)]),
     "lora0-rows": ("lora-rows", []),
+    # the same 64 mixed with the engine's max_loras (as vLLM's --max-loras): the running requests
+    # span at most that many adapters, so a step reads fewer adapters' rows (MAX_LORAS below)
+    "lora64-max16": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
+    "lora64-max8": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
 }
+MAX_LORAS = {"lora64-max16": 16, "lora64-max8": 8}
 
 
 def pool_pages(model_cfg: dict, kv_pages: int) -> tuple[int, int]:
@@ -128,6 +133,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     # every config gets the same KV pages; the LoRA pool holds the adapters on top of them
     total_tokens = (a.kv_pages or size["kv_pages"]) * 16 + spec_pages * 16
     engine = AsyncMLCEngine(folder, a.device, max_num_seqs=a.max_num_seqs or size["max_batch_size"],
+                            max_loras=MAX_LORAS.get(name),
                             max_total_tokens=total_tokens, params=random_model.lib_params(weights, cfg))
     try:
         t0 = time.perf_counter()
@@ -163,6 +169,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
                   for k, v in sorted(stats.get("step_times", {}).items())}
     return dict(config=name, library=lib, adapters=len(adapters),
                 ranks=sorted({r for _, r in adapters}), assign=a.assign if adapters else None,
+                max_loras=MAX_LORAS.get(name),
                 adapter_load_s=round(load_s, 2), elapsed_s=elapsed, requests=len(requests),
                 prompt_tokens=sum(len(p) for p, _ in requests), output_tokens=sum(n for _, n in requests),
                 **offline.rates(elapsed, requests),

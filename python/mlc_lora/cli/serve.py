@@ -64,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fair-share", action="store_true",
                    help="under overload admit requests of the adapter (or base model) served least so far "
                         "(virtual token counter), not first come first served (default: off)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="the running requests span at most N adapters (as vLLM's --max-loras): each step reads "
+                        "fewer adapter rows, requests on other adapters wait (default: no bound)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="keep the KV of full prompt pages in the pool, per adapter, and start later requests "
                         "with the same prefix after them (default: off)")
@@ -92,6 +95,7 @@ def main(argv: list[str]) -> int:
           device=a.device, served_model_name=a.served_model_name, max_num_seqs=a.max_num_seqs,
           max_total_tokens=a.max_total_tokens, log_level=a.log_level, guard_all=a.api_key_all_routes,
           max_body_bytes=a.max_body_bytes, drain_timeout_s=a.drain_timeout, fair_share=a.fair_share,
+          max_loras=a.max_loras,
           enable_prefix_caching=a.enable_prefix_caching, adapter_host_bytes=a.adapter_host_bytes,
           prefetch_adapters=not a.no_adapter_prefetch)
     return 0

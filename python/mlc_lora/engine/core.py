@@ -68,11 +68,13 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
     def __init__(self, model_dir: Path, device: str = "cpu", max_num_seqs: Optional[int] = None,
                  max_total_tokens: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
                  params=None, fair_share: bool = False, enable_prefix_caching: bool = False,
-                 adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True):
+                 adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True,
+                 max_loras: Optional[int] = None):
         """`fair_share`, `enable_prefix_caching`: the module doc; `adapter_host_bytes`: the budget of
         the adapters' host copies (None: unlimited; engine/adapters.py); `prefetch_adapters`: read and
         page in the adapters of waiting requests ahead of scheduling (False: on the step that admits
-        the request)."""
+        the request); `max_loras`: the most adapters the running sequences span (None: no bound;
+        engine/scheduler.py)."""
         # tensor-parallel models: one worker per shard
         self.runner = open_runner(model_dir, device, params=params)
         compiled = self.runner.compiled
@@ -106,7 +108,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                                    self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
                                    one_adapter_per_batch=lora is not None and lora.kernel == "single",
                                    fair_share=fair_share, adapter_ready=ad.ready, adapter_resident=ad.resident,
-                                   **prefix)
+                                   max_loras=max_loras, **prefix)
         self.counters = dict(num_steps=0, num_prefill_steps=0, num_decode_steps=0, max_running=0,
                              num_generated_tokens=0, num_finished=0, num_aborted=0)
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
@@ -172,7 +174,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def stats(self) -> dict[str, Any]:
-        return dict(fair_share=self.scheduler.fair_share, tokens_served=self.tokens_served(),
+        return dict(fair_share=self.scheduler.fair_share, max_loras=self.scheduler.max_loras,
+                    tokens_served=self.tokens_served(),
                     running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
                     num_preemptions=self.scheduler.num_preemptions, **self.counters,

@@ -162,7 +162,9 @@ class MLCEngine:
     start later requests with the same prefix after them (engine/core.py).
     `adapter_host_bytes`: the budget of the adapters' host copies (None: unlimited; a dropped copy is
     read again from its folder); `prefetch_adapters`: read and page in the adapters of waiting
-    requests ahead of scheduling (docs/DESIGN.md, "Adapter tiers").
+    requests ahead of scheduling (docs/DESIGN.md, "Adapter tiers"). `max_loras`: the most adapters
+    the running sequences span at once, as vLLM's `--max-loras` (None: no bound): fewer adapter rows
+    read per step, requests on other adapters wait (engine/scheduler.py).
     """
 
     def __init__(self, model: str | Path = "smollm2-135m", device: str = "cpu", *,
@@ -170,12 +172,14 @@ class MLCEngine:
                  prefill_chunk_size: Optional[int] = None, dtype: Optional[str] = None, progress: bool = True,
                  max_lora_rank: int = 0, lora_pool_pages: int = 0, params=None,
                  fair_share: bool = False, enable_prefix_caching: bool = False,
-                 adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True):
+                 adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True,
+                 max_loras: Optional[int] = None):
         model_dir = compiled_folder(model, device, progress=progress, dtype=dtype,
                                     max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
         self.engine = LLMEngine(model_dir, device, max_num_seqs, max_total_tokens, prefill_chunk_size, params,
                                 fair_share=fair_share, enable_prefix_caching=enable_prefix_caching,
-                                adapter_host_bytes=adapter_host_bytes, prefetch_adapters=prefetch_adapters)
+                                adapter_host_bytes=adapter_host_bytes, prefetch_adapters=prefetch_adapters,
+                                max_loras=max_loras)
         self.model_name = self.engine.model_name or str(model)
         self._loop = EngineLoop(self.engine)
         self.chat = Chat(Completions(self, chat=True))

@@ -21,7 +21,11 @@ resume first. The tokens served per client are counted either way (`ServiceCount
 In that order, requests whose adapter holds its pages (or that have none) are tried before those
 whose adapter must be paged in; a deferred request is passed over (another admitted in its stead)
 at most MAX_SKIPS times, then it is deferred no more. A request whose adapter is still being read
-from disk waits without holding up the others."""
+from disk waits without holding up the others. With `max_loras` (vLLM's `--max-loras`, SGLang's
+`--max-loras-per-batch`) the running sequences span at most that many adapters: a request on
+another adapter waits, without holding up the others, until one of them has no running sequence
+left (every step reads the rows of every adapter its sequences use: fewer adapters per step, fewer
+bytes)."""
 
 from __future__ import annotations
 
@@ -208,7 +212,8 @@ class Scheduler:
                  prefix_lookup: Optional[Callable[[Sequence], tuple[int, int]]] = None,
                  prefix_attach: Optional[Callable[[Sequence], int]] = None,
                  adapter_ready: Optional[Callable[[int], bool]] = None,
-                 adapter_resident: Optional[Callable[[int], bool]] = None):
+                 adapter_resident: Optional[Callable[[int], bool]] = None,
+                 max_loras: Optional[int] = None):
         """The pool's side: `free_pages()` counts the pages a batch can take (LoRA: with those idle
         adapters and cached prefixes would give back), `add_sequence` / `remove_sequence` take and
         drop a sequence's place in it, `adapter_pages(slot)` is what a batch must find for an
@@ -218,7 +223,12 @@ class Scheduler:
         sequence would start after and how many of their pages are idle (taking them costs free
         pages), `prefix_attach(seq)`, once it has its place, gives it those tokens (returns them).
         The adapter tiers: `adapter_ready(slot)`: a request on the adapter may be admitted (its
-        weights are on the host); `adapter_resident(slot)`: its pages are in the pool now."""
+        weights are on the host); `adapter_resident(slot)`: its pages are in the pool now.
+        `max_loras`: the most adapters the running sequences span (None: no bound; module doc)."""
+        if max_loras is not None and (isinstance(max_loras, bool) or not isinstance(max_loras, int)
+                                      or max_loras < 1):
+            raise ValueError(f"max_loras must be a positive integer or None, not {max_loras!r}")
+        self.max_loras = max_loras
         self.free_pages = free_pages
         self.adapter_pages = adapter_pages or (lambda a: 0)
         self.prefix_lookup = prefix_lookup
@@ -397,11 +407,15 @@ class Scheduler:
         # 2. chunked prefill: running sequences still prefilling, then waiting ones (_admission_order)
         prefilling = [s for s in self.running if s.num_cached < s.num_tokens - 1]
         stuck = None  # the first sequence that found no pages
+        spanned = {s.adapter_slot for s in self.running} - {None}  # (max_loras)
         for seq in itertools.chain(prefilling, self._admission_order()):
             if budget <= 0:
                 break
             if not fits(seq):
                 continue
+            if (self.max_loras is not None and seq.status == Status.WAITING and seq.adapter_slot is not None
+                    and seq.adapter_slot not in spanned and len(spanned) >= self.max_loras):
+                continue  # its adapter waits for one of the running ones to go
             if seq.status == Status.WAITING and seq.adapter_slot is not None and not self.adapter_ready(
                     seq.adapter_slot):
                 continue  # its adapter is being read from disk
@@ -426,6 +440,8 @@ class Scheduler:
                 self.add_sequence(seq.seq_id)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+                if seq.adapter_slot is not None:
+                    spanned.add(seq.adapter_slot)
                 if self.prefix_attach is not None:
                     seq.num_cached = self.prefix_attach(seq)
                     assert seq.num_cached == start, "the cached prefix changed between lookup and attach"

@@ -129,6 +129,8 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{PREFIX}_fair_share", "1 when requests are admitted by fair share across "
                                     "adapters (virtual token counter), 0 first come first served",
                                     value=int(bool(s.get("fair_share"))))
+            yield GaugeMetricFamily(f"{PREFIX}_max_loras", "The most adapters the running requests span at once "
+                                    "(--max-loras; 0: no bound)", value=s.get("max_loras") or 0)
             served = CounterMetricFamily(
                 f"{PREFIX}_model_tokens_served", "Tokens served per model (the base model and each loaded "
                 f"adapter, at most {MODEL_SERIES_MAX} adapters: those served most), prompt tokens of admitted "

@@ -51,8 +51,9 @@ def log_engine(engine) -> None:
     logger.info("pool: %d pages of %d tokens (%s), up to %d sequences, %d tokens at most per sequence",
                 core.kv_pages_total, PAGE_SIZE, "KV cache" if lora is None else "KV cache and adapter weights",
                 core.max_num_seqs, core.max_seq_len)
-    logger.info("admission: %s", "fair share across adapters (virtual token counter)" if core.scheduler.fair_share
-                else "first come first served")
+    logger.info("admission: %s%s", "fair share across adapters (virtual token counter)" if core.scheduler.fair_share
+                else "first come first served", "" if core.scheduler.max_loras is None else
+                f"; the running requests span at most {core.scheduler.max_loras} adapters")
     logger.info("prefix caching: %s", "on (KV of shared prompt prefixes reused, per adapter)" if core.prefix_caching
                 else "off (--enable-prefix-caching turns it on)")
 
@@ -63,7 +64,8 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
           max_total_tokens: Optional[int] = None, log_level: str = "info", guard_all: bool = False,
           max_body_bytes: Optional[int] = None, drain_timeout_s: Optional[float] = None,
           fair_share: bool = False, enable_prefix_caching: bool = False,
-          adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True) -> None:
+          adapter_host_bytes: Optional[int] = None, prefetch_adapters: bool = True,
+          max_loras: Optional[int] = None) -> None:
     """Serve `model` (a compiled folder, or anything MLCEngine compiles) until interrupted.
 
     `adapters` (name -> PEFT folder) are trusted operator input and load from anywhere; adapters
@@ -72,7 +74,8 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
     bodies get 413; `drain_timeout_s`: on SIGTERM, how long running requests may finish (None: the
     defaults of serve/app.py); `fair_share`: the engine admits by the virtual token counter;
     `enable_prefix_caching`: reuse cached KV of shared prompt prefixes, per adapter;
-    `adapter_host_bytes`, `prefetch_adapters`: the adapter tiers (MLCEngine's options of those names).
+    `adapter_host_bytes`, `prefetch_adapters`: the adapter tiers, `max_loras`: the most adapters the
+    running requests span (MLCEngine's options of those names).
     """
     import uvicorn  # pylint: disable=import-outside-toplevel
 
@@ -87,7 +90,8 @@ def serve(model: str | Path, *, adapters: Optional[dict[str, str]] = None, adapt
     logger.info("loading %s on %s", model, device)
     engine = AsyncMLCEngine(model, device, max_num_seqs=max_num_seqs, max_total_tokens=max_total_tokens,
                             fair_share=fair_share, enable_prefix_caching=enable_prefix_caching,
-                            adapter_host_bytes=adapter_host_bytes, prefetch_adapters=prefetch_adapters)
+                            adapter_host_bytes=adapter_host_bytes, prefetch_adapters=prefetch_adapters,
+                            max_loras=max_loras)
     try:
         log_engine(engine)
         name = served_model_name or engine.model_name

@@ -118,3 +118,30 @@ def test_metrics_label_the_loaded_adapters_at_most_a_bounded_number(two_adapters
     text = m.render().decode()
     assert f'mlc_lora_model_tokens_served_total{{kind="generated",model="light"}} {LIGHT * MAX_TOKENS}.0' in text
     assert 'mlc_lora_model_tokens_served_total{kind="prompt",model="tiny"} 0.0' in text
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_max_loras_bounds_the_adapters_running_at_once_outputs_unchanged(two_adapters, fair):
+    """max_loras=1 (vLLM's --max-loras): the running sequences never span both adapters, though
+    places are free; requests of the other adapter wait, none is starved, outputs equal PEFT."""
+    lib, root, refs = two_adapters
+    eng = LLMEngine(lib, "cpu", max_num_seqs=8, fair_share=fair, max_loras=1)
+    for name in ("heavy", "light"):
+        eng.adapters.load(name, root / name)
+    outs: dict = {}
+    for i in range(6):  # interleaved: heavy, light, heavy, ...
+        name = ("heavy", "light")[i % 2]
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        eng.add(eng.make_sequence(prompt(i), params, name,
+                                  sink=lambda o, k=(name, i): outs.setdefault(k, []).extend(t.token for t in o.tokens)))
+    spans = []
+    while eng.has_work():
+        eng.step()
+        spans.append({s.adapter_name for s in eng.scheduler.running})
+    assert max(len(s) for s in spans) == 1 and {"heavy"} in spans and {"light"} in spans
+    assert len(outs) == 6
+    for (name, i), toks in outs.items():
+        assert toks == peft_greedy(refs[name], prompt(i), MAX_TOKENS)[0], (name, i)
+    assert eng.stats()["max_loras"] == 1
+    with pytest.raises(ValueError, match="max_loras must be a positive integer"):
+        LLMEngine(lib, "cpu", max_loras=0)

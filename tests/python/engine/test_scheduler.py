@@ -326,6 +326,36 @@ def test_fair_share_preview_is_the_order_admission_takes():
     assert [s.adapter_name for s in fifo.queue_order(preview=True)] == ["B", "B", "A", "A"]
 
 
+@pytest.mark.parametrize("fair", [False, True])
+def test_max_loras_bounds_the_adapters_of_the_running_sequences(fair):
+    """max_loras=2 over four adapters, requests round-robin: at no step do the running sequences
+    span more than two adapters, though places are free; base-model requests do not count; every
+    request is served, each adapter in turn; without the bound all four run at once."""
+    def run(max_loras):
+        pool = FakePool(4096, {a: 1 for a in range(4)})
+        sched, by_id = _fair_scheduler(pool, max_num_seqs=32, fair=fair, max_loras=max_loras)
+        for i in range(16):
+            a = i % 5
+            _submit(sched, by_id, None if a == 4 else f"a{a}", None if a == 4 else a, 1, max_tokens=3 + i % 3)
+        admitted, spans = [], []
+        while _step(sched, pool, admitted):
+            spans.append({s.adapter_slot for s in sched.running} - {None})
+        assert len(admitted) == 16 and not sched.waiting and not sched.running
+        return spans, admitted
+
+    spans, admitted = run(2)
+    assert max(len(s) for s in spans) == 2
+    assert {s.adapter_slot for s in admitted} == {0, 1, 2, 3, None}
+    # the first step admits the requests of the first two adapters and every base-model one (which
+    # never waits for the bound); the others' wait, in turn
+    assert [s.adapter_slot for s in admitted[:9]] == [0, 1, None, 0, 1, None, 0, 1, None]
+    spans, _ = run(None)
+    assert max(len(s) for s in spans) == 4
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="max_loras must be a positive integer"):
+            _fair_scheduler(FakePool(64, {}), max_num_seqs=4, max_loras=bad)
+
+
 @pytest.mark.parametrize("one_adapter", [False, True])
 def test_fair_share_serves_every_request_that_fits_and_preempted_ones_resume(one_adapter):
     """The random mixes of test_every_request_that_fits_alone_is_served with fair share: nothing
