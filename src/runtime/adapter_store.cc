@@ -94,13 +94,19 @@ void AdapterStore::DropHost(int64_t id) {
   host_.at(id).pages = Tensor();
 }
 
-bool AdapterStore::Prefetch(int64_t id, const std::vector<int64_t>& keep) {
+bool AdapterStore::Prefetch(int64_t id, const std::vector<int64_t>& keep,
+                            const std::vector<std::pair<int64_t, std::vector<int32_t>>>& protect) {
   CheckConfigured();
   if (Guard([&] { return pool_->AdapterResident(id); })) return true;
   CheckHost(id, "prefetching it");
   std::vector<int64_t> evicted;
-  // ahead of its batch: never at the cost of cached prefixes (a waiting request may hit them)
-  if (!Guard([&] { return pool_->TryPageIn(id, keep, &evicted, /*evict_cached=*/false); })) return false;
+  // ahead of its batch: never at the cost of a cached prefix a waiting request would hit
+  std::vector<int32_t> pages;
+  for (const auto& [adapter, tokens] : protect) {
+    std::vector<int32_t> chain = Guard([&] { return pool_->PrefixPages(adapter, tokens); });
+    pages.insert(pages.end(), chain.begin(), chain.end());
+  }
+  if (!Guard([&] { return pool_->TryPageIn(id, keep, &evicted, pages); })) return false;
   CopyIn(id);
   return true;
 }

@@ -61,10 +61,12 @@ class AdapterStore {
                tvm::ffi::TensorView b_off, int64_t rank, tvm::ffi::TensorView scale);
   /*! \brief Drop the host pages of a loaded adapter that holds no pool pages. */
   void DropHost(int64_t id);
-  /*! \brief Page in a loaded adapter ahead of its batch if free pages and idle adapters not in
-   *  `keep` allow (PagePool::TryPageIn; cached prefix pages are not evicted for it) and copy its
-   *  rows in; whether it is resident now. */
-  bool Prefetch(int64_t id, const std::vector<int64_t>& keep);
+  /*! \brief Page in a loaded adapter ahead of its batch if free pages, idle adapters not in
+   *  `keep` and idle cached prefix pages allow (PagePool::TryPageIn), never evicting the cached
+   *  prefixes of `protect` ((adapter, tokens) of waiting requests: they would hit them), and copy
+   *  its rows in; whether it is resident now. */
+  bool Prefetch(int64_t id, const std::vector<int64_t>& keep,
+                const std::vector<std::pair<int64_t, std::vector<int32_t>>>& protect = {});
   /*! \brief Throws ValueError if a batch of `seqs` would page in an adapter without host pages. */
   void CheckPageIns(const std::vector<int64_t>& seqs) const;
   /*! \brief The ids of the loaded adapters that hold their pages. */

@@ -276,7 +276,8 @@ Reservation PagePool::ReserveAppend(const std::vector<int64_t>& seqs,
 // Adapters
 
 PagePool::EvictionPlan PagePool::PlanEviction(int64_t need, const std::vector<int64_t>& keep,
-                                              const std::string& what, bool cached) const {
+                                              const std::string& what,
+                                              const std::vector<int32_t>& protect) const {
   EvictionPlan plan;
   if (need <= num_free()) return plan;
   std::vector<std::pair<uint64_t, int64_t>> idle;  // (last use, id)
@@ -291,7 +292,15 @@ PagePool::EvictionPlan PagePool::PlanEviction(int64_t need, const std::vector<in
   // children are idle too and sort before it (older or as old, deeper), so a chain goes tail first.
   int64_t avail = num_free();
   auto a = idle.begin();
-  auto c = cached ? idle_cache_.begin() : idle_cache_.end();
+  auto c = idle_cache_.begin();
+  // protected pages are skipped; their chains' roots are protected too, so no page skipped here
+  // has a child that the order below would evict before it
+  auto skip = [&] {
+    while (c != idle_cache_.end() && std::find(protect.begin(), protect.end(), std::get<2>(*c)) != protect.end()) {
+      ++c;
+    }
+  };
+  skip();
   while (avail < need && (a != idle.end() || c != idle_cache_.end())) {
     if (c == idle_cache_.end() || (a != idle.end() && a->first < std::get<0>(*c))) {
       avail += adapters_.at(a->second).n_pages;
@@ -301,6 +310,7 @@ PagePool::EvictionPlan PagePool::PlanEviction(int64_t need, const std::vector<in
       avail += 1;
       plan.pages.push_back(std::get<2>(*c));
       ++c;
+      skip();
     }
   }
   if (avail < need) {
@@ -360,7 +370,7 @@ bool PagePool::AddAdapter(int64_t adapter, int32_t n_pages, bool pinned,
 }
 
 bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
-                         std::vector<int64_t>* evicted, bool evict_cached) {
+                         std::vector<int64_t>* evicted, const std::vector<int32_t>& protect) {
   Adapter& a = GetAdapter(adapter);
   if (a.unloading) {
     throw PoolError(PoolError::kValue, Cat("adapter ", adapter, " is being unloaded"));
@@ -369,7 +379,7 @@ bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
   std::vector<int64_t> k(keep);
   k.push_back(adapter);
   try {
-    PageIn(adapter, k, Cat("paging in adapter ", adapter), evicted, evict_cached);
+    PageIn(adapter, k, Cat("paging in adapter ", adapter), evicted, protect);
   } catch (const PoolError& e) {
     if (e.kind == PoolError::kExhausted) return false;
     throw;
@@ -378,9 +388,9 @@ bool PagePool::TryPageIn(int64_t adapter, const std::vector<int64_t>& keep,
 }
 
 void PagePool::PageIn(int64_t adapter, const std::vector<int64_t>& keep, const std::string& what,
-                      std::vector<int64_t>* evicted, bool evict_cached) {
+                      std::vector<int64_t>* evicted, const std::vector<int32_t>& protect) {
   Adapter& a = GetAdapter(adapter);
-  Evict(PlanEviction(a.n_pages, keep, what, evict_cached), evicted);
+  Evict(PlanEviction(a.n_pages, keep, what, protect), evicted);
   TakeAdapterPages(&a);
   a.last_use = ++clock_;
 }

@@ -112,13 +112,13 @@ class PagePool {
   bool AddAdapter(int64_t adapter, int32_t n_pages, bool pinned, std::vector<int64_t>* evicted);
   /*!
    * \brief Give a registered adapter without pages its pages now, evicting idle adapters that are
-   * not in `keep` and, with `evict_cached`, idle cached prefix pages (least recently used first over
+   * not in `keep` and idle cached prefix pages not in `protect` (least recently used first over
    * both). Returns false, changing nothing, when what it may evict is too little; true if it is
-   * resident afterwards. Counts as a page-in. A prefetch (ahead of its batch) leaves cached
-   * prefixes alone: a waiting request may be about to hit them.
+   * resident afterwards. Counts as a page-in. (A prefetch protects the cached prefixes its waiting
+   * requests would hit: PrefixPages.)
    */
   bool TryPageIn(int64_t adapter, const std::vector<int64_t>& keep, std::vector<int64_t>* evicted,
-                 bool evict_cached = true);
+                 const std::vector<int32_t>& protect = {});
   /*! \brief Unload now if no sequence uses it, else when the last one lets go. */
   void RemoveAdapter(int64_t adapter);
   /*! \brief Pinning a non-resident adapter pages it in; returns true if it needs its weights. */
@@ -139,6 +139,10 @@ class PagePool {
    * computed). Changes nothing.
    */
   PrefixHit LookupPrefix(int64_t adapter, const std::vector<int32_t>& tokens) const;
+  /*! \brief The keyed pages LookupPrefix(adapter, tokens) counts, in chain order. */
+  std::vector<int32_t> PrefixPages(int64_t adapter, const std::vector<int32_t>& tokens) const {
+    return MatchPrefix(adapter, tokens);
+  }
   /*!
    * \brief Give an empty sequence the pages of LookupPrefix(its adapter, tokens): its length
    * becomes the matched tokens. Counts one query. Returns the matched tokens.
@@ -219,15 +223,16 @@ class PagePool {
   void ReleaseAdapterPages(Adapter* a);
   void DropRef(int64_t adapter);
   /*!
-   * \brief Idle adapters (not in `keep`) and, with `cached`, keyed pages no sequence holds to
-   * evict, least recently used first over both, to get `need` free pages; throws if impossible.
+   * \brief Idle adapters (not in `keep`) and keyed pages no sequence holds (not in `protect`, a set
+   * closed under parents: whole chains from their roots) to evict, least recently used first over
+   * both, to get `need` free pages; throws if impossible.
    */
   EvictionPlan PlanEviction(int64_t need, const std::vector<int64_t>& keep, const std::string& what,
-                            bool cached = true) const;
+                            const std::vector<int32_t>& protect = {}) const;
   void Evict(const EvictionPlan& plan, std::vector<int64_t>* evicted);
   /*! \brief Evict for a non-resident adapter (throws like PlanEviction) and give it its pages. */
   void PageIn(int64_t adapter, const std::vector<int64_t>& keep, const std::string& what,
-              std::vector<int64_t>* evicted, bool evict_cached = true);
+              std::vector<int64_t>* evicted, const std::vector<int32_t>& protect = {});
   /*! \brief Give a non-resident adapter pages from the free list (counts a page-in). */
   void TakeAdapterPages(Adapter* a);
 

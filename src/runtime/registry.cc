@@ -238,8 +238,14 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_drop_adapter_host",
            [](Ref kv, int64_t id) { Pool(kv)->adapters().DropHost(id); })
       .def("mlc_lora.runtime.pool_prefetch_adapter",
-           [](Ref kv, int64_t id, const ffi::Shape& keep) {
-             return Pool(kv)->adapters().Prefetch(id, std::vector<int64_t>(keep.begin(), keep.end()));
+           // protect: (adapter or -1, token ids...) of the waiting requests whose cached prefixes stay
+           [](Ref kv, int64_t id, const ffi::Shape& keep, const ffi::Array<ffi::Shape>& protect) {
+             std::vector<std::pair<int64_t, std::vector<int32_t>>> chains;
+             for (const ffi::Shape& p : protect) {
+               if (p.size() == 0) TVM_FFI_THROW(ValueError) << "pool_prefetch_adapter: an empty protect entry";
+               chains.emplace_back(p[0], std::vector<int32_t>(p.begin() + 1, p.end()));
+             }
+             return Pool(kv)->adapters().Prefetch(id, std::vector<int64_t>(keep.begin(), keep.end()), chains);
            })
       .def("mlc_lora.runtime.pool_resident_adapters",
            [](Ref kv) {

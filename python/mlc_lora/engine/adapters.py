@@ -93,6 +93,7 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
         self._resident: set[int] = set()  # slots resident at the start of this step
         self._prefetched: dict[int, float] = {}  # slot -> perf_counter() of its prefetch page-in, until it runs
         self._reader = AdapterReader(self.pool.read_adapter)
+        self.prefix_caching = False  # (set by the engine) prefetch keeps the window's cached prefixes
         self.lead = LeadTimes()
         self.counters = dict(adapter_device_hits=0, adapter_host_hits=0, adapter_disk_hits=0,
                              adapter_disk_reads=0, adapter_host_drops=0, adapter_prefetch_page_ins=0,
@@ -320,8 +321,10 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
         reader thread), and page in pinned adapters without pages and those of the next `free_slots`
         requests to be admitted, while the pool keeps a page for each running sequence's next token
         and one for the request's own KV; never evicting an adapter the window wants. Requests that
-        cannot be admitted yet get no pages: KV growth would evict them again before they run."""
-        window = [s.adapter_slot for s in itertools.islice(waiting, self.PREFETCH_WINDOW)]
+        cannot be admitted yet get no pages: KV growth would evict them again before they run.
+        With the prefix cache, no page-in evicts a cached prefix a request of the window would hit."""
+        seqs = list(itertools.islice(waiting, self.PREFETCH_WINDOW))
+        window = [s.adapter_slot for s in seqs]
         wanted = list(dict.fromkeys(slot for slot in window if slot is not None))
         for slot in wanted:
             a = self.by_slot[slot]
@@ -336,11 +339,13 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
         s = self.pool.stats()
         room = s.free_pages + s.evictable_pages - num_running
         keep = wanted + page_in
+        protect = [(q.adapter_slot, q.tokens) for q in seqs if not q.params.prompt_logprobs] \
+            if self.prefix_caching else []
         for slot in page_in:
             a = self.by_slot[slot]
             if a.num_pages + 1 > room:
                 continue
-            if self.pool.prefetch_adapter(slot, keep):
+            if self.pool.prefetch_adapter(slot, keep, protect):
                 self._prefetched[slot] = time.perf_counter()
                 self.counters["adapter_prefetch_page_ins"] += 1
                 room -= a.num_pages

@@ -99,6 +99,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self.max_seq_len = min(self.context_window, (self.kv_pages_total - 1) * PAGE_SIZE)
         ad = self.adapters
         self.prefix_caching = bool(enable_prefix_caching)
+        ad.prefix_caching = self.prefix_caching
         prefix, free_pages = {}, ad.available_pages
         if self.prefix_caching:
             prefix = dict(prefix_lookup=self._prefix_lookup, prefix_attach=self._prefix_attach)

@@ -298,10 +298,15 @@ class Pool(abc.ABC):
         `set_adapter_host` must hand it back before it is paged in again."""
         self._run(POOL_DROP_ADAPTER_HOST, slot)
 
-    def prefetch_adapter(self, slot: int, keep: Sequence[int] = ()) -> bool:
-        """Page in a loaded adapter ahead of its batch if free pages and idle adapters not in `keep`
-        allow (least recently used evicted first); whether it is resident afterwards."""
-        return bool(self._value(POOL_PREFETCH_ADAPTER, slot, _tvm().runtime.ShapeTuple([int(k) for k in keep])))
+    def prefetch_adapter(self, slot: int, keep: Sequence[int] = (),
+                         protect: Sequence[tuple[Optional[int], Sequence[int]]] = ()) -> bool:
+        """Page in a loaded adapter ahead of its batch if free pages, idle adapters not in `keep`
+        and idle cached prefix pages allow (least recently used evicted first), never evicting the
+        cached prefixes of `protect` ((adapter slot or None, tokens) of waiting requests, which would
+        hit them); whether it is resident afterwards."""
+        shape = _tvm().runtime.ShapeTuple
+        chains = [shape([-1 if a is None else int(a), *map(int, toks)]) for a, toks in protect]
+        return bool(self._value(POOL_PREFETCH_ADAPTER, slot, shape([int(k) for k in keep]), chains))
 
     def resident_adapters(self) -> set[int]:
         """The slots of the adapters that hold their pages now."""

@@ -150,11 +150,11 @@ class ShardedPool(Pool):
             raise ValueError(f"adapter {slot} holds pool pages: its host copy stays")
         super().drop_adapter_host(slot)
 
-    def prefetch_adapter(self, slot: int, keep: Sequence[int] = ()) -> bool:
+    def prefetch_adapter(self, slot: int, keep: Sequence[int] = (), protect=()) -> bool:
         info = self.adapter_info(slot)
         if not info.resident and not info.host:
             raise ValueError(f"adapter {slot} has no host copy: hand it back before prefetching it")
-        return super().prefetch_adapter(slot, keep)
+        return super().prefetch_adapter(slot, keep, protect)
 
     def pin_adapter(self, slot: int, pin: bool) -> None:
         if pin:

@@ -233,31 +233,39 @@ def test_bad_input_is_refused_and_other_sequences_keep_running(tiny_models, runn
     pool.check_invariants()
 
 
-def test_prefetches_leave_cached_prefixes_batches_evict_them(runner):
-    """A prefetch (a page-in ahead of its batch) takes free pages and idle adapters only: a cached
-    prefix a waiting request may hit stays; the batch that needs the adapter then evicts by the
-    one least-recently-used order, cached pages included."""
+def test_prefetch_keeps_the_cached_prefixes_of_waiting_requests(runner):
+    """A prefetch (a page-in ahead of its batch) evicts by the one least-recently-used order, but
+    never a cached prefix that a waiting request would hit (`protect`): it takes a chain nobody
+    waits for instead, though that one was used more recently; with only protected pages to take
+    it changes nothing."""
     L, E = geometry(runner)
-    pool = new_pool(runner, tokens=96)  # 7 pages
-    pool.load_packed_adapter(1, make_adapter(1, L, E, 4, rank=2), pin=True)
-    tokens = list(range(1, 3 * 16 + 1))
-    pool.add_sequence(0)
-    pool.begin_forward([0], [len(tokens)])  # 3 KV pages: the pool is full
+    pool = new_pool(runner, tokens=112)  # 8 pages
+    pool.load_packed_adapter(1, make_adapter(1, L, E, 2, rank=2), pin=True)
+    x = list(range(1, 34))  # 33 tokens: 2 full pages to key and one more
+    y = list(range(100, 133))
+    for seq, toks in ((0, x), (1, y)):
+        pool.add_sequence(seq)
+        pool.begin_forward([seq], [len(toks)])
+        pool.end_forward()
+    assert pool.stats().free_pages == 0
+    assert not pool.load_packed_adapter(2, make_adapter(2, L, E, 2, rank=2))  # both wait without pages
+    assert not pool.load_packed_adapter(4, make_adapter(4, L, E, 1, rank=1))
+    for seq, toks in ((0, x), (1, y)):  # x's chain idles first: the colder one
+        assert pool.prefix_insert(seq, 0, toks) == 2
+        pool.remove_sequence(seq)
+    pool.add_sequence(3)
+    pool.begin_forward([3], [32])  # two pages held: none free, 4 cached idle
     pool.end_forward()
-    assert not pool.load_packed_adapter(2, make_adapter(2, L, E, 2, rank=2))  # waits without pages
-    assert pool.prefix_insert(0, 0, tokens) == 3
-    pool.remove_sequence(0)  # its 3 pages stay, keyed, idle
     before = pool.stats()
-    assert (before.cached_idle_pages, before.free_pages) == (3, 0)
-    assert not pool.prefetch_adapter(2)  # only cached pages could make room: nothing changes
+    assert (before.free_pages, before.cached_idle_pages) == (0, 4)
+    assert not pool.prefetch_adapter(4, [], [(None, x), (None, y)])  # only protected pages: no change
     assert pool.stats() == before
-    assert pool.prefix_lookup(None, tokens)[0] == 32  # still hit (whole pages, the last token left out)
-    pool.add_sequence(1)
-    pool.set_sequence_adapter(1, 2)
-    pool.begin_forward([1], [1])  # demand: 2 adapter pages and 1 KV page, from the cached ones
-    pool.end_forward()
-    st = pool.stats()
-    assert pool.adapter_info(2).resident and (st.cached_idle_pages, st.cached_page_evictions) == (0, 3)
+    # x is what a waiting request would hit: y's chain goes, though x's is older
+    assert pool.prefetch_adapter(2, [], [(None, x)]) and pool.adapter_info(2).resident
+    assert pool.prefix_lookup(None, x)[0] == 32 and pool.prefix_lookup(None, y)[0] == 0
+    assert pool.stats().cached_page_evictions == 2
+    # nothing protected: the least recently used page goes, x's tail
+    assert pool.prefetch_adapter(4) and pool.prefix_lookup(None, x)[0] == 16
     pool.check_invariants()
 
 
