@@ -302,11 +302,13 @@ def convert_source(weights: str, lib_dir: Path, cfg: dict) -> None:
     from safetensors.numpy import save_file
 
     from mlc_lora.loader import resolve_model
-    from mlc_lora.models import loader_module
+    from mlc_lora.models import loader_module, pad_rows
 
     source = resolve_model(weights)
     mc = SimpleNamespace(**cfg["model_config"])
-    out = dict(loader_module(cfg["architecture"]).convert_hf_weights(mc, source.weights(), cfg["dtype"]))
+    extra = cfg.get("param_extra_rows") or {}  # a library with rank rows: zero rows below some weights
+    out = {n: pad_rows(a, extra.get(n, 0))
+           for n, a in loader_module(cfg["architecture"]).convert_hf_weights(mc, source.weights(), cfg["dtype"])}
     save_file(out, str(lib_dir / cfg["params_file"]))
 
 

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from .contract import CONFIG_FILE, PARAMS_FILE, TOKENIZER_FILE, cache_dir, compiled_contract
 from .errors import CompileError, ModelConfigError
 from .loader import ModelSource, resolve_model
-from .models import ARCHITECTURES, loader_module, model_module
+from .models import ARCHITECTURES, loader_module, model_module, pad_rows
 
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("flash", "tir")
@@ -111,8 +111,9 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
     # Weights first: a wrong-shaped or missing tensor (the user's input) fails in seconds, not
     # after the library build.
     steps.set_postfix_str("converting weights")
-    convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress,
-                    extra_rows=weight_extra_rows(lora, model_module(arch), cfg))
+    extra_rows = weight_extra_rows(lora, model_module(arch), cfg)
+    padded = convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress,
+                             extra_rows=extra_rows)
     steps.update()
 
     steps.set_postfix_str(f"building library ({options.target})")
@@ -132,6 +133,9 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
         "library": lib_name,
         "params_file": PARAMS_FILE,
         "param_names": param_names,
+        # zero rows the library expects below these weights (the rank rows route), for a runtime
+        # that converts the weights itself
+        "param_extra_rows": padded,
         "tokenizer": tokenizer,
         "compile_options": dataclasses.asdict(options),
         "lora": lora.to_json() if lora is not None else None,
@@ -281,18 +285,23 @@ def weight_extra_rows(lora, arch_module, cfg):
 
 
 def convert_weights(source: ModelSource, weight_map, cfg, dtype: str, path: Path,
-                    progress: bool = True, extra_rows=lambda name: 0) -> None:
+                    progress: bool = True, extra_rows=lambda name: 0) -> dict[str, int]:
     """The model's weights in the library's names, dtype and shapes, into one safetensors file;
-    `extra_rows(name)` zero rows appended below a weight (weight_extra_rows)."""
+    `extra_rows(name)` zero rows appended below a weight (weight_extra_rows). Returns those rows
+    by name (the padded weights only)."""
     from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
     out: dict[str, np.ndarray] = {}
+    padded: dict[str, int] = {}
     it = tqdm(source.weights(), total=source.num_weights, desc="weights", unit="tensor",
               disable=not progress, leave=False)
     for name, arr in weight_map.convert_hf_weights(cfg, it, dtype):
         rows = extra_rows(name)
-        out[name] = np.concatenate([arr, np.zeros((rows, *arr.shape[1:]), arr.dtype)]) if rows else arr
+        if rows:
+            padded[name] = rows
+        out[name] = pad_rows(arr, rows)
     save_file(out, str(path), metadata={"dtype": dtype})
+    return padded
 
 
 def _write_tokenizer(source: ModelSource, output: Path) -> dict[str, Any]:

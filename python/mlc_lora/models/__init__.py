@@ -15,3 +15,11 @@ def model_module(arch: str):
 def loader_module(arch: str):
     """The weight map of the model (numpy only)."""
     return importlib.import_module(f"{__name__}.{ARCHITECTURES[arch]}_loader")
+
+
+def pad_rows(arr, rows: int):
+    """`arr` (numpy) with `rows` zero rows below it: a weight as a library with rank rows stores it
+    (the compiled config's `param_extra_rows`)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    return np.concatenate([arr, np.zeros((rows, *arr.shape[1:]), arr.dtype)]) if rows else arr

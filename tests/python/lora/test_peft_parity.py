@@ -274,6 +274,16 @@ def test_rank_rows_library_matches_peft(lora_setup, tmp_path, monkeypatch):
             extra[name.split(".")[-2]] = arr.shape[0] - n
             arr[n:] = np.nan
     assert extra == {"qkv_proj": 96, "o_proj": 32, "gate_up_proj": 64, "down_proj": 32}
+    # the config records them, for a runtime that converts the weights itself (check_gpu_parity.py)
+    recorded = json.loads((out / "mlc-lora-config.json").read_text())["param_extra_rows"]
+    assert recorded == {k: a.shape[0] - plain[k].shape[0] for k, a in params.items() if a.shape[0] > plain[k].shape[0]}
+    import check_gpu_parity  # (scripts/ is on the tests' path)
+
+    cfg_json = json.loads((out / "mlc-lora-config.json").read_text())
+    check_gpu_parity.convert_source(str(root / "hf"), tmp_path, dict(cfg_json, params_file="again.safetensors"))
+    again = load_file(tmp_path / "again.safetensors")
+    assert {k: a.shape for k, a in again.items()} == {k: a.shape for k, a in params.items()}
+    assert all(not a[plain[k].shape[0]:].any() for k, a in again.items())
     assert sum(a.shape[0] > plain[k].shape[0] for k, a in params.items()) == 4 * cfg.num_hidden_layers
     save_file(params, str(out / PARAMS_FILE), metadata={"dtype": "float32"})
     runner = ModelRunner(out)
