@@ -536,9 +536,45 @@ static void TestPageInsWithPrefixCache() {
   pool.CheckInvariants();
 }
 
+// TryPageIn's `protect`: keyed pages (whole chains from their roots) it never evicts; it takes an
+// unprotected chain instead, though more recently used, and fails, changing nothing, if only
+// protected pages would make room.
+static void TestPageInProtectsChains() {
+  PagePool pool(8, 4);
+  std::vector<int64_t> ev;
+  std::vector<int32_t> x, y;
+  for (int32_t i = 0; i < 8; ++i) {
+    x.push_back(i);
+    y.push_back(50 + i);
+  }
+  for (int64_t seq : {0, 1}) {
+    pool.AddSequence(seq);
+    pool.ReserveAppend({seq}, {8});
+  }
+  pool.AddSequence(9);
+  pool.ReserveAppend({9}, {16});  // the rest: nothing free
+  CHECK(!pool.AddAdapter(2, 2, false, &ev));  // nothing to evict: it waits without pages
+  CHECK(pool.InsertPrefix(0, 0, x) == 2 && pool.InsertPrefix(1, 0, y) == 2);
+  pool.RemoveSequence(0);  // x idles first: the least recently used
+  pool.RemoveSequence(1);
+  CHECK(pool.num_free() == 0 && pool.Stats().cached == 4);
+  std::vector<int32_t> x9(x), y9(y);  // (a lookup leaves the last token out)
+  x9.push_back(999);
+  y9.push_back(999);
+  std::vector<int32_t> px = pool.PrefixPages(-1, x9), both = px, py = pool.PrefixPages(-1, y9);
+  both.insert(both.end(), py.begin(), py.end());
+  CHECK(px.size() == 2 && py.size() == 2);
+  CHECK(!pool.TryPageIn(2, {}, &ev, both));  // only protected pages could make room
+  CHECK(!pool.AdapterResident(2) && pool.Stats().cached == 4 && pool.Stats().cached_evictions == 0);
+  CHECK(pool.TryPageIn(2, {}, &ev, px));  // y goes, though x is older
+  CHECK(pool.AdapterResident(2) && pool.PrefixPages(-1, x9).size() == 2 && pool.PrefixPages(-1, y9).empty());
+  pool.CheckInvariants();
+}
+
 int main() {
   for (auto* t : {TestSequences, TestAdapters, TestLoadOnBusyPool, TestRandom, TestPrefixCache,
-                  TestOneEvictionPolicy, TestRandomPrefix, TestPageInsWithPrefixCache}) {
+                  TestOneEvictionPolicy, TestRandomPrefix, TestPageInsWithPrefixCache,
+                  TestPageInProtectsChains}) {
     try {
       t();
     } catch (const std::exception& e) {
