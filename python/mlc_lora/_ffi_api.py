@@ -13,7 +13,7 @@ pool_pin_adapter(kv, id, pin)
 pool_drop_adapter_host(kv, id)             free the host copy of an adapter without pages
 pool_set_adapter_host(kv, id, pages, a_off, b_off, rank, scale)   hand it back (same packing)
 pool_prefetch_adapter(kv, id, keep, protect)   page in ahead of a batch if room -> resident;
-                                           protect: [(adapter or -1, tokens...)] keeps their cached prefixes
+                                           protect: (adapter or -1, n, n tokens) per request: their prefixes stay
 pool_resident_adapters(kv)                 ids of the adapters that hold their pages
 pool_set_sequence_adapter(kv, seq, id)     -1: base model
 pool_lora_tables(kv)                       the batch's tables, contract.LORA_TABLE_INPUTS order

@@ -238,12 +238,18 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_drop_adapter_host",
            [](Ref kv, int64_t id) { Pool(kv)->adapters().DropHost(id); })
       .def("mlc_lora.runtime.pool_prefetch_adapter",
-           // protect: (adapter or -1, token ids...) of the waiting requests whose cached prefixes stay
-           [](Ref kv, int64_t id, const ffi::Shape& keep, const ffi::Array<ffi::Shape>& protect) {
+           // protect: (adapter or -1, n, n token ids) per waiting request whose cached prefix stays
+           [](Ref kv, int64_t id, const ffi::Shape& keep, const ffi::Shape& protect) {
              std::vector<std::pair<int64_t, std::vector<int32_t>>> chains;
-             for (const ffi::Shape& p : protect) {
-               if (p.size() == 0) TVM_FFI_THROW(ValueError) << "pool_prefetch_adapter: an empty protect entry";
-               chains.emplace_back(p[0], std::vector<int32_t>(p.begin() + 1, p.end()));
+             for (size_t i = 0; i < protect.size();) {
+               if (i + 2 > protect.size() || protect[i + 1] < 0 ||
+                   static_cast<size_t>(protect[i + 1]) > protect.size() - i - 2) {
+                 TVM_FFI_THROW(ValueError) << "pool_prefetch_adapter: protect is (adapter, n, n tokens) "
+                                              "per request; entry at " << i << " is cut short";
+               }
+               auto first = protect.begin() + i + 2;
+               chains.emplace_back(protect[i], std::vector<int32_t>(first, first + protect[i + 1]));
+               i += 2 + protect[i + 1];
              }
              return Pool(kv)->adapters().Prefetch(id, std::vector<int64_t>(keep.begin(), keep.end()), chains);
            })

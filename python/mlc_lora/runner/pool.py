@@ -305,8 +305,10 @@ class Pool(abc.ABC):
         cached prefixes of `protect` ((adapter slot or None, tokens) of waiting requests, which would
         hit them); whether it is resident afterwards."""
         shape = _tvm().runtime.ShapeTuple
-        chains = [shape([-1 if a is None else int(a), *map(int, toks)]) for a, toks in protect]
-        return bool(self._value(POOL_PREFETCH_ADAPTER, slot, shape([int(k) for k in keep]), chains))
+        flat = []  # (adapter or -1, token count, tokens...) per request: one Shape (any session passes it)
+        for a, toks in protect:
+            flat += [-1 if a is None else int(a), len(toks), *map(int, toks)]
+        return bool(self._value(POOL_PREFETCH_ADAPTER, slot, shape([int(k) for k in keep]), shape(flat)))
 
     def resident_adapters(self) -> set[int]:
         """The slots of the adapters that hold their pages now."""

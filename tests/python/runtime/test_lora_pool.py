@@ -267,6 +267,9 @@ def test_prefetch_keeps_the_cached_prefixes_of_waiting_requests(runner):
     # nothing protected: the least recently used page goes, x's tail
     assert pool.prefetch_adapter(4) and pool.prefix_lookup(None, x)[0] == 16
     pool.check_invariants()
+    with pytest.raises(ValueError, match="cut short"):  # the raw call's encoding is checked
+        pool._value("mlc_lora.runtime.pool_prefetch_adapter", 4,  # pylint: disable=protected-access
+                    tvm.runtime.ShapeTuple([]), tvm.runtime.ShapeTuple([-1, 5, 1, 2]))
 
 
 def test_host_copies_are_dropped_and_handed_back(runner):
