@@ -43,8 +43,18 @@ void AdapterStore::Configure(int64_t num_modules, int64_t max_rank) {
   configured_ = true;
 }
 
+ffi::Array<Tensor> AdapterStore::tables() const {
+  if (inert_tokens_ >= 0) {  // a batch without adapters: its tables now that they are asked for
+    const int64_t tokens = inert_tokens_;
+    inert_tokens_ = -1;
+    Upload({}, std::vector<int32_t>(tokens, -1), tokens);
+  }
+  return tables_;
+}
+
 ffi::Array<Tensor> AdapterStore::graph_tables() const {
   CheckConfigured();
+  tables();
   if (tables_.empty()) TVM_FFI_THROW(ValueError) << "no batch: call begin_forward first";
   const int64_t S = g_.max_batch;
   return {tables_[0], tables_[1], View(rank_, 0, {S}, kInt32), View(scale_, 0, {S, M_}, kFloat32),
@@ -287,7 +297,7 @@ void AdapterStore::DropUnloaded() {
 
 void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens,
                                int64_t tokens) {
-  const int64_t b = static_cast<int64_t>(seqs.size()), E = g_.page_elems;
+  const int64_t b = static_cast<int64_t>(seqs.size());
   std::vector<int64_t> slots;  // adapter id of each slot, in order of first use
   std::vector<int32_t> token_slot;
   token_slot.reserve(tokens);
@@ -301,8 +311,17 @@ void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vect
     }
     token_slot.insert(token_slot.end(), lens[i], s);
   }
+  num_slots_ = static_cast<int64_t>(slots.size());
+  rank_total_ = 0;
+  for (int64_t a : slots) rank_total_ += host_.at(a).rank;
+  inert_tokens_ = slots.empty() ? tokens : -1;  // (tables() builds them if asked)
+  if (!slots.empty()) Upload(slots, token_slot, tokens);
+}
+
+void AdapterStore::Upload(const std::vector<int64_t>& slots, const std::vector<int32_t>& token_slot,
+                          int64_t tokens) const {
   // S >= 1: a batch without adapters gets one inert slot (rank 0, scale 0).
-  const int64_t S = std::max<int64_t>(1, slots.size());
+  const int64_t S = std::max<int64_t>(1, slots.size()), E = g_.page_elems;
   std::vector<int32_t> rank(S, 0), a_off(S * M_ * R_, -1), b_off(S * M_ * R_, -1);
   std::vector<float> scale(S * M_, 0.0f);
   for (int64_t s = 0; s < static_cast<int64_t>(slots.size()); ++s) {
@@ -334,9 +353,6 @@ void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vect
     const int32_t s = token_slot[t];
     order[s >= 0 ? next[s]++ : base_pos++] = static_cast<int32_t>(t);
   }
-  num_slots_ = static_cast<int64_t>(slots.size());
-  rank_total_ = 0;
-  for (int64_t s = 0; s < num_slots_; ++s) rank_total_ += rank[s];
   auto upload = [](const Tensor& dev, const void* src, std::vector<int64_t> shape,
                    DLDataType dtype) {
     int64_t n = 1;

@@ -83,8 +83,10 @@ class AdapterStore {
   void BuildTables(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens,
                    int64_t tokens);
   /*! \brief The tables of the last BuildTables, in contract.LORA_TABLE_INPUTS order: [arena,
-   *  token_slot, rank, scale, a_off, b_off, token_order, slot_start]. */
-  const tvm::ffi::Array<tvm::runtime::Tensor>& tables() const { return tables_; }
+   *  token_slot, rank, scale, a_off, b_off, token_order, slot_start]. Those of a batch without
+   *  adapters (one inert slot) are built on first use: such batches mostly run the base functions,
+   *  which read none, and the uploads are most of a batch's table cost. */
+  tvm::ffi::Array<tvm::runtime::Tensor> tables() const;
   /*! \brief The same tables with the slot tables at the maximum slot count: the same device
    *  addresses at every batch, for a decode captured in CUDA graphs. Rows past the batch's slots
    *  hold earlier batches' slots (zeros before any), which no token uses. */
@@ -107,6 +109,9 @@ class AdapterStore {
     std::vector<float> scale;           // [M]
   };
 
+  /*! \brief Write the batch's tables (slot i: adapter slots[i]) to the device: tables_. */
+  void Upload(const std::vector<int64_t>& slots, const std::vector<int32_t>& token_slot,
+              int64_t tokens) const;
   HostAdapter Validate(int64_t id, tvm::ffi::TensorView pages, tvm::ffi::TensorView a_off,
                        tvm::ffi::TensorView b_off, int64_t rank, tvm::ffi::TensorView scale) const;
   const HostAdapter& Get(int64_t id) const;
@@ -123,7 +128,8 @@ class AdapterStore {
   // slot_start always has every entry (slots past the batch's own no tokens).
   tvm::runtime::Tensor slot_, rank_, scale_, a_, b_, order_, start_;
   int64_t num_slots_ = 0, rank_total_ = 0;
-  tvm::ffi::Array<tvm::runtime::Tensor> tables_;
+  mutable tvm::ffi::Array<tvm::runtime::Tensor> tables_;
+  mutable int64_t inert_tokens_ = -1;  // >= 0: the tokens of a batch without adapters, tables not built
   std::unordered_map<int64_t, HostAdapter> host_;
 };
 

@@ -113,7 +113,14 @@ def test_load_lowers_available_pages_and_tables_point_at_rows(runner):
     assert [t.data_ptr() for t in pool.lora_tables()] == ptrs  # fixed addresses
     pool.end_forward()
     pool.begin_forward([1], [5])
+    # (a batch without adapters builds its tables when asked: graph tables first here)
+    assert pool.lora_num_slots() == 0 and pool.lora_rank_total() == 0
+    graph = [t.numpy() for t in pool.lora_graph_tables()]
+    assert (graph[1] == -1).all() and graph[1].shape == (5,) and graph[2].shape == (8,)
     check_tables(pool, [], [-1] * 5, L, E)
+    pool.end_forward()
+    pool.begin_forward([4, 1], [1, 1])  # adapters again: built at begin_forward, as before
+    check_tables(pool, [(10, a)], [0, -1], L, E)
     pool.end_forward()
     # Unload and the pages come back.
     for s in range(5):
