@@ -77,6 +77,8 @@ class PagePool {
   int32_t num_pages() const { return num_pages_; }
   int32_t page_size() const { return page_size_; }
   int32_t num_free() const { return static_cast<int32_t>(free_.size()); }
+  /*! \brief The free page ids (in no particular order). */
+  const std::vector<int32_t>& free_pages() const { return free_; }
   PoolStats Stats() const;
   /*! \brief Forget every sequence; adapters stay loaded, their references drop to zero. */
   void Clear();

@@ -277,6 +277,7 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_sequence_pages",
            [](Ref kv, int64_t seq) { return Pool(kv)->SequencePages(seq); })
       .def("mlc_lora.runtime.pool_check_invariants", [](Ref kv) { Pool(kv)->CheckInvariants(); })
+      .def("mlc_lora.runtime.pool_poison_free_pages", [](Ref kv) { Pool(kv)->PoisonFreePages(); })
       // the prefix cache: full KV pages keyed by (adapter, token chain) (page_pool.h)
       .def("mlc_lora.runtime.pool_prefix_lookup",
            [](Ref kv, int64_t adapter, ffi::Shape tokens) {

@@ -122,6 +122,30 @@ void UnifiedKVCacheObj::BeginForward(const ffi::Shape& seq_ids, const ffi::Shape
   if (adapters_.configured()) adapters_.BuildTables(cur_seqs_, cur_lens_, cur_tokens_);
 }
 
+void UnifiedKVCacheObj::PoisonFreePages() {
+  std::vector<int32_t> ids = pool_.free_pages();
+  std::sort(ids.begin(), ids.end());
+  const int64_t page_bytes = page_elems_ * Bytes(cfg_.dtype);
+  std::vector<std::pair<int32_t, int32_t>> runs;  // (first page, count) of consecutive ids
+  for (int32_t p : ids) {
+    if (!runs.empty() && runs.back().first + runs.back().second == p) {
+      ++runs.back().second;
+    } else {
+      runs.emplace_back(p, 1);
+    }
+  }
+  int32_t longest = 0;
+  for (const auto& r : runs) longest = std::max(longest, r.second);
+  const std::vector<uint8_t> nan(longest * page_bytes, 0xFF);
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    for (const auto& [first, count] : runs) {
+      const int64_t offset = (l * cfg_.num_pages + first) * page_bytes;
+      UploadAsync(View(arena_, offset, {count * page_bytes}, DLDataType{kDLUInt, 8, 1}), nan.data(),
+                  count * page_bytes);
+    }
+  }
+}
+
 int32_t UnifiedKVCacheObj::GetTotalSequenceLength() const {
   return static_cast<int32_t>(pool_.TotalSequenceLength());
 }

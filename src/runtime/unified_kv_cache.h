@@ -136,6 +136,9 @@ class UnifiedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   tvm::ffi::Array<int64_t> SequencePages(int64_t seq) const;
   /*! \brief The pool's bookkeeping and the adapters' host copies agree; throws InternalError. */
   void CheckInvariants() const;
+  /*! \brief Fill every free page of every layer with NaN (all bits set, NaN in every float
+   *  dtype): a kernel that reads a page its batch does not own then shows NaN (tests). */
+  void PoisonFreePages();
 
   static constexpr const bool _type_mutable = true;
   TVM_FFI_DECLARE_OBJECT_INFO_FINAL("mlc_lora.runtime.UnifiedKVCache", UnifiedKVCacheObj,

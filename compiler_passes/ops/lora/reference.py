@@ -35,7 +35,7 @@ def lora_gather_ref(x, arena, layer, num_layers, slot, rank, scale, a_off, b_off
     delta = np.zeros((n, out_f), np.float32)
     for t in range(n):
         s = slot[t]
-        if s < 0:
+        if s < 0 or scale[s, m] == 0:  # (not targeted: no rows)
             continue
         for k in range(rank[s]):
             a = arena[base + a_off[s, m, k]: base + a_off[s, m, k] + in_f].astype(np.float32)
@@ -69,7 +69,7 @@ def lora_sgmv_shrink_ref(x, arena, layer, num_layers, slot, rank, scale, a_off, 
     v = np.zeros((n, C, max_rank), np.float32)
     for t in range(n):
         s = slot[t]
-        if s < 0:
+        if s < 0 or scale[s, m] == 0:  # (not targeted: no rows)
             continue
         for k in range(rank[s]):
             a = arena[base + a_off[s, m, k]: base + a_off[s, m, k] + in_f].astype(np.float32)
@@ -81,13 +81,14 @@ def lora_sgmv_shrink_ref(x, arena, layer, num_layers, slot, rank, scale, a_off, 
 
 def lora_sgmv_expand_ref(v, arena, layer, num_layers, slot, rank, b_off, m, out_f, dtype):
     """Semantics: delta[t] = sum_k (sum_c v[t, c, k]) * B[s, m].T[k] over k < rank[s] for
-    s = slot[t] >= 0, else 0; v (n, C, R) -> delta (n, out_m)."""
+    s = slot[t] >= 0 whose adapter has rows for m (b_off[s, m, 0] >= 0; a module it does not
+    target has offsets -1 and no rows: nothing is read for it), else 0; v (n, C, R) -> delta (n, out_m)."""
     n = v.shape[0]
     base = layer * (arena.size // num_layers)
     delta = np.zeros((n, out_f), np.float32)
     for t in range(n):
         s = slot[t]
-        if s < 0:
+        if s < 0 or b_off[s, m, 0] < 0:
             continue
         h = v[t].sum(0)
         for k in range(rank[s]):

@@ -164,8 +164,10 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
                             num_modules: int, dtype: str, target: tvm.target.Target):
     """The stage-3 expand of module `m`; reference: `reference.lora_sgmv_expand_ref`.
 
-    Semantics: delta[t] = sum_{k < rank[s]} (sum_c v[t, c, k]) * B[s, m].T[k] for s = slot[t] >= 0,
-    else 0 (the shrink already applied scale[s, m]; it wrote 0 where the module is not targeted).
+    Semantics: delta[t] = sum_{k < rank[s]} (sum_c v[t, c, k]) * B[s, m].T[k] for s = slot[t] >= 0
+    with rows for m (b_off[s, m, 0] >= 0), else 0 (the shrink already applied scale[s, m] and wrote
+    0 where the module is not targeted; such a module's offsets are -1, and its "rows" would be
+    whatever precedes the layer region, NaN included: 0 * NaN is NaN, so none is read).
 
     Signature: (v (n, C, R) float32, arena (size,), slot (n,), rank (S,), b_off (S, M, R),
     layer: int64, delta (n, out_f) [out]).
@@ -196,7 +198,8 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
                 base: T.let[T.int64] = layer * (size // L)
                 rk[0] = 0
                 if s >= 0:
-                    rk[0] = rank[s]
+                    if b_off[s, m, 0] >= 0:
+                        rk[0] = rank[s]
                 for k in T.serial(R):
                     h[k] = T.float32(0)
                     for c in T.serial(C):
@@ -236,7 +239,8 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
                         base: T.let[T.int64] = layer * (size // L)
                         rk[0] = 0
                         if s >= 0:
-                            rk[0] = rank[s]
+                            if b_off[s, m, 0] >= 0:
+                                rk[0] = rank[s]
                         for kk in T.serial(T.ceildiv(R, NT)):
                             k: T.let[T.int32] = kk * NT + T.cast(tx, "int32")
                             if k < rk[0]:

@@ -51,6 +51,7 @@ POOL_STATS = "mlc_lora.runtime.pool_stats"
 POOL_ADAPTER_INFO = "mlc_lora.runtime.pool_adapter_info"
 POOL_SEQUENCE_PAGES = "mlc_lora.runtime.pool_sequence_pages"
 POOL_CHECK_INVARIANTS = "mlc_lora.runtime.pool_check_invariants"
+POOL_POISON_FREE_PAGES = "mlc_lora.runtime.pool_poison_free_pages"
 POOL_PREFIX_LOOKUP = "mlc_lora.runtime.pool_prefix_lookup"
 POOL_PREFIX_ATTACH = "mlc_lora.runtime.pool_prefix_attach"
 POOL_PREFIX_INSERT = "mlc_lora.runtime.pool_prefix_insert"
@@ -343,6 +344,12 @@ class Pool(abc.ABC):
     def check_invariants(self) -> None:
         """Recount every page's owner in the runtime; raises when the bookkeeping is off."""
         self._values(POOL_CHECK_INVARIANTS)
+
+    def poison_free_pages(self) -> None:
+        """Fill the free pages with NaN (every layer, KV and adapter rows alike): a kernel that reads
+        a page its batch does not own then shows NaN in its output instead of passing by chance
+        (the tests make every pool so)."""
+        self._run(POOL_POISON_FREE_PAGES)
 
     def _check_lora(self) -> None:
         if self.lora is None:

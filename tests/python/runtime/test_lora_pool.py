@@ -334,3 +334,31 @@ def test_unsupported_features_and_foreign_cache(runner, stock_twins):
     stock_pool = stock.create_pool(max_batch_size=4, max_total_seq_len=64, prefill_chunk_size=64)
     with pytest.raises(ValueError, match="not an mlc-lora KV cache"):
         stock_pool.stats()
+
+
+def test_poison_fills_the_free_pages_only(runner):
+    """pool.poison_free_pages: NaN in every layer of every free page; an adapter's pages and a
+    sequence's KV pages keep what they hold."""
+    L, E = geometry(runner)
+    pool = new_pool(runner)
+    a = make_adapter(3, L, E, 2, rank=2)
+    pool.load_packed_adapter(10, a)
+    pool.add_sequence(0)
+    pool.set_sequence_adapter(0, 10)
+    pool.begin_forward([0], [20])  # 2 KV pages
+    arena = pool.lora_tables()[0]
+    kv_pages = pool.sequence_pages(0)
+    before = arena.numpy()
+    pool.poison_free_pages()
+    after = arena.numpy()
+    pool.end_forward()
+    P = before.size // (L * E)
+    owned = set(pool.adapter_info(10).pages) | set(kv_pages)
+    assert len(owned) == 4 and pool.stats().free_pages == P - 4
+    for layer in range(L):
+        for p in range(P):
+            page = slice((layer * P + p) * E, (layer * P + p + 1) * E)
+            if p in owned:
+                np.testing.assert_array_equal(after[page], before[page])
+            else:
+                assert np.isnan(after[page]).all(), (layer, p)

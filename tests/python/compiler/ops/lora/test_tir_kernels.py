@@ -205,6 +205,41 @@ def test_sgmv_kernels_match_references(layer, ranks):
     assert np.all(out.numpy()[slot == -1] == 0) and np.abs(ref).max() > 0.1
 
 
+@pytest.mark.parametrize("layer", [0, 2])
+def test_sgmv_reads_nothing_of_an_untargeted_module(layer):
+    """An adapter that does not target the module has offsets -1 and scale 0 for it, as the pool's
+    tables write them; the arena holds NaN everywhere but the live rows (what unwritten pool pages
+    may hold). The expand must read no row for it (it did: base - 1 + o, 0 * NaN = NaN), and the
+    other slots' deltas stay exact."""
+    rng = np.random.default_rng(7)
+    n = 9
+    arena, slot, rank, scale, a_off, b_off = _random_tables(rng, n, ranks=[4, 3, 5])
+    a_off[1], b_off[1], scale[1] = -1, -1, 0.0  # slot 1 targets no module
+    live = np.full(arena.size, np.nan, np.float32)
+    base = layer * (arena.size // L)
+    for s in (0, 2):
+        for k in range(rank[s]):
+            for off, w in ((a_off[s, MOD, k], IN), (b_off[s, MOD, k], OUT)):
+                live[base + off: base + off + w] = arena[base + off: base + off + w]
+    slot[:3] = [1, 0, 2]
+    x = rng.standard_normal((n, IN)).astype(np.float32)
+    llvm = tvm.target.Target("llvm")
+    shrink = _build(G.lora_sgmv_shrink_kernel(IN, MOD, L, R, M, "float32", llvm))
+    expand = _build(G.lora_sgmv_expand_kernel(IN, OUT, MOD, L, R, M, "float32", llvm))
+    v = _t(np.full((n, lora_ref.num_chunks(IN), R), 9.0, np.float32))
+    out = _t(np.full((n, OUT), 7.0, np.float32))
+    shrink["main"](_t(x), _t(live), _t(slot), _t(rank), _t(scale), _t(a_off), layer, v)
+    expand["main"](v, _t(live), _t(slot), _t(rank), _t(b_off), layer, out)
+    got = out.numpy()
+    assert np.isfinite(got).all()
+    assert not got[(slot == 1) | (slot == -1)].any()
+    rd = lora_ref.lora_sgmv_expand_ref(v.numpy(), live, layer, L, slot, rank, b_off, MOD, OUT, np.float32)
+    ref = lora_ref.lora_gather_ref(x, arena, layer, L, slot, rank, scale, a_off, b_off, MOD, OUT)
+    np.testing.assert_allclose(got, rd, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert np.abs(ref).max() > 0.1
+
+
 @needs_nvcc
 def test_sgmv_cuda_kernels_build():
     """The hand-scheduled CUDA variants lower and compile: fp16 and bf16, rank 64, 11008 wide."""
