@@ -101,6 +101,7 @@ void AdapterStore::DropHost(int64_t id) {
   if (pool_->AdapterResident(id)) {
     TVM_FFI_THROW(ValueError) << "adapter " << id << " holds pool pages: its host copy stays";
   }
+  FinishCopies(id);  // evicted right after a page-in: its copy may still read the host pages
   host_.at(id).pages = Tensor();
 }
 
@@ -264,11 +265,35 @@ AdapterStore::HostAdapter AdapterStore::Validate(int64_t id, ffi::TensorView pag
   return h;
 }
 
+AdapterStore::~AdapterStore() {
+  if (copy_stream_ == nullptr) return;
+  try {
+    FinishCopies();
+    tvm::runtime::DeviceAPI::Get(g_.device)->FreeStream(g_.device, copy_stream_);
+  } catch (...) {  // a destructor must not throw (the process may be going down with its device)
+  }
+}
+
+void AdapterStore::FinishCopies(int64_t id) {
+  if (copying_.empty() || (id >= 0 && copying_.count(id) == 0)) return;
+  tvm::runtime::DeviceAPI::Get(g_.device)->StreamSync(g_.device, copy_stream_);
+  copying_.clear();
+}
+
 void AdapterStore::CopyIn(int64_t id) {
   const HostAdapter& h = host_.at(id);
   CheckHost(id, "its pages are copied in");
   const std::vector<int32_t>& pages = pool_->AdapterPages(id);
   const int64_t eb = g_.page_elems * Bytes(g_.dtype);
+  tvm::runtime::DeviceAPI* api = nullptr;
+  void* compute = nullptr;
+  if (g_.device.device_type != kDLCPU) {  // on the CPU the copies are memcpy, done on return
+    api = tvm::runtime::DeviceAPI::Get(g_.device);
+    if (copy_stream_ == nullptr) copy_stream_ = api->CreateStream(g_.device);
+    compute = api->GetCurrentStream(g_.device);  // the stream the kernels run on
+    api->SyncStreamFromTo(g_.device, compute, copy_stream_);
+    copying_.insert(id);
+  }
   for (int64_t l = 0; l < g_.num_layers; ++l) {
     for (int32_t j = 0; j < h.n_pages;) {  // one copy per run of consecutive page ids
       int32_t run = 1;
@@ -283,15 +308,21 @@ void AdapterStore::CopyIn(int64_t id) {
       dst.shape = &n;
       dst.strides = nullptr;
       dst.byte_offset = (l * g_.num_pages + pages[j]) * eb;
-      Tensor::CopyFromTo(&src, &dst);
+      Tensor::CopyFromTo(&src, &dst, copy_stream_);
       j += run;
     }
   }
+  if (api != nullptr) api->SyncStreamFromTo(g_.device, copy_stream_, compute);
 }
 
 void AdapterStore::DropUnloaded() {
   for (auto it = host_.begin(); it != host_.end();) {
-    it = pool_->HasAdapter(it->first) ? std::next(it) : host_.erase(it);
+    if (pool_->HasAdapter(it->first)) {
+      ++it;
+      continue;
+    }
+    FinishCopies(it->first);
+    it = host_.erase(it);
   }
 }
 

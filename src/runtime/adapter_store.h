@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "page_pool.h"
@@ -44,6 +45,9 @@ class AdapterStore {
  public:
   AdapterStore(PagePool* pool, tvm::runtime::Tensor arena, ArenaGeometry geometry)
       : pool_(pool), arena_(std::move(arena)), g_(geometry) {}
+  ~AdapterStore();
+  AdapterStore(const AdapterStore&) = delete;
+  AdapterStore& operator=(const AdapterStore&) = delete;
 
   /*! \brief Once, before any adapter: M modules, compiled maximum rank R (table shapes). */
   void Configure(int64_t num_modules, int64_t max_rank);
@@ -75,7 +79,12 @@ class AdapterStore {
   void Pin(int64_t id, bool pin);
   void SetSequenceAdapter(int64_t seq, int64_t adapter);
 
-  /*! \brief Copy adapter `id`'s host rows into the pages the pool gave it (every layer). */
+  /*! \brief Copy adapter `id`'s host rows into the pages the pool gave it (every layer). On a
+   *  GPU the copies run on the store's copy stream from the pinned host pages and the caller does
+   *  not wait for them: the copy stream first waits for the work queued on the compute stream (the
+   *  pages may have held KV or another adapter it reads), and the compute stream then waits for
+   *  the copies (every later kernel, the one that reads the adapter or writes the pages, sees
+   *  them), as TVM's paged KV cache orders its auxiliary copies. */
   void CopyIn(int64_t id);
   /*! \brief Forget the host copies of adapters the pool no longer has. */
   void DropUnloaded();
@@ -117,6 +126,9 @@ class AdapterStore {
   const HostAdapter& Get(int64_t id) const;
   /*! \brief Throws ValueError unless adapter `id` has host pages (`what` would page it in). */
   void CheckHost(int64_t id, const char* what) const;
+  /*! \brief Before host pages are freed: wait for the copies still reading them, if `id`'s
+   *  (-1: any adapter's) may be among them. */
+  void FinishCopies(int64_t id = -1);
 
   PagePool* pool_;
   tvm::runtime::Tensor arena_;  // (L*P*E,)
@@ -131,6 +143,8 @@ class AdapterStore {
   mutable tvm::ffi::Array<tvm::runtime::Tensor> tables_;
   mutable int64_t inert_tokens_ = -1;  // >= 0: the tokens of a batch without adapters, tables not built
   std::unordered_map<int64_t, HostAdapter> host_;
+  void* copy_stream_ = nullptr;                   // GPU: the page-in copies' stream (made on first use)
+  std::unordered_set<int64_t> copying_;          // adapters copied in since copy_stream_'s last sync
 };
 
 }  // namespace mlc_lora
