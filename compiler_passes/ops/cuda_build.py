@@ -18,7 +18,7 @@ from pathlib import Path
 
 import tvm
 
-from mlc_lora.contract import cache_dir
+from mlc_lora.contract import cache_dir, write_cached
 
 LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]
 INCLUDE = Path(__file__).parent  # dtype.cuh, the element type every .cu of ops/ includes
@@ -47,15 +47,15 @@ def build_cubin(source: Path, arch: str, defines: dict[str, str | int | None]) -
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         raise CudaBuildError(f"building {source.name} for {arch} needs nvcc (the CUDA toolkit) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_out = Path(tmp) / out.name
         proc = subprocess.run([nvcc, *flags, f"-I{INCLUDE}", "-o", str(tmp_out), str(source)],
                               capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise CudaBuildError(f"nvcc failed on {source.name} ({' '.join(flags)}):\n{proc.stderr}")
-        shutil.move(str(tmp_out), out)
-    return out.read_bytes()
+        cubin = tmp_out.read_bytes()
+    write_cached(out, cubin)
+    return cubin
 
 
 def cuda_module(cubin: bytes, kernels: dict[str, list[str]]) -> tvm.runtime.Module:

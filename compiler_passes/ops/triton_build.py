@@ -14,7 +14,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from mlc_lora.contract import cache_dir
+from mlc_lora.contract import cache_dir, write_cached
 
 try:  # compiling these kernels needs Triton; nothing else in mlc-lora does
     import triton
@@ -49,9 +49,8 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
     if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
         raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
     meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".cubin").write_bytes(k.asm["cubin"])
-    out.with_suffix(".json").write_text(json.dumps(meta))
+    write_cached(out.with_suffix(".cubin"), k.asm["cubin"])
+    write_cached(out.with_suffix(".json"), json.dumps(meta))  # last: a reader that sees it finds the cubin
     return md.name, k.asm["cubin"], meta
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from .contract import CONFIG_FILE, PARAMS_FILE, TOKENIZER_FILE, cache_dir, compiled_contract
+from .contract import CONFIG_FILE, PARAMS_FILE, TOKENIZER_FILE, cache_dir, cache_lock, compiled_contract, write_cached
 from .errors import CompileError, ModelConfigError
 from .loader import ModelSource, resolve_model
 from .models import ARCHITECTURES, loader_module, model_module, pad_rows
@@ -77,8 +78,13 @@ def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtyp
     opts = CompileOptions(target=target, dtype=dtype, max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
     lora = f"-lora{max_lora_rank}x{lora_pool_pages}" if max_lora_rank or lora_pool_pages else ""
     out = cache_dir() / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}{lora}"
-    if not (out / CONFIG_FILE).is_file():
-        compile_model(model, out, opts, progress=progress)
+    with cache_lock(out):  # another process compiling the same entry: wait for it, then use it
+        if not (out / CONFIG_FILE).is_file():
+            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            compile_model(model, tmp, opts, progress=progress)
+            shutil.rmtree(out, ignore_errors=True)  # what an interrupted compile may have left
+            os.replace(tmp, out)
     return out
 
 
@@ -366,12 +372,13 @@ def _cuda_stub() -> Path:
     out = cache / "cuda_stub" / "libcuda.so.1"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    src = out.parent / "cuda_stub.c"
-    src.write_text(_CUDA_STUB_C)
-    cc = os.environ.get("CC", "cc")
-    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(out), str(src)],
-                   check=True, capture_output=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = Path(tmp) / "cuda_stub.c", Path(tmp) / out.name
+        src.write_text(_CUDA_STUB_C)
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)],
+                       check=True, capture_output=True)
+        write_cached(out, lib.read_bytes())
     return out
 
 

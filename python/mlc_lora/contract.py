@@ -15,6 +15,7 @@ How each side reads it:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -60,8 +61,37 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
 
 def cache_dir() -> Path:
-    """Where compiled models and built kernels are cached: $MLC_LORA_CACHE or ~/.cache/mlc_lora."""
+    """Where compiled models and built kernels are cached: $MLC_LORA_CACHE or ~/.cache/mlc_lora.
+    Several processes may share it (two servers starting, parallel tests): entries are written with
+    `write_cached` and built under `cache_lock`, so no process reads another's half-written entry."""
     return Path(os.environ.get("MLC_LORA_CACHE", Path.home() / ".cache" / "mlc_lora"))
+
+
+def write_cached(path: Path, data: bytes | str) -> None:
+    """Write a cache entry whole: into a sibling temporary file, then renamed over `path` (readers
+    see the old entry, none, or the new one; never a part)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if isinstance(data, str):
+        tmp.write_text(data)
+    else:
+        tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path):
+    """Hold an exclusive lock on `path`'s entry (the file `path` + ".lock", across processes) while
+    one process checks and builds it; others wait, then find it built."""
+    import fcntl  # pylint: disable=import-outside-toplevel  (POSIX)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def set_nccl_env(overwrite: bool = False) -> None:
