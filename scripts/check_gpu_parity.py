@@ -51,11 +51,14 @@ PARTS_MANIFEST = "parts.json"
 
 def make_pool(runner, rows: int):
     """The pool every run of `rows` sequences shares: the compiled LoRA pool size on LoRA builds
-    (adapters and KV), else 1024 tokens of KV."""
+    (adapters and KV), else 1024 tokens of KV. Its free pages start as NaN: a kernel that reads a
+    page its batch does not own fails a row instead of passing on what the memory held."""
     from mlc_lora.contract import PAGE_SIZE
 
     tokens = (runner.lora.pool_pages - 1) * PAGE_SIZE if runner.lora is not None else 1024
-    return runner.create_pool(max_batch_size=rows, max_total_seq_len=tokens)
+    pool = runner.create_pool(max_batch_size=rows, max_total_seq_len=tokens)
+    pool.poison_free_pages()
+    return pool
 
 
 def load_adapters(pool, folders: list[str]) -> list[str]:
