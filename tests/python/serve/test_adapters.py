@@ -314,10 +314,11 @@ def test_loads_while_64_streams_fill_the_pool(busy_server, setup, tmp_path):
                     break
                 await asyncio.sleep(0.01)
             loaded = await asyncio.to_thread(_load, url, "a4", adapter_dir / "a4")
+            after = await asyncio.to_thread(scrape, url)
             bad = await asyncio.to_thread(_load, url, "bad", broken)
-            return busy, loaded, bad, await asyncio.gather(*tasks)
+            return busy, loaded, after, bad, await asyncio.gather(*tasks)
 
-    busy, loaded, bad, results = asyncio.run(run())
+    busy, loaded, after, bad, results = asyncio.run(run())
     assert busy is not None, "the 64 streams never filled the pool"
     assert loaded.status_code == 200, loaded.text
     assert bad.status_code == 400 and "broken" in bad.json()["error"]["message"], bad.text
@@ -331,10 +332,18 @@ def test_loads_while_64_streams_fill_the_pool(busy_server, setup, tmp_path):
     assert lps == pytest.approx(want_lp, abs=1e-3)
     m = wait_idle(url)
     hits = {t: m[f'mlc_lora_adapter_tier_hits_total{{tier="{t}"}}'] for t in ("device", "host", "disk")}
-    assert sum(hits.values()) == 64 + 1 and hits["disk"] >= 1  # a4's request: its copy was dropped
+    assert sum(hits.values()) == 64 + 1
     assert m['mlc_lora_adapter_tier_misses_total{tier="device"}'] == hits["host"] + hits["disk"]
-    assert m["mlc_lora_adapter_disk_reads_total"] >= 1 and m["mlc_lora_adapter_host_drops_total"] >= 1
-    assert m["mlc_lora_adapter_page_ins_total"] >= 1 and m["mlc_lora_adapter_host_bytes"] > 0
+    assert m["mlc_lora_adapter_host_bytes"] > 0
+    # a4 loaded while the pool is full gets no pages, so its host copy is dropped (budget 0) and its
+    # request reads the folder again. If the last streams freed pages while its folder was being
+    # read, the load took them and the request finds it resident (nothing evicts it meanwhile).
+    if after['mlc_lora_adapters{state="resident"}'] > busy['mlc_lora_adapters{state="resident"}']:
+        assert hits == {"device": 64 + 1, "host": 0, "disk": 0}
+    else:
+        assert hits["disk"] >= 1
+        assert m["mlc_lora_adapter_disk_reads_total"] >= 1 and m["mlc_lora_adapter_host_drops_total"] >= 1
+        assert m["mlc_lora_adapter_page_ins_total"] >= 1
     lead = m["mlc_lora_adapter_prefetch_lead_seconds_count"]
     assert lead <= m["mlc_lora_adapter_prefetch_page_ins_total"]
     assert m['mlc_lora_adapter_prefetch_lead_seconds_bucket{le="+Inf"}'] == lead
