@@ -191,6 +191,19 @@ ffi::Map<ffi::String, ffi::Any> AdapterStore::Info(int64_t id) const {
   });
 }
 
+std::vector<int64_t> AdapterStore::PagesToRun(const std::vector<int64_t>& ids) const {
+  return Guard([&] {
+    std::vector<int64_t> out;
+    out.reserve(ids.size());
+    for (int64_t id : ids) {
+      const bool kept =
+          pool_->AdapterResident(id) && (pool_->AdapterPinned(id) || pool_->AdapterRefs(id) > 0);
+      out.push_back(kept ? 0 : pool_->AdapterNumPages(id));
+    }
+    return out;
+  });
+}
+
 void AdapterStore::CheckInvariants() const {
   for (const auto& [id, h] : host_) {
     if (!pool_->HasAdapter(id)) TVM_FFI_THROW(InternalError) << "stale host copy " << id;

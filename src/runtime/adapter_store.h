@@ -106,6 +106,10 @@ class AdapterStore {
   int64_t rank_total() const { return rank_total_; }
 
   tvm::ffi::Map<tvm::ffi::String, tvm::ffi::Any> Info(int64_t id) const;
+  /*! \brief For each adapter, the pages a batch must find for it: none if it is resident and kept
+   *  (pinned, or held by a sequence), else all of its pages (an idle resident one stops being
+   *  evictable). One call for a whole batch's adapters: the scheduler's per-step question. */
+  std::vector<int64_t> PagesToRun(const std::vector<int64_t>& ids) const;
   /*! \brief Every host copy belongs to an adapter the pool has; throws InternalError if not. */
   void CheckInvariants() const;
 

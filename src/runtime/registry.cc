@@ -274,6 +274,11 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_stats", [](Ref kv) { return Pool(kv)->Stats(); })
       .def("mlc_lora.runtime.pool_adapter_info",
            [](Ref kv, int64_t id) { return Pool(kv)->adapters().Info(id); })
+      .def("mlc_lora.runtime.pool_adapter_pages_to_run",
+           [](Ref kv, const ffi::Shape& ids) {
+             std::vector<int64_t> v = Pool(kv)->adapters().PagesToRun({ids.begin(), ids.end()});
+             return ffi::Shape(v.begin(), v.end());
+           })
       .def("mlc_lora.runtime.pool_sequence_pages",
            [](Ref kv, int64_t seq) { return Pool(kv)->SequencePages(seq); })
       .def("mlc_lora.runtime.pool_check_invariants", [](Ref kv) { Pool(kv)->CheckInvariants(); })

@@ -382,12 +382,11 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
         free = self.pool.available_pages()
         return free + (self.pool.stats().evictable_pages if self.runner.lora is not None else 0)
 
-    def pages_to_run(self, slot: int) -> int:
-        """Pages a batch must find for adapter `slot`: all of them unless it is resident and kept
-        (pinned, or held by a running sequence); an idle resident one stops being evictable."""
-        info = self.pool.adapter_info(slot)
-        kept = info.resident and (info.pinned or info.refs > 0)
-        return 0 if kept else info.num_pages
+    def pages_to_run(self, slots: list[int]) -> list[int]:
+        """Pages a batch must find for each adapter of `slots`: all of them unless it is resident
+        and kept (pinned, or held by a running sequence); an idle resident one stops being
+        evictable. One pool call for all (each step asks it for every running adapter)."""
+        return self.pool.adapter_pages_to_run(slots) if slots else []
 
     def exhausted(self, seq: Sequence) -> PoolExhaustedError:
         s = self.pool.stats()

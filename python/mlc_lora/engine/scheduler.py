@@ -207,7 +207,7 @@ class Scheduler:
 
     def __init__(self, free_pages: Callable[[], int], add_sequence: Callable[[int], None],
                  remove_sequence: Callable[[int], None], max_num_seqs: int, max_step_tokens: int,
-                 adapter_pages: Optional[Callable[[int], int]] = None, one_adapter_per_batch: bool = False,
+                 adapter_pages: Optional[Callable[[list], list]] = None, one_adapter_per_batch: bool = False,
                  fair_share: bool = False,
                  prefix_lookup: Optional[Callable[[Sequence], tuple[int, int]]] = None,
                  prefix_attach: Optional[Callable[[Sequence], int]] = None,
@@ -216,8 +216,9 @@ class Scheduler:
                  max_loras: Optional[int] = None):
         """The pool's side: `free_pages()` counts the pages a batch can take (LoRA: with those idle
         adapters and cached prefixes would give back), `add_sequence` / `remove_sequence` take and
-        drop a sequence's place in it, `adapter_pages(slot)` is what a batch must find for an
-        adapter (its pages unless resident and held by a running sequence); `one_adapter_per_batch`
+        drop a sequence's place in it, `adapter_pages(slots)` is what a batch must find for each
+        adapter (its pages unless resident and held by a running sequence; one call for the
+        running adapters of a step); `one_adapter_per_batch`
         for stage-1 (`single`) libraries; `fair_share`: admission by the virtual token counter
         (module doc). The prefix cache: `prefix_lookup(seq)` gives the cached tokens a waiting
         sequence would start after and how many of their pages are idle (taking them costs free
@@ -230,7 +231,7 @@ class Scheduler:
             raise ValueError(f"max_loras must be a positive integer or None, not {max_loras!r}")
         self.max_loras = max_loras
         self.free_pages = free_pages
-        self.adapter_pages = adapter_pages or (lambda a: 0)
+        self.adapter_pages = adapter_pages or (lambda slots: [0] * len(slots))
         self.prefix_lookup = prefix_lookup
         self.prefix_attach = prefix_attach
         self.adapter_ready = adapter_ready or (lambda a: True)
@@ -374,17 +375,24 @@ class Scheduler:
         only = self._pick_adapter() if self.one_adapter else None
         fits = lambda s: not self.one_adapter or s.adapter_slot in (None, only)  # noqa: E731
         charged: set = set()  # adapters whose pages this batch already counts
+        decodes = [s for s in self.running if s.num_cached == s.num_tokens - 1 and fits(s)]
+        slots = list(dict.fromkeys(s.adapter_slot for s in decodes if s.adapter_slot is not None))
+        known = dict(zip(slots, self.adapter_pages(slots)))  # one pool call for the running adapters
 
         def cost(seq: Sequence) -> int:
             a = seq.adapter_slot
-            return 0 if a is None or a in charged else self.adapter_pages(a)
+            if a is None or a in charged:
+                return 0
+            if a not in known:
+                known[a] = self.adapter_pages([a])[0]
+            return known[a]
 
         used = 0  # pages this batch takes (KV and adapters paged in or kept from eviction)
         free = self.free_pages()
         budget = self.max_step_tokens
         rows: list[tuple[Sequence, list[int]]] = []
         # 1. decodes, oldest first; when pages run out, preempt the newest sequence not in the batch
-        for seq in [s for s in self.running if s.num_cached == s.num_tokens - 1 and fits(s)]:
+        for seq in decodes:
             if seq.status != Status.RUNNING:
                 continue  # preempted for an older one
             need = new_pages(seq.num_cached, 1) + cost(seq)
@@ -394,6 +402,7 @@ class Scheduler:
                     self.reject(seq)
                     break
                 self.preempt(victim)
+                known.clear()  # its adapter may have lost its last running sequence (no longer kept)
                 if victim is seq:
                     break
                 free = self.free_pages() - used

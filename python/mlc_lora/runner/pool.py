@@ -49,6 +49,7 @@ POOL_LORA_NUM_SLOTS = "mlc_lora.runtime.pool_lora_num_slots"
 POOL_LORA_RANK_TOTAL = "mlc_lora.runtime.pool_lora_rank_total"
 POOL_STATS = "mlc_lora.runtime.pool_stats"
 POOL_ADAPTER_INFO = "mlc_lora.runtime.pool_adapter_info"
+POOL_ADAPTER_PAGES_TO_RUN = "mlc_lora.runtime.pool_adapter_pages_to_run"
 POOL_SEQUENCE_PAGES = "mlc_lora.runtime.pool_sequence_pages"
 POOL_CHECK_INVARIANTS = "mlc_lora.runtime.pool_check_invariants"
 POOL_POISON_FREE_PAGES = "mlc_lora.runtime.pool_poison_free_pages"
@@ -329,6 +330,11 @@ class Pool(abc.ABC):
 
     def adapter_info(self, slot: int) -> AdapterInfo:
         return AdapterInfo.from_runtime(self._value(POOL_ADAPTER_INFO, slot))
+
+    def adapter_pages_to_run(self, slots: Sequence[int]) -> list[int]:
+        """For each adapter, the pages a batch must find for it: 0 if it is resident and kept (pinned
+        or held by a sequence), else all of its pages. One runtime call for all of them."""
+        return list(self._value(POOL_ADAPTER_PAGES_TO_RUN, _tvm().get_global_func("ffi.Shape")(*slots)))
 
     def stats(self) -> PoolStats:
         return PoolStats.from_runtime(self._value(POOL_STATS))

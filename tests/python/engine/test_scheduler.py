@@ -39,9 +39,9 @@ class FakePool:
     def available_pages(self) -> int:
         return self.free() + self.evictable()
 
-    def pages_to_run(self, slot: int) -> int:
-        a = self.adapters[slot]
-        return 0 if a["resident"] and (a["pinned"] or a["refs"] > 0) else a["pages"]
+    def pages_to_run(self, slots: list[int]) -> list[int]:
+        return [0 if a["resident"] and (a["pinned"] or a["refs"] > 0) else a["pages"]
+                for a in (self.adapters[s] for s in slots)]
 
     def add_sequence(self, seq: Sequence) -> None:
         self.admitted.append(seq.seq_id)

@@ -362,3 +362,21 @@ def test_poison_fills_the_free_pages_only(runner):
                 np.testing.assert_array_equal(after[page], before[page])
             else:
                 assert np.isnan(after[page]).all(), (layer, p)
+
+
+def test_pages_to_run_in_one_call(runner):
+    """pool.adapter_pages_to_run: 0 for a resident adapter that is pinned or held by a sequence,
+    else all its pages (idle resident: a batch keeps it from eviction); an unknown id is refused."""
+    L, E = geometry(runner)
+    pool = new_pool(runner)
+    for aid, n, pin in ((1, 2, True), (2, 3, False), (3, 1, False)):
+        pool.load_packed_adapter(aid, make_adapter(aid, L, E, n, rank=2), pin)
+    pool.add_sequence(0)
+    pool.set_sequence_adapter(0, 3)
+    assert pool.adapter_pages_to_run([1, 2, 3]) == [0, 3, 0]
+    pool.set_sequence_adapter(0, None)
+    assert pool.adapter_pages_to_run([3, 2, 1]) == [1, 3, 0]
+    assert [pool.adapter_pages_to_run([a])[0] for a in (1, 2, 3)] == [
+        0 if (i := pool.adapter_info(a)).resident and (i.pinned or i.refs) else i.num_pages for a in (1, 2, 3)]
+    with pytest.raises(ValueError):
+        pool.adapter_pages_to_run([99])
