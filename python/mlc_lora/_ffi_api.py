@@ -15,6 +15,7 @@ pool_set_adapter_host(kv, id, pages, a_off, b_off, rank, scale)   hand it back (
 pool_prefetch_adapter(kv, id, keep, protect)   page in ahead of a batch if room -> resident;
                                            protect: (adapter or -1, n, n tokens) per request: their prefixes stay
 pool_resident_adapters(kv)                 ids of the adapters that hold their pages
+pool_adapter_pages_to_run(kv, ids)         pages a batch must find for each (0: resident and pinned or in use)
 pool_set_sequence_adapter(kv, seq, id)     -1: base model
 pool_lora_tables(kv)                       the batch's tables, contract.LORA_TABLE_INPUTS order
 pool_lora_num_slots(kv)                    distinct adapters of the batch (0: base model only)
