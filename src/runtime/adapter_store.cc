@@ -195,11 +195,7 @@ std::vector<int64_t> AdapterStore::PagesToRun(const std::vector<int64_t>& ids) c
   return Guard([&] {
     std::vector<int64_t> out;
     out.reserve(ids.size());
-    for (int64_t id : ids) {
-      const bool kept =
-          pool_->AdapterResident(id) && (pool_->AdapterPinned(id) || pool_->AdapterRefs(id) > 0);
-      out.push_back(kept ? 0 : pool_->AdapterNumPages(id));
-    }
+    for (int64_t id : ids) out.push_back(pool_->AdapterPagesToRun(id));
     return out;
   });
 }

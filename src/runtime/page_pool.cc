@@ -91,7 +91,7 @@ PoolStats PagePool::Stats() const {
     if (a.pinned) s.pinned += a.n_pages;
     if (!a.resident) continue;
     ++s.resident_adapters;
-    if (!a.pinned && a.refs == 0) s.evictable += a.n_pages;
+    if (a.idle()) s.evictable += a.n_pages;
   }
   return s;
 }
@@ -282,8 +282,7 @@ PagePool::EvictionPlan PagePool::PlanEviction(int64_t need, const std::vector<in
   if (need <= num_free()) return plan;
   std::vector<std::pair<uint64_t, int64_t>> idle;  // (last use, id)
   for (const auto& [id, a] : adapters_) {
-    if (a.resident && !a.pinned && a.refs == 0 &&
-        std::find(keep.begin(), keep.end(), id) == keep.end()) {
+    if (a.idle() && std::find(keep.begin(), keep.end(), id) == keep.end()) {
       idle.emplace_back(a.last_use, id);
     }
   }

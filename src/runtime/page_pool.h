@@ -127,6 +127,12 @@ class PagePool {
   bool PinAdapter(int64_t adapter, bool pinned, std::vector<int64_t>* evicted);
   bool HasAdapter(int64_t adapter) const { return adapters_.count(adapter) != 0; }
   bool AdapterResident(int64_t adapter) const { return GetAdapter(adapter).resident; }
+  /*! \brief The pages a batch must find for the adapter: none if it is resident and kept (pinned
+   *  or used by a sequence), else all of them (an idle one stops being evictable). */
+  int32_t AdapterPagesToRun(int64_t adapter) const {
+    const Adapter& a = GetAdapter(adapter);
+    return a.resident && !a.idle() ? 0 : a.n_pages;
+  }
   bool AdapterPinned(int64_t adapter) const { return GetAdapter(adapter).pinned; }
   int64_t AdapterRefs(int64_t adapter) const { return GetAdapter(adapter).refs; }
   int32_t AdapterNumPages(int64_t adapter) const { return GetAdapter(adapter).n_pages; }
@@ -179,6 +185,8 @@ class PagePool {
     bool unloading = false;
     int64_t refs = 0;
     uint64_t last_use = 0;
+    /*! \brief Resident, unpinned and used by no sequence: its pages may be evicted. */
+    bool idle() const { return resident && !pinned && refs == 0; }
   };
   /*! \brief A keyed KV page (prefix cache). */
   struct CachedPage {
