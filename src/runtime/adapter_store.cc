@@ -304,9 +304,7 @@ void AdapterStore::CopyIn(int64_t id) {
     copying_.insert(id);
   }
   for (int64_t l = 0; l < g_.num_layers; ++l) {
-    for (int32_t j = 0; j < h.n_pages;) {  // one copy per run of consecutive page ids
-      int32_t run = 1;
-      while (j + run < h.n_pages && pages[j + run] == pages[j] + run) ++run;
+    ForEachPageRun(pages, [&](int64_t j, int64_t run) {
       int64_t n = run * g_.page_elems;
       DLTensor src = *h.pages.operator->();
       src.ndim = 1;
@@ -318,8 +316,7 @@ void AdapterStore::CopyIn(int64_t id) {
       dst.strides = nullptr;
       dst.byte_offset = (l * g_.num_pages + pages[j]) * eb;
       Tensor::CopyFromTo(&src, &dst, copy_stream_);
-      j += run;
-    }
+    });
   }
   if (api != nullptr) api->SyncStreamFromTo(g_.device, copy_stream_, compute);
 }

@@ -40,6 +40,18 @@ tvm::runtime::Tensor View(const tvm::runtime::Tensor& base, int64_t byte_offset,
  */
 void UploadAsync(const tvm::runtime::Tensor& dst, const void* src, int64_t bytes);
 
+/*! \brief Calls f(i, n) for each run ids[i .. i + n) of consecutive page ids, in order: one copy
+ *  per run where pages are copied. */
+template <typename F>
+void ForEachPageRun(const std::vector<int32_t>& ids, F f) {
+  for (size_t i = 0; i < ids.size();) {
+    size_t n = 1;
+    while (i + n < ids.size() && ids[i + n] == ids[i] + static_cast<int32_t>(n)) ++n;
+    f(static_cast<int64_t>(i), static_cast<int64_t>(n));
+    i += n;
+  }
+}
+
 /*! \brief First element of a host tensor (DLPack producers may set byte_offset). */
 template <typename T>
 const T* HostData(const tvm::ffi::TensorView& t) {

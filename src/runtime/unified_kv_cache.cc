@@ -126,23 +126,15 @@ void UnifiedKVCacheObj::PoisonFreePages() {
   std::vector<int32_t> ids = pool_.free_pages();
   std::sort(ids.begin(), ids.end());
   const int64_t page_bytes = page_elems_ * Bytes(cfg_.dtype);
-  std::vector<std::pair<int32_t, int32_t>> runs;  // (first page, count) of consecutive ids
-  for (int32_t p : ids) {
-    if (!runs.empty() && runs.back().first + runs.back().second == p) {
-      ++runs.back().second;
-    } else {
-      runs.emplace_back(p, 1);
-    }
-  }
-  int32_t longest = 0;
-  for (const auto& r : runs) longest = std::max(longest, r.second);
+  int64_t longest = 0;  // one host buffer for the longest run
+  ForEachPageRun(ids, [&](int64_t, int64_t n) { longest = std::max(longest, n); });
   const std::vector<uint8_t> nan(longest * page_bytes, 0xFF);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-    for (const auto& [first, count] : runs) {
-      const int64_t offset = (l * cfg_.num_pages + first) * page_bytes;
-      UploadAsync(View(arena_, offset, {count * page_bytes}, DLDataType{kDLUInt, 8, 1}), nan.data(),
-                  count * page_bytes);
-    }
+    ForEachPageRun(ids, [&](int64_t i, int64_t n) {
+      const int64_t offset = (l * cfg_.num_pages + ids[i]) * page_bytes;
+      UploadAsync(View(arena_, offset, {n * page_bytes}, DLDataType{kDLUInt, 8, 1}), nan.data(),
+                  n * page_bytes);
+    });
   }
 }
 
