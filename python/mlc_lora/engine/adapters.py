@@ -13,7 +13,7 @@ those page-ins; `host_bytes` budgets them (LRU among adapters without pages, no 
 and a dropped copy is read again from its folder on next use. Disk: the folder. Loading reads the
 folder and keeps the host copy; it takes pages at once only where the pool has room, else when a
 request needs them, so a busy pool never refuses a load. With `prefetch`, the adapters of waiting
-requests are read by a worker thread (disk -> host) and paged in between steps (host -> device)
+requests are read by reader threads (disk -> host) and paged in between steps (host -> device)
 before their requests are scheduled; without it, both happen on the step that admits the request.
 """
 
@@ -66,7 +66,7 @@ class Adapter:  # pylint: disable=too-many-instance-attributes
     users: int = 0  # engine sequences on it
     unloading: bool = False
     on_host: bool = True  # the pool keeps its host copy
-    reading: bool = False  # the reader thread is reading its folder
+    reading: bool = False  # a reader thread is reading its folder
     read_error: Optional[MLCLoraError] = None  # its folder could not be read again
     last_use: int = 0  # host tier LRU clock
 
@@ -179,7 +179,7 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
 
     def attach(self, seq: Sequence) -> None:
         """Take the sequence's adapter (by its name): `seq.adapter_slot` is its pool slot from now on.
-        Counts the tier the adapter was found in; one only on disk is read (prefetch: now, by the
+        Counts the tier the adapter was found in; one only on disk is read (prefetch: now, by a
         reader thread)."""
         if seq.adapter_name is None:
             return
@@ -318,7 +318,7 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
 
     def _prefetch(self, waiting: Iterable[Sequence], num_running: int, free_slots: int) -> None:
         """Read the adapters of the first PREFETCH_WINDOW waiting requests that are only on disk (the
-        reader thread), and page in pinned adapters without pages and those of the next `free_slots`
+        reader threads), and page in pinned adapters without pages and those of the next `free_slots`
         requests to be admitted, while the pool keeps a page for each running sequence's next token
         and one for the request's own KV; never evicting an adapter the window wants. Requests that
         cannot be admitted yet get no pages: KV growth would evict them again before they run.

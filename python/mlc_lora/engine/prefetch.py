@@ -1,8 +1,8 @@
-"""What the engine does for adapters off its step: a worker thread that reads adapter folders
+"""What the engine does for adapters off its step: worker threads that read adapter folders
 (disk -> host tier) while the engine steps, and the histogram of prefetch lead times.
 
 The engine thread submits reads and takes their results between steps (AdapterTable in
-adapters.py); the worker touches no engine or pool state, only the folder and `read`.
+adapters.py); the workers touch no engine or pool state, only the folder and `read`.
 """
 
 from __future__ import annotations
@@ -10,28 +10,38 @@ from __future__ import annotations
 import bisect
 import queue
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 # upper bounds (seconds) of the prefetch lead-time histogram's buckets; the last bucket is +Inf
 LEAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
+# reader threads: a request whose adapter's host copy was dropped waits for its own read, not for
+# every read queued ahead of it (reading and packing let go of the GIL)
+READ_WORKERS = 4
+
 
 class AdapterReader:
-    """One daemon thread running `read(folder, name)` for each submitted (slot, folder, name);
-    `take()` hands back the finished (slot, result or exception) pairs. Started on first use."""
+    """`workers` daemon threads running `read(folder, name)` (which must be thread-safe) for each
+    submitted (slot, folder, name); `take()` hands back the finished (slot, result or exception)
+    pairs, in the order they finish. Started on first use."""
 
-    def __init__(self, read: Callable[[str, str], Any]):
+    def __init__(self, read: Callable[[str, str], Any], workers: int = READ_WORKERS):
+        if workers < 1:
+            raise ValueError(f"an adapter reader needs at least one worker, got {workers}")
         self._read = read
+        self.workers = workers
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: list[tuple[int, Any]] = []
         self._cv = threading.Condition()
-        self._thread: Optional[threading.Thread] = None
+        self._threads: list[threading.Thread] = []
         self.pending = 0  # submitted, not yet taken
 
     def submit(self, slot: int, folder: str, name: str) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mlc_lora-adapter-reader", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._run, name=f"mlc_lora-adapter-reader-{i}", daemon=True)
+                             for i in range(self.workers)]
+            for t in self._threads:
+                t.start()
         self.pending += 1
         self._todo.put((slot, folder, name))
 
