@@ -10,6 +10,7 @@
       and the resident (CUDA: also device) memory each plan added after warm-up.
 
   python scripts/soak.py engine MODEL_DIR [--minutes 60] [--device cpu] [--adapters 4] [--json OUT]
+                                          [--random-weights]
       LLMEngine under steady varied traffic for --minutes: prompts of random lengths, requests on
       random adapters (seeded random PEFT adapters of rank 4..16) and on the base model, some
       aborted mid-stream (a client that went away), an adapter unloaded and loaded again and one
@@ -31,6 +32,10 @@
 
 MODEL_DIR: a compiled folder (the engine mode needs one compiled with LoRA, e.g.
 `mlc_lora compile smollm2-135m -o DIR --target llvm --max-lora-rank 16 --lora-pool-pages 256`).
+With --random-weights (engine mode; needs torch) MODEL_DIR is a library without weights, such as
+DIR/lora of `python scripts/bench_lora_throughput.py compile --out DIR` (a Llama-2-7B-shaped model
+for a GPU): seeded random weights are made on --device, e.g.
+`python scripts/soak.py engine DIR/lora --random-weights --device cuda`.
 """
 
 from __future__ import annotations
@@ -316,22 +321,43 @@ def idle_problems(stats: dict, listed: list[dict]) -> list[str]:
     return out
 
 
+def random_params(model_dir, device: str, seed: int) -> list:
+    """Seeded random weights for the library in `model_dir` (compiled without a params file, as
+    scripts/bench_lora_throughput.py compiles), made with torch on `device`: the engine's `params`."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from harness import cli  # pylint: disable=import-outside-toplevel
+    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
+
+    if device != "cpu":
+        cli.gpu_runtime()
+    cfg = json.loads((Path(model_dir) / CONFIG_FILE).read_text())
+    weights = random_model.make_params(cfg, torch, device, seed=seed)
+    if device != "cpu":
+        torch.cuda.synchronize()  # written before the engine reads them
+    return random_model.lib_params(weights, cfg)  # views that keep the tensors alive (DLPack)
+
+
 def soak(model_dir, device: str = "cpu", *, minutes: float = 0.0, rounds: int = 0, warmup_rounds: int = 2,
          adapters: int = 4, requests: int = 24, max_prompt: int = 0, max_tokens: int = 24, seed: int = 0,
-         log=print, trim: bool = False, heap_stats: bool = False, at_end=None) -> list[dict]:
+         log=print, trim: bool = False, heap_stats: bool = False, random_weights: bool = False,
+         at_end=None) -> list[dict]:
     """Rounds of `traffic_round` on an AsyncMLCEngine until `rounds` (or `minutes`) have passed; each
     round's outcome counts, tokens per second, resident (and device) memory, idle problems. `trim`:
     malloc_trim(0) before reading memory (the row also keeps the RSS before it, `rss_untrimmed_mb`);
-    `heap_stats`: the C heap's bytes in use and free (mallinfo2). `at_end()` runs after the last
-    round while the engine is still up."""
+    `heap_stats`: the C heap's bytes in use and free (mallinfo2); `random_weights`: `model_dir` has
+    no weights, `random_params` makes them. `at_end()` runs after the last round while the engine
+    is still up."""
     import asyncio  # pylint: disable=import-outside-toplevel
     import gc  # pylint: disable=import-outside-toplevel
 
+    params = random_params(model_dir, device, seed) if random_weights else None  # (torch before TVM)
     from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
 
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
-    with AsyncMLCEngine(str(model_dir), device) as eng:
+    with AsyncMLCEngine(str(model_dir), device, params=params) as eng:
         made = random_adapters(eng.engine.runner, adapters, seed)
         max_prompt = max_prompt or eng.engine.runner.compiled.prefill_chunk_size
 
@@ -431,7 +457,8 @@ def engine_main(args) -> int:
 
     rows = soak(args.model_dir, args.device, minutes=args.minutes, rounds=args.rounds, adapters=args.adapters,
                 requests=args.requests, max_prompt=args.max_prompt, max_tokens=args.max_tokens, seed=args.seed,
-                log=log, trim=args.malloc_trim, heap_stats=args.heap_stats, at_end=at_end)
+                log=log, trim=args.malloc_trim, heap_stats=args.heap_stats, random_weights=args.random_weights,
+                at_end=at_end)
     after = [r for r in rows if not r["warmup"]]
     growth = max(r["rss_mb"] for r in after) - after[0]["rss_mb"] if after else 0.0
     bad = [r for r in rows if r["problems"]]
@@ -482,6 +509,9 @@ def main() -> int:
     e.add_argument("--malloc-trim", action="store_true",
                    help="glibc malloc_trim(0) before each memory reading (free heap back to the system)")
     e.add_argument("--heap-stats", action="store_true", help="print the C heap's MB in use and free (mallinfo2)")
+    e.add_argument("--random-weights", action="store_true",
+                   help="MODEL_DIR has no weights (bench_lora_throughput.py compile): make seeded random ones "
+                        "on --device with torch")
     e.add_argument("--trace-python", type=int, default=0, metavar="N",
                    help="tracemalloc: the N lines (and object types) that grew most from warm-up to the end")
     args = p.parse_args()

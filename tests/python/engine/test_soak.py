@@ -85,3 +85,24 @@ def test_cpu_runner_hands_large_freed_buffers_back(tiny_lora):
     r = subprocess.run([sys.executable, "-c", _HANDS_BACK, str(tiny_lora)], capture_output=True, text=True,
                        timeout=300, check=False, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_soak_random_weights_on_a_library_without_weights(tmp_path, monkeypatch):
+    """`soak.py engine --random-weights`: the LoRA library of `bench_lora_throughput.py compile`
+    (no params file; here its 2-layer smoke model for llvm), its weights made with torch. One round
+    after the two warm-up rounds: requests are served and the pool ends idle."""
+    import json  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import bench_lora_throughput  # pylint: disable=import-outside-toplevel
+
+    assert bench_lora_throughput.main(["compile", "--smoke", "--target", "llvm", "--out", str(tmp_path / "libs"),
+                                       "--libs", "lora"]) == 0
+    out = tmp_path / "soak.json"
+    monkeypatch.setattr(sys, "argv", ["soak.py", "engine", str(tmp_path / "libs" / "lora"), "--random-weights",
+                                      "--device", "cpu", "--rounds", "1", "--minutes", "0", "--json", str(out)])
+    assert soak.main() == 0
+    rows = json.loads(out.read_text())["rounds"]
+    assert len(rows) == 3 and not rows[-1]["warmup"]
+    for r in rows:
+        assert r["served"] > 0 and r["problems"] == [], r
