@@ -339,6 +339,16 @@ def random_params(model_dir, device: str, seed: int) -> list:
     return random_model.lib_params(weights, cfg)  # views that keep the tensors alive (DLPack)
 
 
+def longest_prompt(chunk: int, max_seq_len: int, max_tokens: int, asked: int = 0) -> int:
+    """The longest prompt of the traffic: `asked` (0: one prefill chunk), no more than the context
+    leaves beside `max_tokens` of output (a library whose chunk is its whole context, as the 7B
+    benchmark's 4096, would otherwise send prompts the engine must refuse)."""
+    room = max_seq_len - max_tokens
+    if room < 1:
+        raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt in the context of {max_seq_len} tokens")
+    return min(asked or chunk, room)
+
+
 def soak(model_dir, device: str = "cpu", *, minutes: float = 0.0, rounds: int = 0, warmup_rounds: int = 2,
          adapters: int = 4, requests: int = 24, max_prompt: int = 0, max_tokens: int = 24, seed: int = 0,
          log=print, trim: bool = False, heap_stats: bool = False, random_weights: bool = False,
@@ -359,7 +369,8 @@ def soak(model_dir, device: str = "cpu", *, minutes: float = 0.0, rounds: int = 
     rows: list[dict] = []
     with AsyncMLCEngine(str(model_dir), device, params=params) as eng:
         made = random_adapters(eng.engine.runner, adapters, seed)
-        max_prompt = max_prompt or eng.engine.runner.compiled.prefill_chunk_size
+        max_prompt = longest_prompt(eng.engine.runner.compiled.prefill_chunk_size, eng.engine.max_seq_len,
+                                    max_tokens, max_prompt)
 
         async def run() -> None:
             for i, (name, a) in enumerate(made.items()):
@@ -501,7 +512,7 @@ def main() -> int:
     e.add_argument("--device", default="cpu")
     e.add_argument("--adapters", type=int, default=4)
     e.add_argument("--requests", type=int, default=24, help="requests per round")
-    e.add_argument("--max-prompt", type=int, default=0, help="longest prompt (default: the prefill chunk)")
+    e.add_argument("--max-prompt", type=int, default=0, help="longest prompt (default and at most: the prefill chunk, or the context less --max-tokens)")
     e.add_argument("--max-tokens", type=int, default=24)
     e.add_argument("--rss-margin-mb", type=float, default=64.0)
     e.add_argument("--seed", type=int, default=0)

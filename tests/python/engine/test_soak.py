@@ -106,3 +106,14 @@ def test_soak_random_weights_on_a_library_without_weights(tmp_path, monkeypatch)
     assert len(rows) == 3 and not rows[-1]["warmup"]
     for r in rows:
         assert r["served"] > 0 and r["problems"] == [], r
+
+
+def test_longest_prompt_leaves_room_for_the_output():
+    """The 7B benchmark library's prefill chunk is its whole context (4096): prompts of one chunk
+    plus 24 output tokens were refused by the engine and ended the soak at its first round."""
+    assert soak.longest_prompt(4096, 4096, 24) == 4072
+    assert soak.longest_prompt(64, 512, 24) == 64
+    assert soak.longest_prompt(64, 512, 24, asked=300) == 300
+    assert soak.longest_prompt(4096, 4096, 24, asked=5000) == 4072
+    with pytest.raises(ValueError, match="no room for a prompt"):
+        soak.longest_prompt(64, 32, 32)
