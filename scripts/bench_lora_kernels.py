@@ -307,10 +307,11 @@ def _sgmv_cuda(pb: Linear):
     shrink = _fn(pb.env.lib, fname("cshrink", p.dtype, p.R, p.in_f, p.out_f))
     expand = _fn(pb.env.lib, fname("cexpand", p.dtype, p.R, p.in_f, p.out_f))
     v = t.empty((p.T, 1, -(-p.in_f // 512), p.R), dtype=t.float32, device=pb.env.device)
+    order, _ = _sorted_tables(t, pb.slot, p.N, pb.env.device)  # the tiling order, as the pool gives it
 
     def call(c):
-        shrink(pb.x[c], pb.arena, pb.slot, pb.rank, pb.scale, pb.a_off[c], 0, v)
-        expand(v, pb.arena, pb.slot, pb.rank, pb.scale, pb.b_off[c], 0, pb.y[c])  # y += delta
+        shrink(pb.x[c], pb.arena, pb.slot, order, pb.rank, pb.scale, pb.a_off[c], 0, v)
+        expand(v, pb.arena, pb.slot, order, pb.rank, pb.scale, pb.b_off[c], 0, pb.y[c])  # y += delta
     return call
 
 
@@ -457,13 +458,14 @@ def _layer_cuda(lp: Layer):
     fns = {name: (_fn(lib, lname("shrink", name, lp.dtype, lp.R)), _fn(lib, lname("expand", name, lp.dtype, lp.R)),
                   t.empty((lp.T, len(parts), -(-lp.layer[name][0] // 512), lp.R), dtype=t.float32, device=lp.env.device))
            for name, parts in lp.mods.items()}
+    order, _ = _sorted_tables(t, lp.slot, lp.N, lp.env.device)  # the tiling order, as the pool gives it
 
     def call(c):
         lp.base(c)
         a, b = lp.t7[c]
         for name, (shrink, expand, v) in fns.items():
-            shrink(lp.x[name][c], lp.arena, lp.slot, lp.rank, lp.scale7, a, 0, v)
-            expand(v, lp.arena, lp.slot, lp.rank, lp.scale7, b, 0, lp.y[name][c])
+            shrink(lp.x[name][c], lp.arena, lp.slot, order, lp.rank, lp.scale7, a, 0, v)
+            expand(v, lp.arena, lp.slot, order, lp.rank, lp.scale7, b, 0, lp.y[name][c])
     return call
 
 

@@ -14,13 +14,17 @@
 // sit side by side in y); part p is module mp[p] of the tables (-1: no module, nothing added).
 // Semantics, for s = slot[t] >= 0, m = mp[p] >= 0, scale[s, m] != 0 and k < rank[s]:
 //   shrink: v[t, p, c, k] = scale[s, m] * sum_{i in chunk c} x[t, i] * A[s, m][k, i]; 0 elsewhere.
+//           (The results do not depend on `order`, which only says how tokens are tiled.)
 //           v (n, P, C, R) fp32.
 //   expand: y[t, o_p + j] += sum_k (sum_c v[t, p, c, k]) * B[s, m]^T[k, j] for j < w[p], in place
 //           (o_p = w[0] + .. + w[p-1]); y (n, W) untouched elsewhere, W = sum of w.
 //
-// Tokens come in any order on any slot. A block owns a tile of TILE tokens and walks the
-// tile's distinct slots: each adapter row is read once per block (16-byte loads where the row
-// is 16-byte aligned, scalar loads otherwise) and applied to every tile token on that slot.
+// Tokens come in any order on any slot. The blocks walk them in `order` (any permutation of
+// 0..n-1; the pool's lora_token_order sorts them by slot, so a tile holds one or a few slots and
+// each adapter's rows are read by about one tile instead of by every tile its tokens fall in):
+// a block owns TILE consecutive positions of `order` and walks the tile's distinct slots; each
+// adapter row is read once per block (16-byte loads where the row is 16-byte aligned, scalar
+// loads otherwise) and applied to every tile token on that slot.
 // The grid depends only on the token count and the layer shape (CUDA graphs). Decode-sized
 // launches are latency-bound, so the kernels keep their chains of dependent global loads short
 // (slot -> rank/scale -> offsets -> rows) and blocks with nothing to do leave early.
@@ -149,19 +153,21 @@ __device__ __forceinline__ int nth_bit(uint32_t bits, int j) {
 // the warp reduces each dot.
 extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
     MLC_CAT(mlc_lora_sgmv_shrink_, MLC_SUFFIX)(const T* __restrict__ x, const T* __restrict__ arena,
-                         const int* __restrict__ slot, const int* __restrict__ rank,
-                         const float* __restrict__ scale, const int* __restrict__ a_off,
-                         float* __restrict__ v, int n, int in_f, int P, int m0, int m1, int m2,
+                         const int* __restrict__ slot, const int* __restrict__ order,
+                         const int* __restrict__ rank, const float* __restrict__ scale,
+                         const int* __restrict__ a_off, float* __restrict__ v, int n, int in_f, int P, int m0, int m1, int m2,
                          int num_modules, int64_t base) {
   __shared__ __align__(16) T xs[TILE][CHUNK];
-  __shared__ int tok_slot[TILE], tok_rank[TILE], d_lead[TILE], d_pre[TILE + 1], nd;
+  __shared__ int tok_id[TILE], tok_slot[TILE], tok_rank[TILE], d_lead[TILE], d_pre[TILE + 1], nd;
   __shared__ uint32_t tok_parts[TILE], mask[TILE], d_mask[TILE];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int t0 = blockIdx.x * TILE, c = blockIdx.y, C = gridDim.y;
   const int i0 = c * CHUNK, len = min(CHUNK, in_f - i0);
 
   if (tid < TILE) {
-    const int s = t0 + tid < n ? slot[t0 + tid] : -1;
+    const int id = t0 + tid < n ? order[t0 + tid] : -1;  // the token at this tile position
+    const int s = id >= 0 ? slot[id] : -1;
+    tok_id[tid] = id;
     uint32_t parts = 0;
     int r = 0;
     if (s >= 0) {
@@ -183,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
     for (int e = tid; e < nt * P * R; e += SHRINK_THREADS) {
       const int t = e / (P * R), p = e / R % P, k = e % R;
       if (k >= tok_rank[t] || !(tok_parts[t] >> p & 1))
-        v[((static_cast<int64_t>(t0 + t) * P + p) * C + c) * R + k] = 0.f;
+        v[((static_cast<int64_t>(tok_id[t]) * P + p) * C + c) * R + k] = 0.f;
     }
   }
   if (tid == 0) {
@@ -200,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
   for (int e = tid; e < TILE * CHUNK / 8; e += SHRINK_THREADS) {
     const int t = e / (CHUNK / 8), i = (e % (CHUNK / 8)) * 8;
     uint4 u = make_uint4(0, 0, 0, 0);
-    if (t0 + t < n) u = load8(x + static_cast<int64_t>(t0 + t) * in_f + i0, i, len);
+    if (t0 + t < n) u = load8(x + static_cast<int64_t>(tok_id[t]) * in_f + i0, i, len);
     *reinterpret_cast<uint4*>(&xs[t][i]) = u;
   }
   __syncthreads();
@@ -247,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
 #pragma unroll
         for (int j = 0; j < 16; ++j) acc = fmaf(af[j], xf[j], acc);
         acc = warp_sum(acc);
-        if (lane == 0) v[((static_cast<int64_t>(t0 + t) * P + ps[u]) * C + c) * R + ks[u]] = acc * sc[u];
+        if (lane == 0) v[((static_cast<int64_t>(tok_id[t]) * P + ps[u]) * C + c) * R + ks[u]] = acc * sc[u];
       }
     }
   }
@@ -263,13 +269,13 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
 // result into y.
 extern "C" __global__ void __launch_bounds__(EXPAND_THREADS)
     MLC_CAT(mlc_lora_sgmv_expand_, MLC_SUFFIX)(const float* __restrict__ v, const T* __restrict__ arena,
-                         const int* __restrict__ slot, const int* __restrict__ rank,
-                         const float* __restrict__ scale, const int* __restrict__ b_off,
-                         T* __restrict__ y, int n, int in_chunks, int P, int m0, int m1, int m2,
+                         const int* __restrict__ slot, const int* __restrict__ order,
+                         const int* __restrict__ rank, const float* __restrict__ scale,
+                         const int* __restrict__ b_off, T* __restrict__ y, int n, int in_chunks, int P, int m0, int m1, int m2,
                          int w0, int w1, int w2, int num_modules, int64_t base) {
   __shared__ float h[TILE * R];                                // h[t, k] = sum_c v[t, p, c, k]
   __shared__ float part[R > KG ? TILE * EXPAND_OUT : 1];       // fp32 partials between rank groups
-  __shared__ int tok_slot[TILE], tok_rank[TILE], d_lead[TILE], nd;
+  __shared__ int tok_id[TILE], tok_slot[TILE], tok_rank[TILE], d_lead[TILE], nd;
   __shared__ uint32_t mask[TILE], d_mask[TILE];
   const int tid = threadIdx.x, C = in_chunks, W = w0 + w1 + w2, t0 = blockIdx.x * TILE;
   // This block's part p, its first column o_p in y, its width w and the block's first output.
@@ -287,7 +293,9 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS)
   const int o0 = tile * EXPAND_OUT + tid * 8;
 
   if (tid < TILE) {
-    const int s = t0 + tid < n ? slot[t0 + tid] : -1;
+    const int id = t0 + tid < n ? order[t0 + tid] : -1;  // the token at this tile position
+    const int s = id >= 0 ? slot[id] : -1;
+    tok_id[tid] = id;
     int r = 0;
     if (s >= 0 && scale[s * num_modules + m] != 0.f) r = min(rank[s], R);
     tok_slot[tid] = r > 0 ? s : -1;
@@ -302,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS)
     float acc = 0.f;
     if (k < tok_rank[t]) {
       // C independent loads in flight (a serial sum would chain C L2 latencies).
-      const float* vt = v + (static_cast<int64_t>(t0 + t) * P + p) * C * R + k;
+      const float* vt = v + (static_cast<int64_t>(tok_id[t]) * P + p) * C * R + k;
       float s8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int c = 0; c < C; c += 8) {
 #pragma unroll
@@ -348,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS)
           }
         }
         if (last) {
-          T* yt = y + static_cast<int64_t>(t0 + t) * W + o_p;
+          T* yt = y + static_cast<int64_t>(tok_id[t]) * W + o_p;
           float yf[8];
           unpack8(load8(yt, o0, w), yf);
 #pragma unroll

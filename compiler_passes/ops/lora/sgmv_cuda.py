@@ -13,7 +13,10 @@ References: reference.sgmv_parts_shrink_ref / sgmv_parts_expand_ref, built on th
 references of the TIR stage 3 (sgmv_tir.py, which the tests compare both with).
 
 What they do better than the TIR kernels: a block owns a tile of 16 tokens and reads each A/B
-row once per distinct slot of the tile (16-byte loads), instead of once per token; the grid is
+row once per distinct slot of the tile (16-byte loads), instead of once per token. The tiles are
+taken along `order` (the pool's lora_token_order: the tokens sorted by slot), so a decode batch of
+many adapters in random order still reads each adapter's rows in about one tile, not in every
+tile one of its tokens falls in; any permutation gives the same results. The grid is
 (ceil(n / 16), C, z) and (ceil(n / 16), out tiles of all parts, z), z in 1..8 splitting a tile's
 rows over more blocks when there are few tiles: token count and layer shape only.
 """
@@ -75,8 +78,8 @@ def build_module(dtype: str, max_rank: int, arch: str):
     cubin = cuda_build.build_cubin(SOURCE, arch, defines)
     ptr, i32, i64 = "handle", "int32", "int64"
     return cuda_build.cuda_module(cubin, {
-        shrink: [ptr] * 7 + [i32] * 7 + [i64],   # ..., n, in_f, P, m0..m2, num_modules, base
-        expand: [ptr] * 7 + [i32] * 10 + [i64],  # ..., n, C, P, m0..m2, w0..w2, num_modules, base
+        shrink: [ptr] * 8 + [i32] * 7 + [i64],   # ..., n, in_f, P, m0..m2, num_modules, base
+        expand: [ptr] * 8 + [i32] * 10 + [i64],  # ..., n, C, P, m0..m2, w0..w2, num_modules, base
     })
 
 
@@ -88,27 +91,29 @@ def _padded(values, fill):
 
 
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str):
-    """Signature: (x (n, in_f), arena (size,), slot (n,), rank (S,), scale (S, M), a_off (S, M, R),
-    layer: int64, v (n, P, C, R) float32 [out]); part p is module mods[p] (-1: none)."""
+    """Signature: (x (n, in_f), arena (size,), slot (n,), order (n,), rank (S,), scale (S, M),
+    a_off (S, M, R), layer: int64, v (n, P, C, R) float32 [out]); part p is module mods[p] (-1:
+    none); order: a permutation of the tokens, the order the blocks tile them in."""
     R, M, L, C, P = max_rank, num_modules, num_layers, num_chunks(in_f), len(mods)
     m0, m1, m2 = _padded(mods, -1)
     name = kernel_names(dtype, max_rank)[0]
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)  # as the TIR kernels (and as relax.BlockBuilder.add_func leaves them)
-    def sgmv_shrink_cuda(x_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
-                         scale_h: T.handle, aoff_h: T.handle, layer: T.int64, v_h: T.handle):
+    def sgmv_shrink_cuda(x_h: T.handle, arena_h: T.handle, slot_h: T.handle, order_h: T.handle,
+                         rank_h: T.handle, scale_h: T.handle, aoff_h: T.handle, layer: T.int64, v_h: T.handle):
         T.func_attr(kernel_attrs(True))
         n, S, size = T.int64(), T.int64(), T.int64()
         x = T.match_buffer(x_h, (n, in_f), dtype)
         arena = T.match_buffer(arena_h, (size,), dtype)
         slot = T.match_buffer(slot_h, (n,), "int32")
+        order = T.match_buffer(order_h, (n,), "int32")
         rank = T.match_buffer(rank_h, (S,), "int32")
         scale = T.match_buffer(scale_h, (S, M), "float32")
         a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
         v = T.match_buffer(v_h, (n, P, C, R), "float32")
         if n > 0:
-            T.call_packed(name, x.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
+            T.call_packed(name, x.data, arena.data, slot.data, order.data, rank.data, scale.data, a_off.data,
                           v.data, T.Cast("int32", n), in_f, P, m0, m1, m2, M, layer * (size // L),
                           T.Cast("int32", (n + TILE - 1) // TILE), C, _split((n + TILE - 1) // TILE * C),
                           SHRINK_THREADS)
@@ -117,8 +122,9 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
 
 
 def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str):
-    """Signature: (v (n, P, C, R) float32, arena (size,), slot (n,), rank (S,), scale (S, M),
-    b_off (S, M, R), layer: int64, y (n, W) [in place]); W = sum(widths), part p = module mods[p]."""
+    """Signature: (v (n, P, C, R) float32, arena (size,), slot (n,), order (n,), rank (S,),
+    scale (S, M), b_off (S, M, R), layer: int64, y (n, W) [in place]); W = sum(widths), part p =
+    module mods[p]; order as the shrink's."""
     R, M, L, C, P, W = max_rank, num_modules, num_layers, num_chunks(in_f), len(mods), sum(widths)
     if len(widths) != P:
         raise ValueError(f"{len(widths)} widths for {P} parts")
@@ -129,19 +135,20 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)  # as the TIR kernels (and as relax.BlockBuilder.add_func leaves them)
-    def sgmv_expand_cuda(v_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
-                         scale_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle):
+    def sgmv_expand_cuda(v_h: T.handle, arena_h: T.handle, slot_h: T.handle, order_h: T.handle,
+                         rank_h: T.handle, scale_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle):
         T.func_attr(kernel_attrs(True))
         n, S, size = T.int64(), T.int64(), T.int64()
         v = T.match_buffer(v_h, (n, P, C, R), "float32")
         arena = T.match_buffer(arena_h, (size,), dtype)
         slot = T.match_buffer(slot_h, (n,), "int32")
+        order = T.match_buffer(order_h, (n,), "int32")
         rank = T.match_buffer(rank_h, (S,), "int32")
         scale = T.match_buffer(scale_h, (S, M), "float32")
         b_off = T.match_buffer(boff_h, (S, M, R), "int32")
         y = T.match_buffer(y_h, (n, W), dtype)
         if n > 0:
-            T.call_packed(name, v.data, arena.data, slot.data, rank.data, scale.data, b_off.data, y.data,
+            T.call_packed(name, v.data, arena.data, slot.data, order.data, rank.data, scale.data, b_off.data, y.data,
                           T.Cast("int32", n), C, P, m0, m1, m2, w0, w1, w2, M, layer * (size // L),
                           T.Cast("int32", (n + TILE - 1) // TILE), out_tiles,
                           _split((n + TILE - 1) // TILE * out_tiles), EXPAND_THREADS)
@@ -173,13 +180,14 @@ class SgmvCuda(LoraStage):
                             lambda: shrink_wrapper(in_f, mods, L, R, M, dtype))
         expand = ctx.kernel(key + ("expand",), f"lora_sgmv_expand_m{tag}_{in_f}x{sum(widths)}",
                             lambda: expand_wrapper(in_f, widths, mods, L, R, M, dtype))
-        v = bb.emit(relax.call_tir(shrink, [x, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
-                                            t["lora_scale"], t["lora_a_off"], layer_arg(layer)],
+        v = bb.emit(relax.call_tir(shrink, [x, t["lora_arena"], t["lora_token_slot"], t["lora_token_order"],
+                                            t["lora_rank"], t["lora_scale"], t["lora_a_off"], layer_arg(layer)],
                                    relax.TensorType([n, len(parts), num_chunks(in_f), R], "float32")))
         y2 = bb.emit(relax.op.reshape(y, relax.ShapeExpr([n, sum(widths)])))
         # In place: the GEMM's output takes the deltas (no delta tensor, no add, no concat).
-        y2 = bb.emit(relax.call_tir_inplace(expand, [v, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
-                                                     t["lora_scale"], t["lora_b_off"], layer_arg(layer), y2], [7],
+        y2 = bb.emit(relax.call_tir_inplace(expand, [v, t["lora_arena"], t["lora_token_slot"], t["lora_token_order"],
+                                                     t["lora_rank"], t["lora_scale"], t["lora_b_off"], layer_arg(layer),
+                                                     y2], [8],
                                             relax.TensorType([n, sum(widths)], dtype)))
         return relax.op.reshape(y2, y.ty.shape)
 

@@ -1,6 +1,6 @@
 // compiler_passes/ops/lora/sgmv.cu's shrink then in-place expand on the CPU (prelude.h), launched
 // as sgmv_cuda.py's wrappers launch them. Usage: sgmv_emu DIR n in_f M L S size layer P m0 m1 m2 w0 w1 w2; reads
-// DIR/{x, arena, slot, rank, scale, a_off, b_off, y} (raw), writes DIR/v and DIR/y.
+// DIR/{x, arena, slot, order, rank, scale, a_off, b_off, y} (raw), writes DIR/v and DIR/y.
 #include "prelude.h"
 #include "io.h"
 
@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   auto x = read<T>(d + "/x", size_t(n) * in_f);
   auto arena = read<T>(d + "/arena", size);
   auto slot = read<int>(d + "/slot", n);
+  auto order = read<int>(d + "/order", n);
   auto rank = read<int>(d + "/rank", S);
   auto scale = read<float>(d + "/scale", S * M);
   auto a_off = read<int>(d + "/a_off", S * M * R);
@@ -32,7 +33,7 @@ int main(int argc, char** argv) {
   dim3 g1{unsigned((n + TILE - 1) / TILE), unsigned(C), 1};
   g1.z = split(g1.x * g1.y);
   launch(g1, SHRINK_THREADS, [&] {
-    MLC_CAT(mlc_lora_sgmv_shrink_, MLC_SUFFIX)(x.data(), arena.data(), slot.data(), rank.data(), scale.data(),
+    MLC_CAT(mlc_lora_sgmv_shrink_, MLC_SUFFIX)(x.data(), arena.data(), slot.data(), order.data(), rank.data(), scale.data(),
                                                a_off.data(), v.data(), n, in_f, P, m0, m1, m2, M, base);
   });
   unsigned tiles = 0;
@@ -40,7 +41,7 @@ int main(int argc, char** argv) {
   dim3 g2{unsigned((n + TILE - 1) / TILE), tiles, 1};
   g2.z = split(g2.x * g2.y);
   launch(g2, EXPAND_THREADS, [&] {
-    MLC_CAT(mlc_lora_sgmv_expand_, MLC_SUFFIX)(v.data(), arena.data(), slot.data(), rank.data(), scale.data(),
+    MLC_CAT(mlc_lora_sgmv_expand_, MLC_SUFFIX)(v.data(), arena.data(), slot.data(), order.data(), rank.data(), scale.data(),
                                                b_off.data(), y.data(), n, C, P, m0, m1, m2, w0, w1, w2, M, base);
   });
   write(d + "/v", v);

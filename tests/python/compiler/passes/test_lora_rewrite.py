@@ -349,11 +349,13 @@ class ExpectedCuda:
             w = params[0]
             y = R.matmul(x, R.permute_dims(w))
             x2 = R.reshape(x, R.shape([b, 1024]))
-            v = R.call_tir(cls.lora_sgmv_shrink_m0_1024, (x2, lora_arena, lora_token_slot, lora_rank, lora_scale,
-                           lora_a_off, R.prim_value(T.int64(0))), out_ty=R.Tensor((b, 1, 2, 16), "float32"))
+            v = R.call_tir(cls.lora_sgmv_shrink_m0_1024, (x2, lora_arena, lora_token_slot, lora_token_order,
+                           lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
+                           out_ty=R.Tensor((b, 1, 2, 16), "float32"))
             y2 = R.reshape(y, R.shape([b, 600]))
-            y3 = R.call_tir_inplace(cls.lora_sgmv_expand_m0_1024x600, (v, lora_arena, lora_token_slot, lora_rank,
-                                    lora_scale, lora_b_off, R.prim_value(T.int64(0)), y2), [7],
+            y3 = R.call_tir_inplace(cls.lora_sgmv_expand_m0_1024x600, (v, lora_arena, lora_token_slot,
+                                    lora_token_order, lora_rank, lora_scale, lora_b_off, R.prim_value(T.int64(0)),
+                                    y2), [8],
                                     R.Tensor((b, 600), "float16"))
             gv = R.reshape(y3, R.shape([b, 1, 600]))
             R.output(gv)

@@ -42,17 +42,18 @@ def _signature(func):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_wrapper_signatures(dtype):
-    """The shrink takes the TIR shrink's inputs with a parts axis in v; the expand takes v, the
-    tables and y (n, W) in place of the TIR expand's delta."""
+    """The shrink takes the TIR shrink's inputs with the token order after the slots and a parts
+    axis in v; the expand takes v, the tables and y (n, W) in place of the TIR expand's delta."""
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     shrink = GC.shrink_wrapper(4096, (0, -1, 2), 32, 64, 7, dtype)
     expand = GC.expand_wrapper(4096, (4096, 1024, 1024), (0, -1, 2), 32, 64, 7, dtype)
     tir_shrink = _signature(G.lora_sgmv_shrink_kernel(4096, 3, 32, 64, 7, dtype, target))
-    assert _signature(shrink)[:-1] == tir_shrink[:-1]
-    assert _signature(shrink)[-1] == ("(n, 3, 8, 64)", "float32")
+    sig = _signature(shrink)
+    assert sig[:3] + sig[4:-1] == tir_shrink[:-1] and sig[3] == ("(n,)", "int32")
+    assert sig[-1] == ("(n, 3, 8, 64)", "float32")
     sig = _signature(expand)
-    assert sig[0] == ("(n, 3, 8, 64)", "float32") and sig[4] == ("(S, 7)", "float32")
-    assert sig[5] == ("(S, 7, 64)", "int32") and sig[-1] == ("(n, 6144)", dtype)
+    assert sig[0] == ("(n, 3, 8, 64)", "float32") and sig[3] == ("(n,)", "int32") and sig[5] == ("(S, 7)", "float32")
+    assert sig[6] == ("(S, 7, 64)", "int32") and sig[-1] == ("(n, 6144)", dtype)
     for f in (shrink, expand):
         assert int(f.attrs["op_pattern"]) == OPAQUE and f.attrs["tirx.is_scheduled"]
     with pytest.raises(ValueError, match="4 parts"):
@@ -184,8 +185,9 @@ def test_sgmv_cuda_kernels_run_against_references(cuda_device, cuda, dtype, n, i
     C = lora_ref.num_chunks(in_f)
     v = t(np.full((n, len(mods), C, R), 9.0, np.float32))
     y = t(y0)
-    lib["shrink"](t(x), t(arena), t(slot), t(rank), t(scale), t(a_off), layer, v)
-    lib["expand"](v, t(arena), t(slot), t(rank), t(scale), t(b_off), layer, y)
+    order = t(lora_ref.sort_tokens_ref(slot, len(ranks))[0])  # the pool's tiling order
+    lib["shrink"](t(x), t(arena), t(slot), order, t(rank), t(scale), t(a_off), layer, v)
+    lib["expand"](v, t(arena), t(slot), order, t(rank), t(scale), t(b_off), layer, y)
     np.testing.assert_allclose(v.numpy(), rv, rtol=1e-3, atol=1e-3)
     got = y.numpy().astype(np.float32)
     tol = 2e-2 * np.abs(delta).max()
@@ -225,10 +227,14 @@ def sgmv_emu(tmp_path_factory):
 
 
 @needs_cxx
-@pytest.mark.parametrize("dtype,case", [("float16", CASES[0]), ("bfloat16", CASES[3]), ("float16", CASES[4])])
-def test_cuda_source_on_cpu_emulation(sgmv_emu, tmp_path, dtype, case):
+@pytest.mark.parametrize("dtype,case,tiling", [("float16", CASES[0], "sorted"), ("bfloat16", CASES[3], "sorted"),
+                                               ("float16", CASES[4], "sorted"), ("float16", CASES[1], "shuffled"),
+                                               ("float16", CASES[0], "identity")])
+def test_cuda_source_on_cpu_emulation(sgmv_emu, tmp_path, dtype, case, tiling):
     """Odd offsets and shapes (scalar paths, partial tiles); 16-byte paths, rank groups past KG,
-    gridDim.z splits, three parts with one uncovered, out tiles ending mid-part."""
+    gridDim.z splits, three parts with one uncovered, out tiles ending mid-part. The blocks tile
+    the tokens along `order`: the pool's (sorted by slot, base-model tokens last; tiles straddle
+    slots), a random permutation or the identity all give the references' results."""
     import ml_dtypes
 
     n, in_f, widths, mods, R, aligned = case
@@ -245,7 +251,10 @@ def test_cuda_source_on_cpu_emulation(sgmv_emu, tmp_path, dtype, case):
     rv, delta = _refs(x, arena, layer, L, slot, rank, scale, a_off, b_off, mods, widths, R)
     y0 = _base_output(rng, delta, np_dt)
     ry = y0.astype(np.float32) + delta
-    for name, a in dict(x=x, arena=arena, slot=slot, rank=rank, scale=scale, a_off=a_off, b_off=b_off, y=y0).items():
+    order = {"sorted": lora_ref.sort_tokens_ref(slot, len(ranks))[0], "shuffled": rng.permutation(n),
+             "identity": np.arange(n)}[tiling].astype(np.int32)
+    for name, a in dict(x=x, arena=arena, slot=slot, order=order, rank=rank, scale=scale, a_off=a_off, b_off=b_off,
+                        y=y0).items():
         a.tofile(tmp_path / name)
     P = len(mods)
     ms, ws = list(mods) + [-1] * (3 - P), list(widths) + [0] * (3 - P)
