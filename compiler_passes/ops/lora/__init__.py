@@ -10,6 +10,8 @@ per backend ("tir", "cuda", ...), each in its own file here beside its kernels:
                     shrink + one in-place expand per fused linear (CUDA fp16/bf16, rank <= 128)
     sgmv_cuda.py    stage 3: one shrink + one in-place expand per fused linear (sgmv.cu; CUDA
                     fp16/bf16, rank <= 128, <= 3 parts)
+    sgmv_mixed.py   stage 3 by token count: sgmv_cuda.py's kernels for decode sizes, sgmv_triton.py's
+                    large tiles for prefill sizes (one launch wrapper branching on the token count)
     sgmv_tir.py     stage 3: a shrink + expand pair per module (TIR, any target)
     linear_triton.py  not a stage: the base linear and the delta over the batch's rank columns, for
                     prefill_fused/decode_fused (LoraRewrite(fused=True); batches over a few low-rank
@@ -57,12 +59,15 @@ _LAZY = {"LoraContext": "stage", "LoraStage": "stage", "Part": "stage"}
 @functools.lru_cache(maxsize=None)
 def _stages() -> dict:
     """(stage, backend) -> implementation; per stage in the order "auto" tries them."""
-    from . import gather_tir, sgmv_cuda, sgmv_tir, sgmv_triton, single_tir  # pylint: disable=import-outside-toplevel
+    from . import (gather_tir, sgmv_cuda, sgmv_mixed, sgmv_tir, sgmv_triton,  # pylint: disable=import-outside-toplevel
+                   single_tir)
 
     # sgmv: the CUDA C++ kernels first; the Triton ones measured faster at >= 1024 tokens but slower in
-    # the end-to-end decode batches (docs/SGMV.md), so they run only when asked for
+    # the end-to-end decode batches (docs/SGMV.md), so they run only when asked for, alone or past
+    # the decode sizes ("mixed")
     return {(impl.stage, impl.backend): impl
-            for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_cuda.STAGE, sgmv_triton.STAGE, sgmv_tir.STAGE)}
+            for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_cuda.STAGE, sgmv_mixed.STAGE, sgmv_triton.STAGE,
+                         sgmv_tir.STAGE)}
 
 
 def __getattr__(name: str):

@@ -1,0 +1,194 @@
+"""Stage 3 (`sgmv`) by token count: the CUDA C++ kernels (sgmv_cuda.py) for decode-sized batches,
+the Triton tensor-core kernels (sgmv_triton.py, their large tiles) for prefill-sized ones.
+
+The CUDA kernels multiply on CUDA cores: past a few hundred tokens of one adapter (a prefill chunk
+holds a few sequences, each of one adapter) they are bound by their arithmetic, which the Triton
+kernels do on tensor cores; at decode sizes (many slots of a few tokens) the CUDA kernels are the
+faster (docs/SGMV.md). One shrink and one in-place expand per fused linear, as both stages; the
+branch is taken inside the launch wrapper on the token count, so the grid stays a function of the
+token count (CUDA graphs) and one library serves both.
+
+Semantics: those of both stages (y[t] += scale[s, m] * (x[t] @ A[s, m].T) @ B[s, m].T over the
+parts, sgmv_cuda.py); v is scratch whose layout each branch defines for itself: (n, P, C, R) by
+token for the CUDA kernels (C = ceil(in / 512)), (n, P, C', R) by sorted position for the Triton
+ones (C' = ceil(in / 1024) <= C), so the buffer is sized for the CUDA layout. References:
+reference.sgmv_parts_shrink_ref / sgmv_parts_expand_ref (CUDA), sgmv_triton.shrink_ref / expand_ref.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from tvm import relax
+
+from ..kernel_attrs import kernel_attrs
+from . import sgmv_cuda, sgmv_triton
+from .reference import num_chunks
+from .stage import LoraContext, LoraStage, Part, layer_arg, tokens
+
+MIXED_MIN_TOKENS = sgmv_triton.SMALL_MAX_TOKENS + 1  # from here on the Triton kernels (large tiles)
+
+
+def _large(kind: str, in_f: int, mods, widths, max_rank: int, num_modules: int, dtype: str, max_slots: int,
+           align: int, arch: str):
+    """(name, threads, shared bytes, module, blocks along y) of the Triton large-tile kernel."""
+    T_ = sgmv_triton
+    cfg, M, R, P = T_.VARIANTS["large"], num_modules, max_rank, len(mods)
+    m0, m1, m2 = (list(mods) + [-1] * T_.MAX_PARTS)[:T_.MAX_PARTS]
+    c = T_.num_chunks(in_f, "large")
+    if kind == "shrink":
+        consts = dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"],
+                      BK=T_.BK, BR=T_.BR, SP=T_._slot_pad(max_slots), ALIGN=align)
+        grid_y = c * P
+    else:
+        w0, w1, w2 = (list(widths) + [0] * T_.MAX_PARTS)[:T_.MAX_PARTS]
+        consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],
+                      BN=cfg["BN"], BR=T_.BR, CP=1 << max(0, (c - 1).bit_length()), SP=T_._slot_pad(max_slots),
+                      ALIGN=align)
+        grid_y = sum(-(-w // cfg["BN"]) for w in widths)
+    name, threads, shared, module = T_._module(kind, dtype, consts, cfg["num_warps"], arch)
+    return name, threads, shared, module, grid_y
+
+
+def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
+                   max_slots: int, align: int, arch: str):
+    """(TIR wrapper, [Triton module]). Signature: (x (n, in_f), arena (size,), slot (n,), order (n,),
+    slot_start (cap + 1,), rank (S,), scale (S, M), a_off (S, M, R), layer: int64, v (n, P, C, R)
+    float32 [scratch]); C = ceil(in_f / 512)."""
+    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
+
+    R, M, L, P, C = max_rank, num_modules, num_layers, len(mods), num_chunks(in_f)
+    m0, m1, m2 = sgmv_cuda._padded(mods, -1)  # pylint: disable=protected-access
+    cuda = sgmv_cuda.kernel_names(dtype, max_rank)[0]
+    tn, tth, tsh, tmod, t_y = _large("shrink", in_f, mods, None, R, M, dtype, max_slots, align, arch)
+    bm, tile, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_cuda.TILE, sgmv_triton._slot_pad(max_slots)
+
+    # pylint: disable=unused-variable
+    @T.prim_func(s_tir=True)
+    def sgmv_shrink_mixed(x_h: T.handle, arena_h: T.handle, slot_h: T.handle, order_h: T.handle, start_h: T.handle,
+                          rank_h: T.handle, scale_h: T.handle, aoff_h: T.handle, layer: T.int64, v_h: T.handle):
+        T.func_attr(kernel_attrs(True))
+        n, S, size, cap1 = T.int64(), T.int64(), T.int64(), T.int64()
+        x = T.match_buffer(x_h, (n, in_f), dtype)
+        arena = T.match_buffer(arena_h, (size,), dtype)
+        slot = T.match_buffer(slot_h, (n,), "int32")
+        order = T.match_buffer(order_h, (n,), "int32")
+        start = T.match_buffer(start_h, (cap1,), "int32")
+        rank = T.match_buffer(rank_h, (S,), "int32")
+        scale = T.match_buffer(scale_h, (S, M), "float32")
+        a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
+        v = T.match_buffer(v_h, (n, P, C, R), "float32")
+        assert cap1 - 1 <= SP, "more LoRA slots than the kernels were built for"
+        if n > 0:
+            if n < MIXED_MIN_TOKENS:
+                T.call_packed(cuda, x.data, arena.data, slot.data, order.data, rank.data, scale.data, a_off.data,
+                              v.data, T.Cast("int32", n), in_f, P, m0, m1, m2, M, layer * (size // L),
+                              T.Cast("int32", (n + tile - 1) // tile), C,
+                              sgmv_cuda._split((n + tile - 1) // tile * C),  # pylint: disable=protected-access
+                              sgmv_cuda.SHRINK_THREADS)
+            else:
+                T.call_packed(tn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
+                              v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
+                              T.int64(0), T.int64(0),
+                              T.Cast("int32", (n + bm - 1) // bm + T.min(n, cap1 - 1)), t_y, tth, tsh)
+
+    return sgmv_shrink_mixed, [tmod]
+
+
+def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
+                   max_slots: int, align: int, arch: str):
+    """(TIR wrapper, [Triton module]). Signature: (v (n, P, C, R) float32, arena (size,), slot (n,),
+    order (n,), slot_start (cap + 1,), rank (S,), scale (S, M), b_off (S, M, R), layer: int64,
+    y (n, W) [in place]); W = sum(widths)."""
+    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
+
+    R, M, L, P, C, W = max_rank, num_modules, num_layers, len(mods), num_chunks(in_f), sum(widths)
+    if len(widths) != P:
+        raise ValueError(f"{len(widths)} widths for {P} parts")
+    m0, m1, m2 = sgmv_cuda._padded(mods, -1)  # pylint: disable=protected-access
+    w0, w1, w2 = sgmv_cuda._padded(widths, 0)  # pylint: disable=protected-access
+    out_tiles = sum((w + sgmv_cuda.EXPAND_OUT - 1) // sgmv_cuda.EXPAND_OUT for w in widths)
+    cuda = sgmv_cuda.kernel_names(dtype, max_rank)[1]
+    tn, tth, tsh, tmod, t_y = _large("expand", in_f, mods, widths, R, M, dtype, max_slots, align, arch)
+    bm, tile, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_cuda.TILE, sgmv_triton._slot_pad(max_slots)
+
+    # pylint: disable=unused-variable
+    @T.prim_func(s_tir=True)
+    def sgmv_expand_mixed(v_h: T.handle, arena_h: T.handle, slot_h: T.handle, order_h: T.handle, start_h: T.handle,
+                          rank_h: T.handle, scale_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle):
+        T.func_attr(kernel_attrs(True))
+        n, S, size, cap1 = T.int64(), T.int64(), T.int64(), T.int64()
+        v = T.match_buffer(v_h, (n, P, C, R), "float32")
+        arena = T.match_buffer(arena_h, (size,), dtype)
+        slot = T.match_buffer(slot_h, (n,), "int32")
+        order = T.match_buffer(order_h, (n,), "int32")
+        start = T.match_buffer(start_h, (cap1,), "int32")
+        rank = T.match_buffer(rank_h, (S,), "int32")
+        scale = T.match_buffer(scale_h, (S, M), "float32")
+        b_off = T.match_buffer(boff_h, (S, M, R), "int32")
+        y = T.match_buffer(y_h, (n, W), dtype)
+        assert cap1 - 1 <= SP, "more LoRA slots than the kernels were built for"
+        if n > 0:
+            if n < MIXED_MIN_TOKENS:
+                T.call_packed(cuda, v.data, arena.data, slot.data, order.data, rank.data, scale.data, b_off.data,
+                              y.data, T.Cast("int32", n), C, P, m0, m1, m2, w0, w1, w2, M, layer * (size // L),
+                              T.Cast("int32", (n + tile - 1) // tile), out_tiles,
+                              sgmv_cuda._split((n + tile - 1) // tile * out_tiles),  # pylint: disable=protected-access
+                              sgmv_cuda.EXPAND_THREADS)
+            else:
+                T.call_packed(tn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
+                              y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
+                              T.int64(0), T.int64(0),
+                              T.Cast("int32", (n + bm - 1) // bm + T.min(n, cap1 - 1)), t_y, tth, tsh)
+
+    return sgmv_expand_mixed, [tmod]
+
+
+class SgmvMixed(LoraStage):
+    """Stage 3 on CUDA fp16/bf16: the CUDA C++ kernels below MIXED_MIN_TOKENS tokens, the Triton
+    tensor-core kernels from there on; one shrink and one in-place expand per fused linear."""
+
+    stage, backend = "sgmv", "mixed"
+
+    def supported(self, target, dtype, max_rank, num_parts):
+        for impl in (sgmv_cuda.STAGE, sgmv_triton.STAGE):
+            why = impl.supported(target, dtype, max_rank, num_parts)
+            if why is not None:
+                return why
+        return None
+
+    def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int, parts: Sequence[Part],
+             tables: Mapping[str, relax.Var]) -> relax.Expr:
+        """y + the deltas of all parts: one shrink (v) and one expand adding into y in place."""
+        bb, t, n, R = ctx.builder, tables, tokens(x), ctx.max_rank
+        in_f, dtype, L, M = int(x.ty.shape.values[-1]), str(y.ty.dtype), ctx.num_layers, ctx.num_modules
+        arch = str(ctx.target.arch)
+        ctx.external(("sgmv_cuda", dtype, R), lambda: sgmv_cuda.build_module(dtype, R, arch))
+        mods = tuple(p.module for p in parts)
+        widths = tuple(p.width for p in parts)
+        key = ("sgmv_mixed", in_f, mods, widths, dtype)
+        tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
+        align = ctx.row_align if all(w % ctx.row_align == 0 for w in (in_f, *widths)) else 1
+
+        def make(kind):
+            fn, modules = (shrink_wrapper(in_f, mods, L, R, M, dtype, ctx.max_slots, align, arch) if kind == "shrink"
+                           else expand_wrapper(in_f, widths, mods, L, R, M, dtype, ctx.max_slots, align, arch))
+            for i, m in enumerate(modules):
+                ctx.external(key + (kind, i), lambda m=m: m)
+            return fn
+
+        shrink = ctx.kernel(key + ("shrink",), f"lora_sgmv_mixed_shrink_m{tag}_{in_f}", lambda: make("shrink"))
+        expand = ctx.kernel(key + ("expand",), f"lora_sgmv_mixed_expand_m{tag}_{in_f}x{sum(widths)}",
+                            lambda: make("expand"))
+        common = [t["lora_arena"], t["lora_token_slot"], t["lora_token_order"], t["lora_slot_start"], t["lora_rank"],
+                  t["lora_scale"]]
+        v = bb.emit(relax.call_tir(shrink, [x, *common, t["lora_a_off"], layer_arg(layer)],
+                                   relax.TensorType([n, len(parts), num_chunks(in_f), R], "float32")))
+        y2 = bb.emit(relax.op.reshape(y, relax.ShapeExpr([n, sum(widths)])))
+        # in place: the GEMM's output takes the deltas (no delta tensor, no add, no concat)
+        y2 = bb.emit(relax.call_tir_inplace(expand, [v, *common, t["lora_b_off"], layer_arg(layer), y2], [9],
+                                            relax.TensorType([n, sum(widths)], dtype)))
+        return relax.op.reshape(y2, y.ty.shape)
+
+
+STAGE = SgmvMixed()
