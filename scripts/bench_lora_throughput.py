@@ -50,6 +50,9 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # triton) instead of the default library's CUDA C++ kernels (sgmv.cu)
     "lora4-triton": ("lora-triton", [(8, 4)]),
     "lora64-triton": ("lora-triton", [(8, 16), (16, 16), (32, 16), (64, 16)]),
+    # the same 64 mixed with the CUDA C++ kernels for decode sizes and the Triton ones for prefill
+    # sizes (--lora-sgmv-backend mixed)
+    "lora64-mixed": ("lora-mixed", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     # the same 4 x r8 on a library compiled for max rank 16 (vLLM's default max_lora_rank) instead
     # of 64: the kernels' register tiles and loops are sized by the compiled maximum
     "lora4-r16": ("lora-r16", [(8, 4)]),
@@ -96,13 +99,14 @@ def compile_libs(a) -> int:
             "lora": CompileOptions(**lora, max_lora_rank=MAX_RANK),
             "lora-nofused": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_fused=False),
             "lora-triton": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="triton"),
+            "lora-mixed": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="mixed"),
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir"),
             "lora-rows": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_rank_rows=True)}
     # by default every library the target can build (the CUDA C++ and Triton stage 3 and the rank
     # rows route are CUDA only)
     names = a.libs.split(",") if a.libs else [n for n, o in libs.items() if a.target == "cuda" or (
-        o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows)]
+        o.lora_sgmv_backend not in ("cuda", "triton", "mixed") and not o.lora_rank_rows)]
     for name in names:
         if name not in libs:
             raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")
@@ -120,7 +124,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
-    lib, ranks_counts = CONFIGS[name]
+    lib, ranks_counts = CONFIGS[name.split("@")[0]]
     adapters = adapter_set(ranks_counts, a.seed)
     folder = lib_dir / lib
     cfg = json.loads((folder / CONFIG_FILE).read_text())
@@ -133,7 +137,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     # every config gets the same KV pages; the LoRA pool holds the adapters on top of them
     total_tokens = (a.kv_pages or size["kv_pages"]) * 16 + spec_pages * 16
     engine = AsyncMLCEngine(folder, a.device, max_num_seqs=a.max_num_seqs or size["max_batch_size"],
-                            max_loras=MAX_LORAS.get(name),
+                            max_loras=MAX_LORAS.get(name.split("@")[0]),
                             max_total_tokens=total_tokens, params=random_model.lib_params(weights, cfg))
     try:
         t0 = time.perf_counter()
@@ -169,7 +173,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
                   for k, v in sorted(stats.get("step_times", {}).items())}
     return dict(config=name, library=lib, adapters=len(adapters),
                 ranks=sorted({r for _, r in adapters}), assign=a.assign if adapters else None,
-                max_loras=MAX_LORAS.get(name),
+                max_loras=MAX_LORAS.get(name.split("@")[0]),
                 adapter_load_s=round(load_s, 2), elapsed_s=elapsed, requests=len(requests),
                 prompt_tokens=sum(len(p) for p, _ in requests), output_tokens=sum(n for _, n in requests),
                 **offline.rates(elapsed, requests),
@@ -208,8 +212,11 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
         p = pack_adapter(spec, ad, r.compiled.numpy_dtype)
         kv.load_packed_adapter(i, p, True)
     rng = np.random.default_rng(seed)
+    # 326 tokens in the prefill (the chunk permitting): past the one-kernel linear's 64 and the decode
+    # sizes' 256, so prefill takes the kernels of prefill-sized batches
+    long = min(300, r.compiled.prefill_chunk_size - 26)
     rows = [(0, rng.integers(0, r.vocab_size, 7).tolist()), (None, rng.integers(0, r.vocab_size, 19).tolist()),
-            (1, rng.integers(0, r.vocab_size, 84).tolist())]
+            (1, rng.integers(0, r.vocab_size, long).tolist())]
     for sid, (aid, _) in enumerate(rows):
         kv.add_sequence(sid)
         kv.set_sequence_adapter(sid, aid)
@@ -261,14 +268,24 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     print(f"{len(requests)} requests, {sum(len(p) for p, _ in requests)} prompt tokens, "
           f"{sum(n for _, n in requests)} output tokens; {note}")
     cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
-    for name in a.configs.split(","):
-        if name not in CONFIGS:
-            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)}")
-    libs = list(dict.fromkeys(["lora"] + [CONFIGS[n][0] for n in a.configs.split(",")]))
+    configs = a.configs.split(",")
+    for name in configs:
+        if name.split("@")[0] not in CONFIGS or name.partition("@")[2] not in ("", "cmp"):
+            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)} (NAME@cmp: with the "
+                             "libraries of --compare-lib-dir)")
+        if name.endswith("@cmp") and not a.compare_lib_dir:
+            raise SystemExit(f"config {name!r} needs --compare-lib-dir")
+
+    def where(name):  # the library folder a config runs
+        return Path(a.compare_lib_dir) if name.endswith("@cmp") else lib_dir
+
+    libs = list(dict.fromkeys(["lora"] + [CONFIGS[n.split("@")[0]][0] for n in configs if not n.endswith("@cmp")]))
+    folders = list(dict.fromkeys([lib_dir / lib for lib in libs]
+                                 + [where(n) / CONFIGS[n.split("@")[0]][0] for n in configs]))
     t0 = time.time()
     try:  # one set of weights for every library (a library with rank rows takes taller ones)
         weights = random_model.make_params(cfg, torch, tdev, seed=a.seed, others=[
-            json.loads((lib_dir / lib / CONFIG_FILE).read_text()) for lib in libs])
+            json.loads((f / CONFIG_FILE).read_text()) for f in folders])
     except ValueError as e:
         raise SystemExit(f"the libraries were compiled from different models: {e}") from e
     if tdev != "cpu":
@@ -284,8 +301,10 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     results = []
     out = Path(a.out)
     old = json.loads(out.read_text()) if out.is_file() and a.append else {}
-    for name in a.configs.split(","):
-        r = run_config(name, lib_dir, tdev, requests, weights, torch, a, size)
+    for name in configs:
+        r = run_config(name, where(name), tdev, requests, weights, torch, a, size)
+        if name.endswith("@cmp"):
+            r["lib_dir"] = str(a.compare_lib_dir)
         results.append(r)
         print(f"{name}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "
               f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "
@@ -293,7 +312,8 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
               f"adapters loaded in {r['adapter_load_s']} s)", flush=True)
     by = {r["config"]: r for r in old.get("results", [])}
     by.update({r["config"]: r for r in results})
-    results = with_ratios([by[c] for c in CONFIGS if c in by])
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    results = with_ratios(sorted(by.values(), key=lambda r: (order[r["config"].split("@")[0]], r["config"])))
     print("\n| config | adapters | req/s | output tok/s | total tok/s | req/s vs base |\n|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['config']} | {r['adapters']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
@@ -345,6 +365,8 @@ def main(argv=None) -> int:
                    "lora-r16, lora-tir (default: all the target can build; a config runs on its library)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True)
+    r.add_argument("--compare-lib-dir", default=None, help="a second folder of libraries (e.g. the build before a "
+                   "change): config NAME@cmp runs NAME with its library from there, in the same process")
     r.add_argument("--requests", required=True, help="the file of `prepare`")
     r.add_argument("--device", default="cuda")
     r.add_argument("--smoke", action="store_true", help="the 2-layer model, 16 short prompts, and a logits "

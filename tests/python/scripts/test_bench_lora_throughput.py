@@ -38,6 +38,16 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys):
         assert r["kv_pages"] == bench.SIZES["smoke"]["kv_pages"]
     assert res[0]["ratio_vs_base"] == 1.0
 
+    # a config of a second library folder (the build before a change) beside the same config, in one run
+    cmp_out = tmp_path / "cmp.json"
+    assert bench.main(["run", "--smoke", "--device", "cpu", "--lib-dir", str(tmp_path / "libs"), "--compare-lib-dir",
+                       str(tmp_path / "libs"), "--configs", "base,lora4@cmp,lora4", "--no-check", "--requests",
+                       str(req), "--max-output-len", "6", "--warmup", "1", "--out", str(cmp_out)]) == 0
+    cres = json.loads(cmp_out.read_text())["results"]
+    assert [r["config"] for r in cres] == ["base", "lora4", "lora4@cmp"]
+    assert cres[2]["lib_dir"] == str(tmp_path / "libs") and "lib_dir" not in cres[1]
+    assert cres[2]["adapters"] == 4 and cres[2]["output_tokens"] == want_out and cres[2]["ratio_vs_base"] > 0
+
     # two split runs merged: one JSON with every config, ratios against the merged base, charts
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(dict(doc, results=res[:1])))
