@@ -352,7 +352,7 @@ def longest_prompt(chunk: int, max_seq_len: int, max_tokens: int, asked: int = 0
 def soak(model_dir, device: str = "cpu", *, minutes: float = 0.0, rounds: int = 0, warmup_rounds: int = 2,
          adapters: int = 4, requests: int = 24, max_prompt: int = 0, max_tokens: int = 24, seed: int = 0,
          log=print, trim: bool = False, heap_stats: bool = False, random_weights: bool = False,
-         at_end=None) -> list[dict]:
+         at_end=None, max_total_tokens: int = 0) -> list[dict]:
     """Rounds of `traffic_round` on an AsyncMLCEngine until `rounds` (or `minutes`) have passed; each
     round's outcome counts, tokens per second, resident (and device) memory, idle problems. `trim`:
     malloc_trim(0) before reading memory (the row also keeps the RSS before it, `rss_untrimmed_mb`);
@@ -367,7 +367,7 @@ def soak(model_dir, device: str = "cpu", *, minutes: float = 0.0, rounds: int = 
 
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
-    with AsyncMLCEngine(str(model_dir), device, params=params) as eng:
+    with AsyncMLCEngine(str(model_dir), device, params=params, max_total_tokens=max_total_tokens or None) as eng:
         made = random_adapters(eng.engine.runner, adapters, seed)
         max_prompt = longest_prompt(eng.engine.runner.compiled.prefill_chunk_size, eng.engine.max_seq_len,
                                     max_tokens, max_prompt)
@@ -469,7 +469,7 @@ def engine_main(args) -> int:
     rows = soak(args.model_dir, args.device, minutes=args.minutes, rounds=args.rounds, adapters=args.adapters,
                 requests=args.requests, max_prompt=args.max_prompt, max_tokens=args.max_tokens, seed=args.seed,
                 log=log, trim=args.malloc_trim, heap_stats=args.heap_stats, random_weights=args.random_weights,
-                at_end=at_end)
+                at_end=at_end, max_total_tokens=args.max_total_tokens)
     after = [r for r in rows if not r["warmup"]]
     growth = max(r["rss_mb"] for r in after) - after[0]["rss_mb"] if after else 0.0
     bad = [r for r in rows if r["problems"]]
@@ -514,6 +514,8 @@ def main() -> int:
     e.add_argument("--requests", type=int, default=24, help="requests per round")
     e.add_argument("--max-prompt", type=int, default=0, help="longest prompt (default and at most: the prefill chunk, or the context less --max-tokens)")
     e.add_argument("--max-tokens", type=int, default=24)
+    e.add_argument("--max-total-tokens", type=int, default=0, help="tokens of the unified pool, KV and adapter "
+                   "pages (default: the compiled --lora-pool-pages); a small pool forces preemption and eviction")
     e.add_argument("--rss-margin-mb", type=float, default=64.0)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--json", help="also write every round here")
