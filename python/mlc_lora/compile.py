@@ -46,8 +46,10 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     max_lora_rank: int = 0
     lora_target_modules: list[str] | None = None
     lora_kernel: str = "gather"
-    # lora_kernel "sgmv" on cuda fp16/bf16: our CUDA kernels, one shrink and one in-place expand per
-    # fused linear ("auto", "cuda"), or the TIR kernels per module ("tir")
+    # lora_kernel "sgmv" on cuda fp16/bf16: one shrink and one in-place expand per fused linear, by
+    # our CUDA C++ kernels up to 256 tokens and the Triton tensor-core ones above ("auto" with Triton,
+    # "mixed"), by the CUDA C++ kernels alone ("cuda"; "auto" without Triton), by the Triton ones
+    # alone ("triton"), or the TIR kernels per module ("tir")
     lora_sgmv_backend: str = "auto"
     # lora_kernel "sgmv" on cuda fp16/bf16 with Triton: also build prefill_fused and decode_fused, each
     # linear and its LoRA delta over the batch's rank columns (one kernel for small batches, cuBLAS +
@@ -217,7 +219,7 @@ def lora_spec(cfg, options: CompileOptions):
 
 def lora_pass_options(spec, cfg, arch_module, param_names: list[str], backend: str = "auto") -> dict:
     """Keyword arguments of compiler_passes.passes.LoraRewrite for a model compiled with `spec`;
-    `backend` picks the implementation of the stage (compiler_passes/ops/lora: "auto", "tir", "cuda")."""
+    `backend` picks the implementation of the stage (compiler_passes/ops/lora.BACKENDS)."""
     return {
         "backend": backend,
         "param_names": param_names,

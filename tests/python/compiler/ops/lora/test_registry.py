@@ -27,10 +27,13 @@ def test_every_stage_of_the_contract_is_registered():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_auto_picks_the_cuda_sgmv_on_cuda_half(dtype):
+def test_auto_picks_the_mixed_sgmv_on_cuda_half(dtype, monkeypatch):
+    pytest.importorskip("triton")
     for parts in (1, 2, 3):
-        assert lora.select("sgmv", "auto", CUDA, dtype, 64, parts) is sgmv_cuda.STAGE
-    assert lora.select("sgmv", "auto", CUDA, dtype, 128, 1) is sgmv_cuda.STAGE
+        assert lora.select("sgmv", "auto", CUDA, dtype, 64, parts) is sgmv_mixed.STAGE
+    assert lora.select("sgmv", "auto", CUDA, dtype, 128, 1) is sgmv_mixed.STAGE
+    monkeypatch.setattr(sgmv_triton, "triton", None)  # without Triton: the CUDA C++ kernels alone
+    assert lora.select("sgmv", "auto", CUDA, dtype, 64, 3) is sgmv_cuda.STAGE
 
 
 def test_the_triton_sgmv_runs_when_asked_for(monkeypatch):
