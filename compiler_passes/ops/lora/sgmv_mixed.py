@@ -29,27 +29,6 @@ from .stage import LoraContext, LoraStage, Part, layer_arg, tokens
 MIXED_MIN_TOKENS = sgmv_triton.SMALL_MAX_TOKENS + 1  # from here on the Triton kernels (large tiles)
 
 
-def _large(kind: str, in_f: int, mods, widths, max_rank: int, num_modules: int, dtype: str, max_slots: int,
-           align: int, arch: str):
-    """(name, threads, shared bytes, module, blocks along y) of the Triton large-tile kernel."""
-    T_ = sgmv_triton
-    cfg, M, R, P = T_.VARIANTS["large"], num_modules, max_rank, len(mods)
-    m0, m1, m2 = (list(mods) + [-1] * T_.MAX_PARTS)[:T_.MAX_PARTS]
-    c = T_.num_chunks(in_f, "large")
-    if kind == "shrink":
-        consts = dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"],
-                      BK=T_.BK, BR=T_.BR, SP=T_._slot_pad(max_slots), ALIGN=align)
-        grid_y = c * P
-    else:
-        w0, w1, w2 = (list(widths) + [0] * T_.MAX_PARTS)[:T_.MAX_PARTS]
-        consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],
-                      BN=cfg["BN"], BR=T_.BR, CP=1 << max(0, (c - 1).bit_length()), SP=T_._slot_pad(max_slots),
-                      ALIGN=align)
-        grid_y = sum(-(-w // cfg["BN"]) for w in widths)
-    name, threads, shared, module = T_._module(kind, dtype, consts, cfg["num_warps"], arch)
-    return name, threads, shared, module, grid_y
-
-
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    max_slots: int, align: int, arch: str):
     """(TIR wrapper, [Triton module]). Signature: (x (n, in_f), arena (size,), slot (n,), order (n,),
@@ -60,7 +39,8 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
     R, M, L, P, C = max_rank, num_modules, num_layers, len(mods), num_chunks(in_f)
     m0, m1, m2 = sgmv_cuda._padded(mods, -1)  # pylint: disable=protected-access
     cuda = sgmv_cuda.kernel_names(dtype, max_rank)[0]
-    tn, tth, tsh, tmod, t_y = _large("shrink", in_f, mods, None, R, M, dtype, max_slots, align, arch)
+    tn, tth, tsh, tmod, t_y = sgmv_triton.variant_kernel("shrink", "large", in_f, mods, None, R, M, dtype, max_slots,
+                                                         align, arch)
     bm, tile, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_cuda.TILE, sgmv_triton._slot_pad(max_slots)
 
     # pylint: disable=unused-variable
@@ -109,7 +89,8 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     w0, w1, w2 = sgmv_cuda._padded(widths, 0)  # pylint: disable=protected-access
     out_tiles = sum((w + sgmv_cuda.EXPAND_OUT - 1) // sgmv_cuda.EXPAND_OUT for w in widths)
     cuda = sgmv_cuda.kernel_names(dtype, max_rank)[1]
-    tn, tth, tsh, tmod, t_y = _large("expand", in_f, mods, widths, R, M, dtype, max_slots, align, arch)
+    tn, tth, tsh, tmod, t_y = sgmv_triton.variant_kernel("expand", "large", in_f, mods, widths, R, M, dtype,
+                                                         max_slots, align, arch)
     bm, tile, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_cuda.TILE, sgmv_triton._slot_pad(max_slots)
 
     # pylint: disable=unused-variable

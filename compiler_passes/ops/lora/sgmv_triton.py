@@ -246,6 +246,26 @@ def _slot_pad(max_slots: int) -> int:
     return 1 << max(4, (max_slots - 1).bit_length())
 
 
+def variant_kernel(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_modules: int, dtype: str,
+                   max_slots: int, align: int, arch: str):
+    """(name, launch threads, dynamic shared bytes, TVM CUDA module, blocks along y) of the shrink
+    or expand kernel of tile variant `var` for a linear (widths: the parts' widths, for the expand)."""
+    cfg, M, R, P = VARIANTS[var], num_modules, max_rank, len(mods)
+    m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
+    c = num_chunks(in_f, var)
+    if kind == "shrink":
+        consts = dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"],
+                      BK=BK, BR=BR, SP=_slot_pad(max_slots), ALIGN=align)
+        grid_y = c * P
+    else:
+        w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
+        consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],
+                      BN=cfg["BN"], BR=BR, CP=1 << max(0, (c - 1).bit_length()), SP=_slot_pad(max_slots),
+                      ALIGN=align)
+        grid_y = sum(-(-w // cfg["BN"]) for w in widths)
+    return (*_module(kind, dtype, consts, cfg["num_warps"], arch), grid_y)
+
+
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    max_slots: int, align: int, arch: str):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), arena (size,), order (n,) int32,
@@ -254,16 +274,11 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     R, M, L, P, SP = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots)
-    m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     C = num_chunks(in_f, "small")
-    built = {}
-    for var, cfg in VARIANTS.items():
-        consts = dict(M=M, m0=m0, m1=m1, m2=m2, C=num_chunks(in_f, var), P=P, K=in_f, R=R, BM=cfg["BM"],
-                      CHUNK=cfg["CHUNK"], BK=BK, BR=BR, SP=SP, ALIGN=align)
-        built[var] = _module("shrink", dtype, consts, cfg["num_warps"], arch)
-    (sn, sth, ssh, _), (ln, lth, lsh, _) = built["small"], built["large"]
+    built = {var: variant_kernel("shrink", var, in_f, mods, None, R, M, dtype, max_slots, align, arch)
+             for var in VARIANTS}
+    (sn, sth, ssh, _, s_y), (ln, lth, lsh, _, l_y) = built["small"], built["large"]
     s_bm, l_bm = VARIANTS["small"]["BM"], VARIANTS["large"]["BM"]
-    s_c, l_c = C, num_chunks(in_f, "large")
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
@@ -285,12 +300,12 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
                 T.call_packed(sn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
                               v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
                               T.int64(0), T.int64(0),
-                              T.Cast("int32", (n + s_bm - 1) // s_bm + T.min(n, cap1 - 1)), s_c * P, sth, ssh)
+                              T.Cast("int32", (n + s_bm - 1) // s_bm + T.min(n, cap1 - 1)), s_y, sth, ssh)
             else:
                 T.call_packed(ln, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
                               v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
                               T.int64(0), T.int64(0),
-                              T.Cast("int32", (n + l_bm - 1) // l_bm + T.min(n, cap1 - 1)), l_c * P, lth, lsh)
+                              T.Cast("int32", (n + l_bm - 1) // l_bm + T.min(n, cap1 - 1)), l_y, lth, lsh)
 
     return lora_shrink_triton, [b[3] for b in built.values()]
 
@@ -303,20 +318,11 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     R, M, L, P, SP, W = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots), sum(widths)
-    m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
     C = num_chunks(in_f, "small")
-    built, tiles = {}, {}
-    for var, cfg in VARIANTS.items():
-        c = num_chunks(in_f, var)
-        consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=W, R=R, BM=cfg["BM"],
-                      BN=cfg["BN"], BR=BR, CP=1 << max(0, (c - 1).bit_length()), SP=SP, ALIGN=align)
-        built[var] = _module("expand", dtype, consts, cfg["num_warps"], arch)
-        tiles[var] = sum(-(-w // cfg["BN"]) for w in widths)
-    (sn, sth, ssh, _), (ln, lth, lsh, _) = built["small"], built["large"]
+    built = {var: variant_kernel("expand", var, in_f, mods, widths, R, M, dtype, max_slots, align, arch)
+             for var in VARIANTS}
+    (sn, sth, ssh, _, s_t), (ln, lth, lsh, _, l_t) = built["small"], built["large"]
     s_bm, l_bm = VARIANTS["small"]["BM"], VARIANTS["large"]["BM"]
-    s_c, l_c = C, num_chunks(in_f, "large")
-    s_t, l_t = tiles["small"], tiles["large"]
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
