@@ -71,6 +71,11 @@ CONFIGS = {  # name -> (library, [(rank, count)])
 MAX_LORAS = {"lora64-max16": 16, "lora64-max8": 8}
 
 
+def config_of(name: str) -> str:
+    """The CONFIGS entry a run name stands for ("lora64@cmp": lora64 on --compare-lib-dir's library)."""
+    return name.split("@")[0]
+
+
 def pool_pages(model_cfg: dict, kv_pages: int) -> tuple[int, int]:
     """(pages of the largest adapter set of CONFIGS, compiled --lora-pool-pages = KV + that)."""
     import types  # pylint: disable=import-outside-toplevel
@@ -124,7 +129,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
-    lib, ranks_counts = CONFIGS[name.split("@")[0]]
+    lib, ranks_counts = CONFIGS[config_of(name)]
     adapters = adapter_set(ranks_counts, a.seed)
     folder = lib_dir / lib
     cfg = json.loads((folder / CONFIG_FILE).read_text())
@@ -137,7 +142,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     # every config gets the same KV pages; the LoRA pool holds the adapters on top of them
     total_tokens = (a.kv_pages or size["kv_pages"]) * 16 + spec_pages * 16
     engine = AsyncMLCEngine(folder, a.device, max_num_seqs=a.max_num_seqs or size["max_batch_size"],
-                            max_loras=MAX_LORAS.get(name.split("@")[0]),
+                            max_loras=MAX_LORAS.get(config_of(name)),
                             max_total_tokens=total_tokens, params=random_model.lib_params(weights, cfg))
     try:
         t0 = time.perf_counter()
@@ -173,7 +178,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
                   for k, v in sorted(stats.get("step_times", {}).items())}
     return dict(config=name, library=lib, adapters=len(adapters),
                 ranks=sorted({r for _, r in adapters}), assign=a.assign if adapters else None,
-                max_loras=MAX_LORAS.get(name.split("@")[0]),
+                max_loras=MAX_LORAS.get(config_of(name)),
                 adapter_load_s=round(load_s, 2), elapsed_s=elapsed, requests=len(requests),
                 prompt_tokens=sum(len(p) for p, _ in requests), output_tokens=sum(n for _, n in requests),
                 **offline.rates(elapsed, requests),
@@ -270,7 +275,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
     configs = a.configs.split(",")
     for name in configs:
-        if name.split("@")[0] not in CONFIGS or name.partition("@")[2] not in ("", "cmp"):
+        if config_of(name) not in CONFIGS or name.partition("@")[2] not in ("", "cmp"):
             raise SystemExit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)} (NAME@cmp: with the "
                              "libraries of --compare-lib-dir)")
         if name.endswith("@cmp") and not a.compare_lib_dir:
@@ -279,9 +284,9 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     def where(name):  # the library folder a config runs
         return Path(a.compare_lib_dir) if name.endswith("@cmp") else lib_dir
 
-    libs = list(dict.fromkeys(["lora"] + [CONFIGS[n.split("@")[0]][0] for n in configs if not n.endswith("@cmp")]))
+    libs = list(dict.fromkeys(["lora"] + [CONFIGS[config_of(n)][0] for n in configs if not n.endswith("@cmp")]))
     folders = list(dict.fromkeys([lib_dir / lib for lib in libs]
-                                 + [where(n) / CONFIGS[n.split("@")[0]][0] for n in configs]))
+                                 + [where(n) / CONFIGS[config_of(n)][0] for n in configs]))
     t0 = time.time()
     try:  # one set of weights for every library (a library with rank rows takes taller ones)
         weights = random_model.make_params(cfg, torch, tdev, seed=a.seed, others=[
@@ -315,7 +320,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     by = {r["config"]: r for r in old.get("results", [])}
     by.update({r["config"]: r for r in results})
     order = {c: i for i, c in enumerate(CONFIGS)}
-    results = with_ratios(sorted(by.values(), key=lambda r: (order[r["config"].split("@")[0]], r["config"])))
+    results = with_ratios(sorted(by.values(), key=lambda r: (order[config_of(r["config"])], r["config"])))
     print("\n| config | adapters | req/s | output tok/s | total tok/s | req/s vs base |\n|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['config']} | {r['adapters']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "

@@ -512,7 +512,7 @@ def main() -> int:
     e.add_argument("--device", default="cpu")
     e.add_argument("--adapters", type=int, default=4)
     e.add_argument("--requests", type=int, default=24, help="requests per round")
-    e.add_argument("--max-prompt", type=int, default=0, help="longest prompt (default and at most: the prefill chunk, or the context less --max-tokens)")
+    e.add_argument("--max-prompt", type=int, default=0, help="longest prompt (default: the prefill chunk; at most the context less --max-tokens)")
     e.add_argument("--max-tokens", type=int, default=24)
     e.add_argument("--max-total-tokens", type=int, default=0, help="tokens of the unified pool, KV and adapter "
                    "pages (default: the compiled --lora-pool-pages); a small pool forces preemption and eviction")
