@@ -90,12 +90,31 @@ def _padded(values, fill):
     return values + [fill] * (MAX_PARTS - len(values))
 
 
+def shrink_launch(n, base, in_f: int, mods, num_modules: int):
+    """The shrink's arguments after its pointers (n, in_f, P, m0..m2, num_modules, base) and its launch
+    (grid x, y, z, threads), for n tokens and the layer's arena offset `base` (TIR expressions)."""
+    C, (m0, m1, m2) = num_chunks(in_f), _padded(mods, -1)
+    tiles = (n + TILE - 1) // TILE
+    return (T.Cast("int32", n), in_f, len(mods), m0, m1, m2, num_modules, base, T.Cast("int32", tiles), C,
+            _split(tiles * C), SHRINK_THREADS)
+
+
+def expand_launch(n, base, in_f: int, widths, mods, num_modules: int):
+    """The expand's arguments after its pointers (n, C, P, m0..m2, w0..w2, num_modules, base) and its
+    launch (grid x, y, z, threads)."""
+    (m0, m1, m2), (w0, w1, w2) = _padded(mods, -1), _padded(widths, 0)
+    out_tiles = sum((w + EXPAND_OUT - 1) // EXPAND_OUT for w in widths)
+    tiles = (n + TILE - 1) // TILE
+    return (T.Cast("int32", n), num_chunks(in_f), len(mods), m0, m1, m2, w0, w1, w2, num_modules, base,
+            T.Cast("int32", tiles), out_tiles, _split(tiles * out_tiles), EXPAND_THREADS)
+
+
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str):
     """Signature: (x (n, in_f), arena (size,), slot (n,), order (n,), rank (S,), scale (S, M),
     a_off (S, M, R), layer: int64, v (n, P, C, R) float32 [out]); part p is module mods[p] (-1:
     none); order: a permutation of the tokens, the order the blocks tile them in."""
     R, M, L, C, P = max_rank, num_modules, num_layers, num_chunks(in_f), len(mods)
-    m0, m1, m2 = _padded(mods, -1)
+    _padded(mods, -1)  # a ValueError for too many parts, before the script is parsed
     name = kernel_names(dtype, max_rank)[0]
 
     # pylint: disable=unused-variable
@@ -114,9 +133,7 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
         v = T.match_buffer(v_h, (n, P, C, R), "float32")
         if n > 0:
             T.call_packed(name, x.data, arena.data, slot.data, order.data, rank.data, scale.data, a_off.data,
-                          v.data, T.Cast("int32", n), in_f, P, m0, m1, m2, M, layer * (size // L),
-                          T.Cast("int32", (n + TILE - 1) // TILE), C, _split((n + TILE - 1) // TILE * C),
-                          SHRINK_THREADS)
+                          v.data, *shrink_launch(n, layer * (size // L), in_f, mods, M))
 
     return sgmv_shrink_cuda
 
@@ -128,9 +145,7 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     R, M, L, C, P, W = max_rank, num_modules, num_layers, num_chunks(in_f), len(mods), sum(widths)
     if len(widths) != P:
         raise ValueError(f"{len(widths)} widths for {P} parts")
-    m0, m1, m2 = _padded(mods, -1)
-    w0, w1, w2 = _padded(widths, 0)
-    out_tiles = sum((w + EXPAND_OUT - 1) // EXPAND_OUT for w in widths)
+    _padded(mods, -1)  # a ValueError for too many parts, before the script is parsed
     name = kernel_names(dtype, max_rank)[1]
 
     # pylint: disable=unused-variable
@@ -149,9 +164,7 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         y = T.match_buffer(y_h, (n, W), dtype)
         if n > 0:
             T.call_packed(name, v.data, arena.data, slot.data, order.data, rank.data, scale.data, b_off.data, y.data,
-                          T.Cast("int32", n), C, P, m0, m1, m2, w0, w1, w2, M, layer * (size // L),
-                          T.Cast("int32", (n + TILE - 1) // TILE), out_tiles,
-                          _split((n + TILE - 1) // TILE * out_tiles), EXPAND_THREADS)
+                          *expand_launch(n, layer * (size // L), in_f, widths, mods, M))
 
     return sgmv_expand_cuda
 

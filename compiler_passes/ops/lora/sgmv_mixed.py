@@ -37,11 +37,10 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     R, M, L, P, C = max_rank, num_modules, num_layers, len(mods), num_chunks(in_f)
-    m0, m1, m2 = sgmv_cuda._padded(mods, -1)  # pylint: disable=protected-access
     cuda = sgmv_cuda.kernel_names(dtype, max_rank)[0]
     tn, tth, tsh, tmod, t_y = sgmv_triton.variant_kernel("shrink", "large", in_f, mods, None, R, M, dtype, max_slots,
                                                          align, arch)
-    bm, tile, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_cuda.TILE, sgmv_triton._slot_pad(max_slots)
+    bm, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_triton._slot_pad(max_slots)  # pylint: disable=protected-access
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
@@ -62,10 +61,7 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
         if n > 0:
             if n < MIXED_MIN_TOKENS:
                 T.call_packed(cuda, x.data, arena.data, slot.data, order.data, rank.data, scale.data, a_off.data,
-                              v.data, T.Cast("int32", n), in_f, P, m0, m1, m2, M, layer * (size // L),
-                              T.Cast("int32", (n + tile - 1) // tile), C,
-                              sgmv_cuda._split((n + tile - 1) // tile * C),  # pylint: disable=protected-access
-                              sgmv_cuda.SHRINK_THREADS)
+                              v.data, *sgmv_cuda.shrink_launch(n, layer * (size // L), in_f, mods, M))
             else:
                 T.call_packed(tn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
                               v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
@@ -85,13 +81,10 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     R, M, L, P, C, W = max_rank, num_modules, num_layers, len(mods), num_chunks(in_f), sum(widths)
     if len(widths) != P:
         raise ValueError(f"{len(widths)} widths for {P} parts")
-    m0, m1, m2 = sgmv_cuda._padded(mods, -1)  # pylint: disable=protected-access
-    w0, w1, w2 = sgmv_cuda._padded(widths, 0)  # pylint: disable=protected-access
-    out_tiles = sum((w + sgmv_cuda.EXPAND_OUT - 1) // sgmv_cuda.EXPAND_OUT for w in widths)
     cuda = sgmv_cuda.kernel_names(dtype, max_rank)[1]
     tn, tth, tsh, tmod, t_y = sgmv_triton.variant_kernel("expand", "large", in_f, mods, widths, R, M, dtype,
                                                          max_slots, align, arch)
-    bm, tile, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_cuda.TILE, sgmv_triton._slot_pad(max_slots)
+    bm, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_triton._slot_pad(max_slots)  # pylint: disable=protected-access
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
@@ -112,10 +105,7 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         if n > 0:
             if n < MIXED_MIN_TOKENS:
                 T.call_packed(cuda, v.data, arena.data, slot.data, order.data, rank.data, scale.data, b_off.data,
-                              y.data, T.Cast("int32", n), C, P, m0, m1, m2, w0, w1, w2, M, layer * (size // L),
-                              T.Cast("int32", (n + tile - 1) // tile), out_tiles,
-                              sgmv_cuda._split((n + tile - 1) // tile * out_tiles),  # pylint: disable=protected-access
-                              sgmv_cuda.EXPAND_THREADS)
+                              y.data, *sgmv_cuda.expand_launch(n, layer * (size // L), in_f, widths, mods, M))
             else:
                 T.call_packed(tn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
                               y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
