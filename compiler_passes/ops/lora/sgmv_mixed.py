@@ -38,9 +38,8 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
 
     R, M, L, P, C = max_rank, num_modules, num_layers, len(mods), num_chunks(in_f)
     cuda = sgmv_cuda.kernel_names(dtype, max_rank)[0]
-    tn, tth, tsh, tmod, t_y = sgmv_triton.variant_kernel("shrink", "large", in_f, mods, None, R, M, dtype, max_slots,
-                                                         align, arch)
-    bm, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_triton._slot_pad(max_slots)  # pylint: disable=protected-access
+    large = sgmv_triton.variant_kernel("shrink", "large", in_f, mods, None, R, M, dtype, max_slots, align, arch)
+    SP = sgmv_triton._slot_pad(max_slots)  # pylint: disable=protected-access
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
@@ -63,12 +62,10 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
                 T.call_packed(cuda, x.data, arena.data, slot.data, order.data, rank.data, scale.data, a_off.data,
                               v.data, *sgmv_cuda.shrink_launch(n, layer * (size // L), in_f, mods, M))
             else:
-                T.call_packed(tn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
-                              v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
-                              T.int64(0), T.int64(0),
-                              T.Cast("int32", (n + bm - 1) // bm + T.min(n, cap1 - 1)), t_y, tth, tsh)
+                T.call_packed(large[0], x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
+                              v.data, *sgmv_triton.launch("large", large, n, cap1, layer * (size // L)))
 
-    return sgmv_shrink_mixed, [tmod]
+    return sgmv_shrink_mixed, [large[3]]
 
 
 def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
@@ -82,9 +79,8 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     if len(widths) != P:
         raise ValueError(f"{len(widths)} widths for {P} parts")
     cuda = sgmv_cuda.kernel_names(dtype, max_rank)[1]
-    tn, tth, tsh, tmod, t_y = sgmv_triton.variant_kernel("expand", "large", in_f, mods, widths, R, M, dtype,
-                                                         max_slots, align, arch)
-    bm, SP = sgmv_triton.VARIANTS["large"]["BM"], sgmv_triton._slot_pad(max_slots)  # pylint: disable=protected-access
+    large = sgmv_triton.variant_kernel("expand", "large", in_f, mods, widths, R, M, dtype, max_slots, align, arch)
+    SP = sgmv_triton._slot_pad(max_slots)  # pylint: disable=protected-access
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
@@ -107,12 +103,10 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                 T.call_packed(cuda, v.data, arena.data, slot.data, order.data, rank.data, scale.data, b_off.data,
                               y.data, *sgmv_cuda.expand_launch(n, layer * (size // L), in_f, widths, mods, M))
             else:
-                T.call_packed(tn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
-                              y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
-                              T.int64(0), T.int64(0),
-                              T.Cast("int32", (n + bm - 1) // bm + T.min(n, cap1 - 1)), t_y, tth, tsh)
+                T.call_packed(large[0], v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
+                              y.data, *sgmv_triton.launch("large", large, n, cap1, layer * (size // L)))
 
-    return sgmv_expand_mixed, [tmod]
+    return sgmv_expand_mixed, [large[3]]
 
 
 class SgmvMixed(LoraStage):

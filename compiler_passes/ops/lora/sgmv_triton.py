@@ -266,6 +266,19 @@ def variant_kernel(kind: str, var: str, in_f: int, mods, widths, max_rank: int, 
     return (*_module(kind, dtype, consts, cfg["num_warps"], arch), grid_y)
 
 
+def launch(var: str, kernel: tuple, n, cap1, base) -> tuple:
+    """The arguments after the pointers (n, S, base) and the launch (grid x, y, z, threads, shared
+    bytes) of `kernel` (variant_kernel's tuple for tile variant `var`) over n tokens sorted by slot,
+    slot_start of cap1 entries and the layer's arena offset `base` (TIR expressions): x = a tile per
+    BM tokens plus one per slot that has tokens (a slot's last tile may be partial)."""
+    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
+
+    _, threads, shared, _, grid_y = kernel
+    bm = VARIANTS[var]["BM"]
+    return (T.Cast("int32", n), T.Cast("int32", cap1 - 1), base, T.int64(0), T.int64(0),
+            T.Cast("int32", (n + bm - 1) // bm + T.min(n, cap1 - 1)), grid_y, threads, shared)
+
+
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    max_slots: int, align: int, arch: str):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), arena (size,), order (n,) int32,
@@ -277,8 +290,7 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
     C = num_chunks(in_f, "small")
     built = {var: variant_kernel("shrink", var, in_f, mods, None, R, M, dtype, max_slots, align, arch)
              for var in VARIANTS}
-    (sn, sth, ssh, _, s_y), (ln, lth, lsh, _, l_y) = built["small"], built["large"]
-    s_bm, l_bm = VARIANTS["small"]["BM"], VARIANTS["large"]["BM"]
+    sn, ln = built["small"][0], built["large"][0]
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
@@ -298,14 +310,10 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
         if n > 0:
             if n <= SMALL_MAX_TOKENS:
                 T.call_packed(sn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
-                              v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
-                              T.int64(0), T.int64(0),
-                              T.Cast("int32", (n + s_bm - 1) // s_bm + T.min(n, cap1 - 1)), s_y, sth, ssh)
+                              v.data, *launch("small", built["small"], n, cap1, layer * (size // L)))
             else:
                 T.call_packed(ln, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
-                              v.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
-                              T.int64(0), T.int64(0),
-                              T.Cast("int32", (n + l_bm - 1) // l_bm + T.min(n, cap1 - 1)), l_y, lth, lsh)
+                              v.data, *launch("large", built["large"], n, cap1, layer * (size // L)))
 
     return lora_shrink_triton, [b[3] for b in built.values()]
 
@@ -321,8 +329,7 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     C = num_chunks(in_f, "small")
     built = {var: variant_kernel("expand", var, in_f, mods, widths, R, M, dtype, max_slots, align, arch)
              for var in VARIANTS}
-    (sn, sth, ssh, _, s_t), (ln, lth, lsh, _, l_t) = built["small"], built["large"]
-    s_bm, l_bm = VARIANTS["small"]["BM"], VARIANTS["large"]["BM"]
+    sn, ln = built["small"][0], built["large"][0]
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
@@ -342,14 +349,10 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         if n > 0:
             if n <= SMALL_MAX_TOKENS:
                 T.call_packed(sn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
-                              y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
-                              T.int64(0), T.int64(0),
-                              T.Cast("int32", (n + s_bm - 1) // s_bm + T.min(n, cap1 - 1)), s_t, sth, ssh)
+                              y.data, *launch("small", built["small"], n, cap1, layer * (size // L)))
             else:
                 T.call_packed(ln, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
-                              y.data, T.Cast("int32", n), T.Cast("int32", cap1 - 1), layer * (size // L),
-                              T.int64(0), T.int64(0),
-                              T.Cast("int32", (n + l_bm - 1) // l_bm + T.min(n, cap1 - 1)), l_t, lth, lsh)
+                              y.data, *launch("large", built["large"], n, cap1, layer * (size // L)))
 
     return lora_expand_triton, [b[3] for b in built.values()]
 
