@@ -19,7 +19,7 @@ LEAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 # reader threads: a request whose adapter's host copy was dropped waits for its own read, not for
 # every read queued ahead of it (reading and packing let go of the GIL). Half the cores, 4 to 16:
 # with 1000 adapters a run reads hundreds of folders (~0.6 s each on one core for a rank-32 7B
-# adapter), and 4 threads kept most of a 16-core machine idle
+# adapter); 4 threads leave most of a 16-core machine idle
 READ_WORKERS = max(4, min(16, (os.cpu_count() or 8) // 2))
 
 
