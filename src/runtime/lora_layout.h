@@ -89,6 +89,16 @@ class AdapterRows {
   virtual ~AdapterRows() = default;
   virtual bool Has(int64_t layer, const std::string& module) const = 0;
   virtual void Row(int64_t layer, const std::string& module, bool b, int64_t k, float* out) const = 0;
+  /*!
+   * \brief The fast path of packing: elements [from, from + n) of the same row written straight in
+   *        the pages' 16-bit `dtype` to `dst`, where the source holds exactly those values (no
+   *        rounding, no scaling) and the whole row is finite. False where it cannot (PackAdapter
+   *        then takes Row), so that the pages and every error are bitwise those of Row.
+   */
+  virtual bool RawRow(int64_t layer, const std::string& module, bool b, int64_t k, DLDataType dtype,
+                      int64_t from, int64_t n, uint16_t* dst) const {
+    return false;
+  }
 };
 
 /*!

@@ -285,6 +285,52 @@ class PeftRows : public AdapterRows {
     for (int64_t o = 0; o < outf; ++o) out[o] = col[o] * ratio;
   }
 
+  // F16 rows into float16 pages, BF16 into bfloat16, B unscaled: the stored bits are what Row and
+  // Store give (a 16-bit value widened to float32 and rounded back is itself), copied as they are.
+  bool RawRow(int64_t layer, const std::string& module, bool b, int64_t k, DLDataType dtype, int64_t from,
+              int64_t n, uint16_t* dst) const final {
+    const PeftAdapter::Pair& p = a_.pairs.at({layer, module});
+    const bool half = dtype.code == kDLFloat;
+    const SafeTensorsFile::Entry& e = b ? *p.b : *p.a;
+    if (e.dtype != (half ? "F16" : "BF16") || (b && static_cast<float>(p.ratio) != 1.0f)) return false;
+    if (k >= p.r) {  // padding to the adapter's rank
+      std::fill(dst, dst + n, uint16_t{0});
+      return true;
+    }
+    const int64_t in = p.a->shape[1], outf = p.b->shape[0], len = b ? outf : in;
+    const uint16_t* row;
+    if (!b) {
+      raw_row_.resize(in);  // the mapped data need not be 2-byte aligned
+      std::memcpy(raw_row_.data(), e.data + 2 * k * in, 2 * in);
+      row = raw_row_.data();
+    } else {
+      if (raw_b_of_ != &p) {  // B (out, r) transposed once per pair, as Row does, in blocks of outputs
+        constexpr int64_t kBlock = 64;
+        raw_b_t_.resize(outf * p.r);
+        std::vector<uint16_t> block(kBlock * p.r);
+        for (int64_t o0 = 0; o0 < outf; o0 += kBlock) {
+          const int64_t no = std::min(kBlock, outf - o0);
+          std::memcpy(block.data(), e.data + 2 * o0 * p.r, 2 * no * p.r);
+          for (int64_t c = 0; c < p.r; ++c) {
+            uint16_t* to = raw_b_t_.data() + c * outf + o0;
+            for (int64_t o = 0; o < no; ++o) to[o] = block[o * p.r + c];
+          }
+        }
+        raw_b_of_ = &p;
+      }
+      row = raw_b_t_.data() + k * outf;
+    }
+    // Infinity or NaN anywhere in the row (all exponent bits set): Row names it. The exponent
+    // field plus its lowest bit reaches the sign bit only when all its bits are set (branch-free,
+    // so the loop vectorizes).
+    const uint16_t exp = half ? 0x7c00 : 0x7f80, step = half ? 0x0400 : 0x0080;
+    uint16_t bad = 0;
+    for (int64_t i = 0; i < len; ++i) bad |= static_cast<uint16_t>((row[i] & exp) + step);
+    if (bad & 0x8000) return false;
+    std::memcpy(dst, row + from, 2 * n);
+    return true;
+  }
+
  private:
   /*!
    * \brief InvalidArgument naming the tensor and the flat index of the first NaN or infinity
@@ -303,6 +349,9 @@ class PeftRows : public AdapterRows {
   const PeftAdapter& a_;
   mutable const PeftAdapter::Pair* b_of_ = nullptr;  // whose B b_t_ holds
   mutable std::vector<float> b_t_;                    // B transposed: (r, out)
+  mutable const PeftAdapter::Pair* raw_b_of_ = nullptr;  // the same for RawRow, as stored
+  mutable std::vector<uint16_t> raw_b_t_;
+  mutable std::vector<uint16_t> raw_row_;                // an A row, aligned
 };
 
 }  // namespace

@@ -109,6 +109,52 @@ def test_pack_adapter_round_trip_and_tables():
         arena.tables([5])
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_pack_adapter_rounds_float32_as_numpy_does(dtype):
+    """float32 rows packed into 16-bit pages are numpy's (ml_dtypes') round to nearest even, bit for
+    bit, at the edges of the format too: ties, the overflow threshold, subnormals, signed zeros,
+    infinities (NaN stays NaN); rows of every length, so that both the 8-wide hardware conversion
+    and its scalar tail run."""
+    import ml_dtypes
+
+    np_dt = {"bfloat16": ml_dtypes.bfloat16}.get(dtype, np.dtype(dtype))
+    spec = make_spec(_tiny_cfg(), max_rank=8, pool_pages=40, target_modules=["q_proj", "v_proj", "down_proj"])
+    ad = _fake_adapter(spec, 5, ["q_proj", "v_proj", "down_proj"], 7)
+    tie = np.float32(1 + 2.0 ** -11)  # halfway between two float16 values: rounds to the even one
+    special = np.array([0.0, -0.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e30, np.inf, -np.inf, 2.0 ** -25,
+                        2.0 ** -25 * 1.0001, 1.5 * 2.0 ** -24, 2.5 * 2.0 ** -24, -3e-6, 6.1e-5, 1e-40, tie,
+                        np.nextafter(tie, np.float32(2)), 3.0e38, np.nan], np.float32)
+    scale = np.float32(1e-3) if dtype == "bfloat16" else np.float32(1)
+    for i, (l, m) in enumerate(sorted(ad.weights)):
+        a, bt = ad.weights[l, m]
+        a[i % a.shape[0], 3:3 + len(special)] = special
+        bt[(i + 1) % bt.shape[0], -len(special) - i % 3:bt.shape[1] - i % 3] = special * scale
+    got = reference_unpack_bits(spec, pack_adapter(spec, ad, np_dt))
+    for (l, m), (a, bt) in ad.weights.items():
+        for rows, name in ((a, "A"), (bt, "B^T")):
+            with np.errstate(over="ignore"):
+                want = rows.astype(np_dt)
+            nan = np.isnan(rows)
+            np.testing.assert_array_equal(np.isnan(got[l, m, name].astype(np.float32)), nan)
+            np.testing.assert_array_equal(got[l, m, name].view(np.uint16)[~nan], want.view(np.uint16)[~nan],
+                                          err_msg=f"layer {l} {m} {name}")
+
+
+def reference_unpack_bits(spec, packed):
+    """Every targeted row of a packed adapter as stored (the pages' dtype, no widening)."""
+    L, n, E = packed.pages.shape
+    pages = packed.pages.reshape(L, n * E)
+    out = {}
+    for mi, m in enumerate(spec.modules):
+        if packed.scale[mi] == 0:
+            continue
+        for l in range(L):
+            for name, offs, width in (("A", packed.a_off[mi, :packed.rank], m.in_features),
+                                      ("B^T", packed.b_off[mi, :packed.rank], m.out_features)):
+                out[l, m.name, name] = np.stack([pages[l, o:o + width] for o in offs])
+    return out
+
+
 def test_pack_adapter_refuses_what_was_not_compiled():
     spec = make_spec(_tiny_cfg(), max_rank=4, pool_pages=8, target_modules=["q_proj"])
     with pytest.raises(LoraError, match="rank 8, above the compiled --max-lora-rank 4"):

@@ -302,3 +302,57 @@ def test_every_stored_dtype_packs_its_exact_values(tmp_path, dtype):
     t[name].flat[9] = np.inf  # row 2, column 1 of B (32, 4)
     with pytest.raises(LoraError, match=rf"{name}.*not finite.*flat index 9\b"):
         _load_packed(_write(tmp_path / f"{dtype}-inf", tensors=t), CFG)
+
+
+@pytest.mark.parametrize("pages", ["float16", "bfloat16"])
+@pytest.mark.parametrize("stored", ["float16", "bfloat16", "float32"])
+def test_16_bit_pages_hold_the_stored_values_rounded_once(tmp_path, pages, stored):
+    """On a float16/bfloat16 model every stored dtype packs to numpy's cast of its values (a
+    layer's B scaled by its alpha_pattern ratio first), whether the runtime copies the stored bits
+    (float16 into float16 pages, bfloat16 into bfloat16, ratio 1) or widens and rounds; under tensor
+    parallelism each shard gets its slice; a NaN or infinity anywhere in a row is found and named at
+    its flat index, also where that row's shard slice is finite."""
+    import ml_dtypes
+
+    np_dt = {"bfloat16": ml_dtypes.bfloat16}
+    src_dt, page_dt = np_dt.get(stored, np.dtype(stored)), np_dt.get(pages, np.dtype(pages))
+    rng = np.random.default_rng(5)
+    shapes = {"q_proj": ((4, 64), (64, 4)), "v_proj": ((4, 64), (32, 4)), "down_proj": ((4, 128), (64, 4))}
+    t = {}
+    for l in (0, 1):
+        for m, (sa, sb) in shapes.items():
+            part = "mlp" if m == "down_proj" else "self_attn"
+            t[f"{PREFIX}.{l}.{part}.{m}.lora_A.weight"] = rng.standard_normal(sa).astype(np.float32).astype(src_dt)
+            t[f"{PREFIX}.{l}.{part}.{m}.lora_B.weight"] = rng.standard_normal(sb).astype(np.float32).astype(src_dt)
+    config = {"target_modules": list(shapes), "alpha_pattern": {"layers.1.self_attn.q_proj": 24}}  # ratio 3
+    f = _write(tmp_path / "ok", config=config, tensors=t)
+
+    def want(l, m, shard, shards):
+        part = "mlp" if m == "down_proj" else "self_attn"
+        a = t[f"{PREFIX}.{l}.{part}.{m}.lora_A.weight"].astype(np.float32)
+        bt = t[f"{PREFIX}.{l}.{part}.{m}.lora_B.weight"].astype(np.float32).T * np.float32(3 if (l, m) == (1, "q_proj") else 1)
+        if m == "down_proj":  # row-parallel: A's inputs split
+            a = np.split(a, shards, axis=1)[shard]
+        else:  # column-parallel: B^T's outputs split
+            bt = np.split(bt, shards, axis=1)[shard]
+        return a.astype(page_dt).astype(np.float32), bt.astype(page_dt).astype(np.float32)
+
+    for shards in (1, 2):
+        spec = make_spec(LlamaConfig(**TINY_CONFIGS["gqa"], tensor_parallel_shards=shards), 8, 16)
+        for shard in range(shards):
+            packed = pack_peft_adapter(f, compiled_config(spec, pages), shard=shard)
+            assert packed.pages.dtype == page_dt
+            got = unpack(spec, packed)
+            for (l, m), (a, bt) in got.weights.items():
+                wa, wbt = want(l, m, shard, shards)
+                np.testing.assert_array_equal(a, wa)
+                np.testing.assert_array_equal(bt, wbt)
+    spec = make_spec(LlamaConfig(**TINY_CONFIGS["gqa"], tensor_parallel_shards=2), 8, 16)
+    for tensor, flat in (("1.self_attn.v_proj.lora_B", 9), ("0.mlp.down_proj.lora_A", 130), ("1.self_attn.q_proj.lora_A", 3)):
+        name = f"{PREFIX}.{tensor}.weight"
+        bad = dict(t)
+        bad[name] = t[name].copy()
+        bad[name].flat[flat] = np.inf if flat != 3 else np.nan  # 130: down A row 1 input 2, outside shard 1's slice
+        with pytest.raises(LoraError, match=rf"{name}.*not finite.*flat index {flat}\b"):
+            pack_peft_adapter(_write(tmp_path / f"bad-{flat}", config=config, tensors=bad), compiled_config(spec, pages),
+                              shard=1)
