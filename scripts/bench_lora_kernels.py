@@ -844,6 +844,7 @@ def plot(a) -> int:
 
 
 def main(argv=None) -> int:
+    global COMPILED_RANKS  # pylint: disable=global-statement  (run --compiled-ranks: compiled_rank reads it)
     ap, sub = cli.parser(__doc__, __file__)
     c = cli.add_compile(sub, "the library of our kernels (here)", "the library (.so)")
     c.add_argument("--compiled-ranks", default=",".join(map(str, COMPILED_RANKS)),
@@ -865,6 +866,8 @@ def main(argv=None) -> int:
         p.add_argument("--peers", default=str(PEERS_DIR), help="the peer kernels' folder")
         p.add_argument("--no-peers", action="store_true", help="time ours alone")
         p.add_argument("--dry-run", action="store_true", help="on CPU, a `compile --target llvm` library, tiny shapes")
+        p.add_argument("--compiled-ranks", help="the max ranks --lib was built for (compile's --compiled-ranks; "
+                       f"default {','.join(map(str, COMPILED_RANKS))}): a point runs the smallest >= its ranks")
 
     r = cli.add_run(sub, "the kernel sweep (the GPU machine)", log_dir=".")
     device_args(r)
@@ -883,6 +886,8 @@ def main(argv=None) -> int:
     pt.add_argument("results", nargs="+")
     pt.add_argument("--out", required=True, help="the chart (.svg or .png)")
     a = cli.parse(ap, argv)
+    if a.cmd in ("run", "layer") and a.compiled_ranks:
+        COMPILED_RANKS = tuple(sorted(int(r) for r in a.compiled_ranks.split(",")))
     if a.cmd == "compile":
         compile_lib(a.out, a.target, a.target == "llvm", [int(r) for r in a.compiled_ranks.split(",")])
         return 0

@@ -146,3 +146,15 @@ def test_the_triton_stage_gets_the_pools_token_order():
     want = sort_tokens_ref(slot, 5)
     assert order.tolist() == want[0].tolist() == [1, 4, 3, 6, 0, 2, 5]
     assert start.tolist() == want[1].tolist() == [0, 2, 3, 4, 7, 7]
+
+
+def test_run_takes_the_ranks_the_library_was_built_for(tmp_path, monkeypatch):
+    """A library of `compile --compiled-ranks 8,64` runs a rank-16 point on its rank-64 kernels, and
+    the run says so (R = 64), rather than looking for rank-16 kernels it does not have."""
+    lib = tmp_path / "k.so"
+    assert bench.main(["compile", "--target", "llvm", "--out", str(lib), "--compiled-ranks", "8,64"]) == 0
+    monkeypatch.setattr(bench, "COMPILED_RANKS", bench.COMPILED_RANKS)  # main sets it; restored after the test
+    assert bench.main(["run", "--lib", str(lib), "--dry-run", "--no-peers", "--log-dir", str(tmp_path),
+                       "--tokens", "1", "--adapters", "4", "--ranks", "16", "--compiled-ranks", "8,64"]) == 0
+    rows = json.loads((tmp_path / "bench_lora_kernels.json").read_text())["rows"]
+    assert rows and all(r["R"] == 64 and r["status"]["sgmv-tir"] == "ok" and r["err"]["sgmv-tir"] < 1e-3 for r in rows)
