@@ -66,6 +66,7 @@ DRY = dict(shapes=[(64, 96), (96, 64)], tokens=[1, 5, 17], adapters=[1, 4], rank
                                       "down": (96, (64,))}, layer_tokens=[3, 17])
 HBM = 4.2e12  # bytes/s for the roofline
 TRITON_SLOTS = 256  # the tensor-core kernels are built for up to this many slots (a model: its max batch size)
+TRITON_BK = 64  # their input step (sgmv_triton.BK; TVM's compiler, which that module imports, is not here)
 SCALE = 0.5  # every adapter's LoRA scale (not 1: the check sees scaling)
 TOL = 2e-2  # relative error of the delta against float64 (fp16 ~1e-3, bf16 ~4e-3 expected)
 ELT = 2  # bytes per fp16 / bf16 element
@@ -315,23 +316,26 @@ def _sgmv_cuda(pb: Linear):
     return call
 
 
-def _sorted_tables(t, slot, n_slots: int, dev):
+def _sorted_tables(t, slot, n_slots: int, dev, capacity: int = 0):
     """lora_token_order and lora_slot_start of a batch, as the pool builds them (contract.py): the
     tokens sorted by slot, stable, and each slot's first position (every slot here has a token or
-    none; no base-model tokens). numpy here: the GPU machine's TVM has no compiler to import."""
+    none; no base-model tokens), slot_start padded to `capacity` slots as a model's table is (its
+    max batch size). numpy here: the GPU machine's TVM has no compiler to import."""
     s = slot.cpu().numpy()
     order = np.argsort(s, kind="stable").astype(np.int32)
-    start = np.concatenate([[0], np.cumsum(np.bincount(s, minlength=n_slots))]).astype(np.int32)
+    start = np.concatenate([[0], np.cumsum(np.bincount(s, minlength=max(n_slots, capacity)))]).astype(np.int32)
     return t.from_numpy(order).to(dev), t.from_numpy(start).to(dev)
 
 
 def _sgmv_triton(pb: Linear):
-    """The tensor-core stage 3 (Triton) as the model runs it: tokens sorted by slot on the host."""
+    """The tensor-core stage 3 (Triton) as the model runs it: tokens sorted by slot on the host, the
+    slot table as large as a model's."""
     p, t = pb.p, pb.env.torch
     shrink = _fn(pb.env.lib, fname("tshrink", p.dtype, p.R, p.in_f, p.out_f))
     expand = _fn(pb.env.lib, fname("texpand", p.dtype, p.R, p.in_f, p.out_f))
-    order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device)
-    v = t.empty((p.T, 1, -(-p.in_f // 256), p.R), dtype=t.float32, device=pb.env.device)
+    order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, TRITON_SLOTS)
+    # scratch of at least the kernels' input splits (at most one per TRITON_BK inputs)
+    v = t.empty((p.T, 1, -(-p.in_f // TRITON_BK), p.R), dtype=t.float32, device=pb.env.device)
 
     def call(c):
         shrink(pb.x[c], pb.arena, order, start, pb.rank, pb.scale, pb.a_off[c], 0, v)
@@ -473,9 +477,10 @@ def _layer_triton(lp: Layer):
     """The tensor-core stage 3 (Triton) as the model runs it: per fused linear one shrink and one
     in-place expand over the tokens sorted by slot."""
     t, lib = lp.env.torch, lp.env.lib
-    order, start = _sorted_tables(t, lp.slot, lp.N, lp.env.device)
+    order, start = _sorted_tables(t, lp.slot, lp.N, lp.env.device, TRITON_SLOTS)
     fns = {name: (_fn(lib, lname("tshrink", name, lp.dtype, lp.R)), _fn(lib, lname("texpand", name, lp.dtype, lp.R)),
-                  t.empty((lp.T, len(parts), -(-lp.layer[name][0] // 256), lp.R), dtype=t.float32, device=lp.env.device))
+                  t.empty((lp.T, len(parts), -(-lp.layer[name][0] // TRITON_BK), lp.R), dtype=t.float32,
+                          device=lp.env.device))
            for name, parts in lp.mods.items()}
 
     def call(c):

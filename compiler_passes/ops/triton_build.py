@@ -27,9 +27,10 @@ _LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "threadIdx.x", "tirx.use_dyn_shared_
 _DIVISIBLE = ("base",)  # integer arguments that are multiples of 16 bytes' worth of elements
 
 
-def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path):
-    """(kernel name, cubin, metadata) of `fn` built with `consts`; cached on disk by the content of
-    `source` (the file holding fn), the signature, the constants, the arch and Triton's version."""
+def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
+    """(kernel name, cubin, metadata) of `fn` built with `consts` (num_stages: the software
+    pipeline's depth, Triton's default 3); cached on disk by the content of `source` (the file
+    holding fn), the signature, the constants, the launch options, the arch and Triton's version."""
     from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
     from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
 
@@ -38,13 +39,13 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
              if sig[k].startswith("*") or k in _DIVISIBLE}
     cap = int(arch.removeprefix("sm_").rstrip("a"))
     key = hashlib.sha256(json.dumps([Path(source).read_text(), Path(__file__).read_text(), fn.__name__, sig,
-                                     consts, num_warps, arch, triton.__version__]).encode()).hexdigest()[:24]
+                                     consts, num_warps, num_stages, arch, triton.__version__]).encode()).hexdigest()[:24]
     out = cache_dir() / "triton" / f"{fn.__name__}-{key}"
     if out.with_suffix(".json").exists():
         meta = json.loads(out.with_suffix(".json").read_text())
         return meta["name"], out.with_suffix(".cubin").read_bytes(), meta
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps))
+    k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     md = k.metadata
     if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
         raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
@@ -54,11 +55,11 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
     return md.name, k.asm["cubin"], meta
 
 
-def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path):
+def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
     """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant."""
     import tvm  # pylint: disable=import-outside-toplevel
 
-    name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source)
+    name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages)
     types = ["handle" if t.startswith("*") else ("int64" if t == "i64" else "int32")
              for t in sig.values() if t != "constexpr"] + ["int64"] * SCRATCH
     info = {"tvm_version": tvm.__version__, "func_info": {name: {

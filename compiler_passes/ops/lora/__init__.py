@@ -62,12 +62,11 @@ def _stages() -> dict:
     from . import (gather_tir, sgmv_cuda, sgmv_mixed, sgmv_tir, sgmv_triton,  # pylint: disable=import-outside-toplevel
                    single_tir)
 
-    # sgmv: "mixed" first (the CUDA C++ kernels for decode sizes, the Triton ones past them: 64 mixed
-    # adapters +4.6% end to end over the CUDA C++ kernels alone, docs/SGMV.md), then the CUDA C++
-    # kernels alone (where Triton is not installed); the Triton ones alone measured slower in the
-    # decode batches, so they run only when asked for
+    # sgmv: the Triton tensor-core kernels first (faster than the CUDA C++ ones and the peers' at
+    # every token count measured, docs/SGMV.md), then the CUDA C++ kernels (where Triton is not
+    # installed); "mixed" (CUDA C++ for decode sizes, Triton past them) only when asked for
     return {(impl.stage, impl.backend): impl
-            for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_mixed.STAGE, sgmv_cuda.STAGE, sgmv_triton.STAGE,
+            for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_triton.STAGE, sgmv_cuda.STAGE, sgmv_mixed.STAGE,
                          sgmv_tir.STAGE)}
 
 

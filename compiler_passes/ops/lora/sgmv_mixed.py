@@ -11,7 +11,7 @@ token count (CUDA graphs) and one library serves both.
 Semantics: those of both stages (y[t] += scale[s, m] * (x[t] @ A[s, m].T) @ B[s, m].T over the
 parts, sgmv_cuda.py); v is scratch whose layout each branch defines for itself: (n, P, C, R) by
 token for the CUDA kernels (C = ceil(in / 512)), (n, P, C', R) by sorted position for the Triton
-ones (C' = ceil(in / 1024) <= C), so the buffer is sized for the CUDA layout. References:
+ones (C' = sgmv_triton.num_chunks(in, "large")), so the buffer holds the larger (scratch_chunks). References:
 reference.sgmv_parts_shrink_ref / sgmv_parts_expand_ref (CUDA), sgmv_triton.shrink_ref / expand_ref.
 """
 
@@ -29,14 +29,19 @@ from .stage import LoraContext, LoraStage, Part, layer_arg, tokens
 MIXED_MIN_TOKENS = sgmv_triton.SMALL_MAX_TOKENS + 1  # from here on the Triton kernels (large tiles)
 
 
+def scratch_chunks(in_f: int) -> int:
+    """C of the scratch v: room for both branches' partial sums (each indexes it with its own C)."""
+    return max(num_chunks(in_f), sgmv_triton.num_chunks(in_f, "large"))
+
+
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    max_slots: int, align: int, arch: str):
     """(TIR wrapper, [Triton module]). Signature: (x (n, in_f), arena (size,), slot (n,), order (n,),
     slot_start (cap + 1,), rank (S,), scale (S, M), a_off (S, M, R), layer: int64, v (n, P, C, R)
-    float32 [scratch]); C = ceil(in_f / 512)."""
+    float32 [scratch]); C = scratch_chunks(in_f)."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
-    R, M, L, P, C = max_rank, num_modules, num_layers, len(mods), num_chunks(in_f)
+    R, M, L, P, C = max_rank, num_modules, num_layers, len(mods), scratch_chunks(in_f)
     cuda = sgmv_cuda.kernel_names(dtype, max_rank)[0]
     large = sgmv_triton.variant_kernel("shrink", "large", in_f, mods, None, R, M, dtype, max_slots, align, arch)
     SP = sgmv_triton._slot_pad(max_slots)  # pylint: disable=protected-access
@@ -75,7 +80,7 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     y (n, W) [in place]); W = sum(widths)."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
-    R, M, L, P, C, W = max_rank, num_modules, num_layers, len(mods), num_chunks(in_f), sum(widths)
+    R, M, L, P, C, W = max_rank, num_modules, num_layers, len(mods), scratch_chunks(in_f), sum(widths)
     if len(widths) != P:
         raise ValueError(f"{len(widths)} widths for {P} parts")
     cuda = sgmv_cuda.kernel_names(dtype, max_rank)[1]
@@ -148,7 +153,7 @@ class SgmvMixed(LoraStage):
         common = [t["lora_arena"], t["lora_token_slot"], t["lora_token_order"], t["lora_slot_start"], t["lora_rank"],
                   t["lora_scale"]]
         v = bb.emit(relax.call_tir(shrink, [x, *common, t["lora_a_off"], layer_arg(layer)],
-                                   relax.TensorType([n, len(parts), num_chunks(in_f), R], "float32")))
+                                   relax.TensorType([n, len(parts), scratch_chunks(in_f), R], "float32")))
         y2 = bb.emit(relax.op.reshape(y, relax.ShapeExpr([n, sum(widths)])))
         # in place: the GEMM's output takes the deltas (no delta tensor, no add, no concat)
         y2 = bb.emit(relax.call_tir_inplace(expand, [v, *common, t["lora_b_off"], layer_arg(layer), y2], [9],

@@ -3,25 +3,33 @@ cubin at compile time (no GPU needed) and launched from TIR wrappers like the CU
 
 Tokens are taken in the order the pool sorted them by slot (`lora_token_order`; slot s owns the
 sorted positions `lora_slot_start[s] .. lora_slot_start[s + 1]`), so one thread block works on
-one slot and up to BM of its tokens: the adapter's A and B^T rows are loaded once per tile and
-multiplied on tensor cores (`tl.dot`). One shrink and one in-place expand cover every part of a
+one slot and up to BM of its tokens with every rank row of the adapter at once (RB = the compiled
+max rank rounded up to a power of two >= 16; rows past the slot's rank are masked, never read).
+The shrink splits the input into C splits of whole BK steps (the grid's second axis, with the
+parts): each block multiplies its x tile by the A rows of its split on tensor cores (`tl.dot`) and
+stores fp32 partial sums; the expand sums the C partials of its tile once and adds h @ B^T into
+G output tiles of BN columns in turn. One shrink and one in-place expand cover every part of a
 fused linear (q|k|v, gate|up).
 
 Semantics (p a sorted position, t = order[p], s its slot, m = mods[part] >= 0, k < rank[s],
-scale[s, m] != 0; C = ceil(in / CHUNK)):
-  shrink: v[p, part, c, k] = scale[s, m] * sum_{i in chunk c} x[t, i] * A[s, m][k, i]
+scale[s, m] != 0; CHUNK = chunk_elems(in, variant) input elements per split, C = num_chunks):
+  shrink: v[p, part, c, k] = scale[s, m] * sum_{i in split c} x[t, i] * A[s, m][k, i]
           (A[s, m][k] = arena[base + a_off[s, m, k] : + in]); entries of other positions are
           never read.
   expand: y[t, o_part + j] += sum_k (sum_c v[p, part, c, k]) * B^T[s, m][k, j]   in place
-          (B^T[s, m][k] = arena[base + b_off[s, m, k] : + w_part], o_part = sum of earlier widths);
-          rows of base-model tokens and parts no adapter module covers are left alone.
+          (B^T[s, m][k] = arena[base + b_off[s, m, k] : + w_part], o_part = sum of earlier widths;
+          the sum over c is rounded to the model dtype before the product, as PEFT rounds lora_A's
+          output); rows of base-model tokens and parts no adapter module covers are left alone.
 References: `shrink_ref` / `expand_ref` below.
 
 Grid (static for CUDA graphs; a function of the token count and the table sizes only): x =
-ceil(n / BM) + min(n, S) tiles (every slot's tokens in tiles of BM, the sum over slots of
-ceil(n_s / BM) is at most that), y = chunks x parts (shrink) or output tiles of all parts (expand).
-Blocks past the last tile leave at once. Two tile sizes are built: BM = 16 for n <= SMALL_MAX_TOKENS
-(decode batches: many slots of few tokens) and BM = 64 above (prefill).
+ceil(n / BM) + min(n, S, GRID_SLOTS) blocks over the batch's tiles (every slot's tokens in tiles of
+BM; there are at most ceil(n / BM) + min(n, S) of them), each block taking tiles x, x + grid x, ...
+(so a table sized for many slots launches no idle blocks when few are used, and many used slots
+are still all covered), y = splits x parts (shrink) or groups of G output tiles over all parts
+(expand). Three tile variants are built (VARIANTS): BM = 16 with 16 or 8 splits for n <=
+TINY_MAX_TOKENS and n <= SMALL_MAX_TOKENS (decode batches: many slots of few tokens), BM = 64 above
+(prefill); the launch wrapper branches on n.
 """
 
 from __future__ import annotations
@@ -43,18 +51,42 @@ try:  # the kernels are written in Triton; compiling them needs it, nothing else
 except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = tl = None
 
-SMALL_MAX_TOKENS = 256
-VARIANTS = {  # tile configurations: tokens per block, input chunk, output columns, warps
-    "small": dict(BM=16, CHUNK=256, BN=128, num_warps=4),
-    "large": dict(BM=64, CHUNK=1024, BN=128, num_warps=4),
+TINY_MAX_TOKENS, SMALL_MAX_TOKENS = 16, 256
+GRID_SLOTS = 64  # blocks for the slots' partial tiles (past ceil(n / BM)); more tiles loop over them
+# tile configurations, by token count (tiny: n <= TINY_MAX_TOKENS, small: n <= SMALL_MAX_TOKENS,
+# large above): tokens per block, input splits (at most), output columns per tile, output tiles per
+# expand block, warps and pipeline stages of both kernels. Picked by measurement against each other
+# and the peers (docs/SGMV.md): few tokens need more splits to spread the A rows over the SMs.
+VARIANTS = {
+    "tiny": dict(BM=16, SPLITS=16, BN=64, G=2, num_warps=4, num_stages=3),
+    "small": dict(BM=16, SPLITS=8, BN=64, G=4, num_warps=4, num_stages=3),
+    "large": dict(BM=64, SPLITS=4, BN=128, G=4, num_warps=4, num_stages=3),
 }
-BK, BR = 64, 16  # input elements per dot step; rank rows per dot (tl.dot needs >= 16)
+BK = 64  # input elements per dot step
 DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MAX_RANK, MAX_PARTS = 128, 3
 
 
 def num_chunks(in_f: int, variant: str) -> int:
-    return -(-in_f // VARIANTS[variant]["CHUNK"])
+    """C: the input's splits (of whole BK steps, none empty) in tile variant `variant`."""
+    steps = -(-in_f // BK)
+    return -(-steps // -(-steps // min(VARIANTS[variant]["SPLITS"], steps)))
+
+
+def max_chunks(in_f: int) -> int:
+    """The splits the scratch v is sized for: the most of any tile variant."""
+    return max(num_chunks(in_f, var) for var in VARIANTS)
+
+
+def chunk_elems(in_f: int, variant: str) -> int:
+    """Input elements per split (the last split may be shorter)."""
+    steps = -(-in_f // BK)
+    return -(-steps // num_chunks(in_f, variant)) * BK
+
+
+def rank_block(max_rank: int) -> int:
+    """RB: the rank rows every block multiplies at once (tl.dot needs >= 16)."""
+    return max(16, 1 << (max_rank - 1).bit_length())
 
 
 def supported(dtype: str, max_rank: int, num_parts: int = 1) -> str | None:
@@ -120,101 +152,114 @@ def _kernel_name(kind: str):
 if triton is not None:
 
     @triton.jit
-    def _my_tile(start_ptr, S, pid, BM: tl.constexpr, SP: tl.constexpr):
-        """(slot, first sorted position, end position) of block `pid`'s tile; slot -1: none."""
+    def _slot_tiles(start_ptr, S, BM: tl.constexpr, SP: tl.constexpr):
+        """The batch's tiles of BM sorted positions, each of one slot: per slot (padded to SP) its
+        first and end position, its number of tiles and the end of its tile numbers; and the total."""
         ss = tl.arange(0, SP)
         lo = tl.load(start_ptr + ss, mask=ss < S, other=0)
         hi = tl.load(start_ptr + ss + 1, mask=ss < S, other=0)
         ntiles = (hi - lo + BM - 1) // BM
         tend = tl.cumsum(ntiles, axis=0)
-        s = tl.sum((tend <= pid).to(tl.int32), axis=0)
+        return lo, hi, ntiles, tend, tl.sum(ntiles, axis=0)
+
+    @triton.jit
+    def _tile(lo, hi, ntiles, tend, t, BM: tl.constexpr, SP: tl.constexpr):
+        """(slot, first sorted position, end position) of tile t < the total."""
+        ss = tl.arange(0, SP)
+        s = tl.sum((tend <= t).to(tl.int32), axis=0)
         tstart = tl.sum(tl.where(ss == s, tend - ntiles, 0), axis=0)
-        p0 = tl.sum(tl.where(ss == s, lo, 0), axis=0) + (pid - tstart) * BM
+        p0 = tl.sum(tl.where(ss == s, lo, 0), axis=0) + (t - tstart) * BM
         p1 = tl.sum(tl.where(ss == s, hi, 0), axis=0)
-        return tl.where(s < S, s, -1), p0, p1
+        return s, p0, p1
 
     @triton.jit(repr=_kernel_name("shrink"))
     def lora_shrink_kernel(x_ptr, arena_ptr, order_ptr, start_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr,
-                           n, S, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
-                           m2: tl.constexpr, C: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, CHUNK: tl.constexpr,
-                           BK: tl.constexpr, BR: tl.constexpr, SP: tl.constexpr, ALIGN: tl.constexpr):
-        pid = tl.program_id(0)
+                           n, S, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
+                           C: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
+                           BK: tl.constexpr, RB: tl.constexpr, SP: tl.constexpr, ALIGN: tl.constexpr):
+        """Block (tile of BM sorted positions of one slot, split c of the input's BK steps, part):
+        v[tile, part, c, :rank] = scale * x[tile] @ A[:rank, split].T, every rank row at once."""
         pid_c = tl.program_id(1) % C
         part = tl.program_id(1) // C
         m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
-        s, p0, p1 = _my_tile(start_ptr, S, pid, BM, SP)
-        if (m < 0) | (s < 0):
+        if m < 0:
             return
-        sc = tl.load(scale_ptr + s * M + m)
-        if sc == 0.0:
-            return
-        r_s = tl.load(rank_ptr + s)
-        pos = p0 + tl.arange(0, BM)
-        rmask = pos < p1
-        tok = tl.load(order_ptr + pos, mask=rmask, other=0)
-        i_start = pid_c * CHUNK
-        for k0 in range(0, r_s, BR):
-            kk = k0 + tl.arange(0, BR)
-            kmask = kk < r_s
-            aoff = tl.multiple_of(tl.load(aoff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
-            aoff = aoff.to(tl.int64)
-            acc = tl.zeros((BM, BR), dtype=tl.float32)
-            for i0 in range(0, CHUNK, BK):
-                ii = i_start + i0 + tl.arange(0, BK)
-                imask = ii < K
-                xt = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + ii[None, :],
-                             mask=rmask[:, None] & imask[None, :], other=0.0)
-                at = tl.load(arena_ptr + base + aoff[None, :] + ii[:, None],
-                             mask=kmask[None, :] & imask[:, None], other=0.0)
-                acc += tl.dot(xt, at)
-            vptr = v_ptr + ((pos[:, None].to(tl.int64) * P + part) * C + pid_c) * R + kk[None, :]
-            tl.store(vptr, acc * sc, mask=rmask[:, None] & kmask[None, :])
+        lo, hi, ntiles, tend, total = _slot_tiles(start_ptr, S, BM, SP)
+        steps: tl.constexpr = (K + BK - 1) // BK
+        per: tl.constexpr = (steps + C - 1) // C
+        st0 = pid_c * per
+        st1 = tl.minimum(st0 + per, steps)
+        kk = tl.arange(0, RB)
+        for t in range(tl.program_id(0), total, tl.num_programs(0)):
+            s, p0, p1 = _tile(lo, hi, ntiles, tend, t, BM, SP)
+            sc = tl.load(scale_ptr + s * M + m)
+            if sc != 0.0:
+                r_s = tl.load(rank_ptr + s)
+                pos = p0 + tl.arange(0, BM)
+                rmask = pos < p1
+                tok = tl.load(order_ptr + pos, mask=rmask, other=0).to(tl.int64)
+                kmask = kk < r_s
+                aoff = tl.multiple_of(tl.load(aoff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
+                xp = x_ptr + tok[:, None] * K + tl.arange(0, BK)[None, :]
+                ap = arena_ptr + base + aoff.to(tl.int64)[None, :] + tl.arange(0, BK)[:, None]
+                acc = tl.zeros((BM, RB), dtype=tl.float32)
+                for st in range(st0, st1):
+                    i0 = st * BK
+                    if K % BK == 0:
+                        xt = tl.load(xp + i0, mask=rmask[:, None], other=0.0)
+                        at = tl.load(ap + i0, mask=kmask[None, :], other=0.0)
+                    else:
+                        imask = i0 + tl.arange(0, BK) < K
+                        xt = tl.load(xp + i0, mask=rmask[:, None] & imask[None, :], other=0.0)
+                        at = tl.load(ap + i0, mask=kmask[None, :] & imask[:, None], other=0.0)
+                    acc += tl.dot(xt, at)
+                vptr = v_ptr + ((pos[:, None].to(tl.int64) * P + part) * C + pid_c) * R + kk[None, :]
+                tl.store(vptr, acc * sc, mask=rmask[:, None] & kmask[None, :])
 
     @triton.jit(repr=_kernel_name("expand"))
     def lora_expand_kernel(v_ptr, arena_ptr, order_ptr, start_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr,
                            n, S, base, C: tl.constexpr, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
                            m2: tl.constexpr, w0: tl.constexpr, w1: tl.constexpr, w2: tl.constexpr, P: tl.constexpr,
-                           W: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                           BR: tl.constexpr, CP: tl.constexpr, SP: tl.constexpr, ALIGN: tl.constexpr):
-        pid = tl.program_id(0)
+                           W: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
+                           RB: tl.constexpr, SP: tl.constexpr, ALIGN: tl.constexpr):
+        """Block (tile of BM sorted positions of one slot, group of G output tiles of BN of a part):
+        h = sum_c v[tile, part, c] once, then y[tile, cols] += h @ B^T[:rank, cols] per output tile."""
         pid_o = tl.program_id(1)
-        t0 = tl.cdiv(w0, BN)
-        t1 = tl.cdiv(w1, BN)
-        part = tl.where(pid_o < t0, 0, tl.where(pid_o < t0 + t1, 1, 2))
+        g0: tl.constexpr = ((w0 + BN - 1) // BN + G - 1) // G
+        g1: tl.constexpr = ((w1 + BN - 1) // BN + G - 1) // G
+        part = tl.where(pid_o < g0, 0, tl.where(pid_o < g0 + g1, 1, 2))
         m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
-        s, p0, p1 = _my_tile(start_ptr, S, pid, BM, SP)
-        if (m < 0) | (s < 0):
+        if m < 0:
             return
-        sc = tl.load(scale_ptr + s * M + m)
-        if sc == 0.0:
-            return
-        r_s = tl.load(rank_ptr + s)
+        lo, hi, ntiles, tend, total = _slot_tiles(start_ptr, S, BM, SP)
         width = tl.where(part == 0, w0, tl.where(part == 1, w1, w2))
         o_p = tl.where(part == 0, 0, tl.where(part == 1, w0, w0 + w1))
-        tile = pid_o - tl.where(part == 0, 0, tl.where(part == 1, t0, t0 + t1))
-        cols = tile * BN + tl.arange(0, BN)
-        cmask = cols < width
-        pos = p0 + tl.arange(0, BM)
-        rmask = pos < p1
-        tok = tl.load(order_ptr + pos, mask=rmask, other=0)
-        cc = tl.arange(0, CP)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, r_s, BR):
-            kk = k0 + tl.arange(0, BR)
-            kmask = kk < r_s
-            vptr = (v_ptr + ((pos[:, None, None].to(tl.int64) * P + part) * C + cc[None, :, None]) * R
-                    + kk[None, None, :])
-            vmask = rmask[:, None, None] & (cc < C)[None, :, None] & kmask[None, None, :]
-            h = tl.sum(tl.load(vptr, mask=vmask, other=0.0), axis=1)
-            boff = tl.multiple_of(tl.load(boff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
-            boff = boff.to(tl.int64)
-            bt = tl.load(arena_ptr + base + boff[:, None] + cols[None, :],
-                         mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc += tl.dot(h.to(bt.dtype), bt)
-        ymask = rmask[:, None] & cmask[None, :]
-        yptr = y_ptr + tok[:, None].to(tl.int64) * W + (o_p + cols)[None, :]
-        yv = tl.load(yptr, mask=ymask, other=0.0)
-        tl.store(yptr, (yv.to(tl.float32) + acc).to(yv.dtype), mask=ymask)
+        grp = pid_o - tl.where(part == 0, 0, tl.where(part == 1, g0, g0 + g1))
+        kk = tl.arange(0, RB)
+        for t in range(tl.program_id(0), total, tl.num_programs(0)):
+            s, p0, p1 = _tile(lo, hi, ntiles, tend, t, BM, SP)
+            sc = tl.load(scale_ptr + s * M + m)
+            if sc != 0.0:
+                r_s = tl.load(rank_ptr + s)
+                pos = p0 + tl.arange(0, BM)
+                rmask = pos < p1
+                tok = tl.load(order_ptr + pos, mask=rmask, other=0).to(tl.int64)
+                kmask = kk < r_s
+                vptr = v_ptr + (pos[:, None].to(tl.int64) * P + part) * (C * R) + kk[None, :]
+                h = tl.zeros((BM, RB), dtype=tl.float32)
+                for c in tl.static_range(C):
+                    h += tl.load(vptr + c * R, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                boff = tl.multiple_of(tl.load(boff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
+                bp = arena_ptr + base + boff.to(tl.int64)[:, None]
+                yp = y_ptr + tok[:, None] * W + o_p
+                for g in range(G):
+                    cols = (grp * G + g) * BN + tl.arange(0, BN)
+                    cmask = cols < width
+                    bt = tl.load(bp + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
+                    acc = tl.dot(h.to(bt.dtype), bt)
+                    ymask = rmask[:, None] & cmask[None, :]
+                    yv = tl.load(yp + cols[None, :], mask=ymask, other=0.0)
+                    tl.store(yp + cols[None, :], (yv.to(tl.float32) + acc).to(yv.dtype), mask=ymask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,79 +270,88 @@ def _signature(kind: str, dtype: str) -> dict:
     if kind == "shrink":
         ptrs = dict(x_ptr=e, arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32")
-        consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "CHUNK", "BK", "BR", "SP", "ALIGN"]
+        consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "BK", "RB", "SP", "ALIGN"]
     else:
         ptrs = dict(v_ptr="*fp32", arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", boff_ptr="*i32", y_ptr=e)
-        consts = ["C", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R", "BM", "BN", "BR", "CP", "SP", "ALIGN"]
+        consts = ["C", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R", "BM", "BN", "G", "RB", "SP", "ALIGN"]
     sig = dict(ptrs)
     sig.update({"n": "i32", "S": "i32", "base": "i64"})
     sig.update({k: "constexpr" for k in consts})
     return sig
 
 
-def _module(kind: str, dtype: str, consts: dict, num_warps: int, arch: str):
+def _module(kind: str, dtype: str, consts: dict, cfg: dict, arch: str):
     """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant."""
     fn = lora_shrink_kernel if kind == "shrink" else lora_expand_kernel
-    return triton_build.cuda_module(fn, _signature(kind, dtype), consts, num_warps, arch, Path(__file__))
+    return triton_build.cuda_module(fn, _signature(kind, dtype), consts, cfg["num_warps"], arch, Path(__file__),
+                                    num_stages=cfg["num_stages"])
 
 
 def _slot_pad(max_slots: int) -> int:
     return 1 << max(4, (max_slots - 1).bit_length())
 
 
+def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_modules: int, max_slots: int,
+              align: int, cfg: dict | None = None) -> tuple[dict, int]:
+    """(the compile-time constants, blocks along y) of the shrink or expand kernel of tile variant
+    `var` (cfg: its VARIANTS entry, or another configuration to try) for a linear of parts `mods`
+    (widths: the parts' widths, for the expand)."""
+    cfg = cfg or VARIANTS[var]
+    M, R, P, RB, SP = num_modules, max_rank, len(mods), rank_block(max_rank), _slot_pad(max_slots)
+    m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
+    steps = -(-in_f // BK)
+    c = -(-steps // -(-steps // min(cfg["SPLITS"], steps)))
+    if kind == "shrink":
+        return dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], BK=BK, RB=RB, SP=SP,
+                    ALIGN=align), c * P
+    w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
+    consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],
+                  BN=cfg["BN"], G=cfg["G"], RB=RB, SP=SP, ALIGN=align)
+    return consts, sum(-(-(-(-w // cfg["BN"])) // cfg["G"]) for w in widths)
+
+
 def variant_kernel(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_modules: int, dtype: str,
                    max_slots: int, align: int, arch: str):
     """(name, launch threads, dynamic shared bytes, TVM CUDA module, blocks along y) of the shrink
     or expand kernel of tile variant `var` for a linear (widths: the parts' widths, for the expand)."""
-    cfg, M, R, P = VARIANTS[var], num_modules, max_rank, len(mods)
-    m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    c = num_chunks(in_f, var)
-    if kind == "shrink":
-        consts = dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"],
-                      BK=BK, BR=BR, SP=_slot_pad(max_slots), ALIGN=align)
-        grid_y = c * P
-    else:
-        w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
-        consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],
-                      BN=cfg["BN"], BR=BR, CP=1 << max(0, (c - 1).bit_length()), SP=_slot_pad(max_slots),
-                      ALIGN=align)
-        grid_y = sum(-(-w // cfg["BN"]) for w in widths)
-    return (*_module(kind, dtype, consts, cfg["num_warps"], arch), grid_y)
+    consts, grid_y = constants(kind, var, in_f, mods, widths, max_rank, num_modules, max_slots, align)
+    return (*_module(kind, dtype, consts, VARIANTS[var], arch), grid_y)
 
 
 def launch(var: str, kernel: tuple, n, cap1, base) -> tuple:
     """The arguments after the pointers (n, S, base) and the launch (grid x, y, z, threads, shared
     bytes) of `kernel` (variant_kernel's tuple for tile variant `var`) over n tokens sorted by slot,
-    slot_start of cap1 entries and the layer's arena offset `base` (TIR expressions): x = a tile per
-    BM tokens plus one per slot that has tokens (a slot's last tile may be partial)."""
+    slot_start of cap1 entries and the layer's arena offset `base` (TIR expressions): x = a block per
+    BM tokens plus one per slot up to GRID_SLOTS (a slot's last tile may be partial)."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     _, threads, shared, _, grid_y = kernel
     bm = VARIANTS[var]["BM"]
     return (T.Cast("int32", n), T.Cast("int32", cap1 - 1), base, T.int64(0), T.int64(0),
-            T.Cast("int32", (n + bm - 1) // bm + T.min(n, cap1 - 1)), grid_y, threads, shared)
+            T.Cast("int32", (n + bm - 1) // bm + T.min(T.min(n, cap1 - 1), GRID_SLOTS)), grid_y, threads, shared)
 
 
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    max_slots: int, align: int, arch: str):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), arena (size,), order (n,) int32,
     slot_start (cap + 1,) int32, rank (S,), scale (S, M), a_off (S, M, R), layer: int64,
-    v (n, P, C, R) float32 [out]); part p is module mods[p] (-1: none), C = num_chunks(in_f, "small")."""
+    v (n, P, C, R) float32 [out]); part p is module mods[p] (-1: none), C >= max_chunks(in_f) (each
+    variant uses the first num_chunks(in_f, variant) x R floats of a position's part)."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     R, M, L, P, SP = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots)
-    C = num_chunks(in_f, "small")
+    C = max_chunks(in_f)  # the least the scratch holds
     built = {var: variant_kernel("shrink", var, in_f, mods, None, R, M, dtype, max_slots, align, arch)
              for var in VARIANTS}
-    sn, ln = built["small"][0], built["large"][0]
+    tn, sn, ln = built["tiny"][0], built["small"][0], built["large"][0]
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
     def lora_shrink_triton(x_h: T.handle, arena_h: T.handle, order_h: T.handle, start_h: T.handle,
                            rank_h: T.handle, scale_h: T.handle, aoff_h: T.handle, layer: T.int64, v_h: T.handle):
         T.func_attr(kernel_attrs(True))
-        n, S, size, cap1 = T.int64(), T.int64(), T.int64(), T.int64()
+        n, S, size, cap1, cs = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         x = T.match_buffer(x_h, (n, in_f), dtype)
         arena = T.match_buffer(arena_h, (size,), dtype)
         order = T.match_buffer(order_h, (n,), "int32")
@@ -305,10 +359,14 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
         rank = T.match_buffer(rank_h, (S,), "int32")
         scale = T.match_buffer(scale_h, (S, M), "float32")
         a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
-        v = T.match_buffer(v_h, (n, P, C, R), "float32")
+        v = T.match_buffer(v_h, (n, P, cs, R), "float32")
         assert cap1 - 1 <= SP, "more LoRA slots than the kernels were built for"
+        assert cs >= C, "the LoRA scratch v holds fewer splits than the kernels write"
         if n > 0:
-            if n <= SMALL_MAX_TOKENS:
+            if n <= TINY_MAX_TOKENS:
+                T.call_packed(tn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
+                              v.data, *launch("tiny", built["tiny"], n, cap1, layer * (size // L)))
+            elif n <= SMALL_MAX_TOKENS:
                 T.call_packed(sn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
                               v.data, *launch("small", built["small"], n, cap1, layer * (size // L)))
             else:
@@ -322,22 +380,22 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                    max_slots: int, align: int, arch: str):
     """(TIR wrapper, CUDA modules). Signature: (v (n, P, C, R) float32, arena (size,), order (n,),
     slot_start (cap + 1,), rank (S,), scale (S, M), b_off (S, M, R), layer: int64, y (n, W) [in
-    place]); W = sum(widths), part p = module mods[p]."""
+    place]); W = sum(widths), part p = module mods[p], C >= max_chunks(in_f) as the shrink's."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     R, M, L, P, SP, W = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots), sum(widths)
-    C = num_chunks(in_f, "small")
+    C = max_chunks(in_f)  # the least the scratch holds
     built = {var: variant_kernel("expand", var, in_f, mods, widths, R, M, dtype, max_slots, align, arch)
              for var in VARIANTS}
-    sn, ln = built["small"][0], built["large"][0]
+    tn, sn, ln = built["tiny"][0], built["small"][0], built["large"][0]
 
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
     def lora_expand_triton(v_h: T.handle, arena_h: T.handle, order_h: T.handle, start_h: T.handle,
                            rank_h: T.handle, scale_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle):
         T.func_attr(kernel_attrs(True))
-        n, S, size, cap1 = T.int64(), T.int64(), T.int64(), T.int64()
-        v = T.match_buffer(v_h, (n, P, C, R), "float32")
+        n, S, size, cap1, cs = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        v = T.match_buffer(v_h, (n, P, cs, R), "float32")
         arena = T.match_buffer(arena_h, (size,), dtype)
         order = T.match_buffer(order_h, (n,), "int32")
         start = T.match_buffer(start_h, (cap1,), "int32")
@@ -346,8 +404,12 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         b_off = T.match_buffer(boff_h, (S, M, R), "int32")
         y = T.match_buffer(y_h, (n, W), dtype)
         assert cap1 - 1 <= SP, "more LoRA slots than the kernels were built for"
+        assert cs >= C, "the LoRA scratch v holds fewer splits than the kernels write"
         if n > 0:
-            if n <= SMALL_MAX_TOKENS:
+            if n <= TINY_MAX_TOKENS:
+                T.call_packed(tn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
+                              y.data, *launch("tiny", built["tiny"], n, cap1, layer * (size // L)))
+            elif n <= SMALL_MAX_TOKENS:
                 T.call_packed(sn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
                               y.data, *launch("small", built["small"], n, cap1, layer * (size // L)))
             else:
@@ -393,7 +455,7 @@ class SgmvTriton(LoraStage):
                             lambda: make("expand"))
         common = [t["lora_arena"], t["lora_token_order"], t["lora_slot_start"], t["lora_rank"], t["lora_scale"]]
         v = bb.emit(relax.call_tir(shrink, [x, *common, t["lora_a_off"], layer_arg(layer)],
-                                   relax.TensorType([n, len(parts), num_chunks(in_f, "small"), R], "float32")))
+                                   relax.TensorType([n, len(parts), max_chunks(in_f), R], "float32")))
         y2 = bb.emit(relax.op.reshape(y, relax.ShapeExpr([n, sum(widths)])))
         # in place: the GEMM's output takes the deltas (no delta tensor, no add, no concat)
         y2 = bb.emit(relax.call_tir_inplace(expand, [v, *common, t["lora_b_off"], layer_arg(layer), y2], [8],

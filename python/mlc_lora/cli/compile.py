@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-kernel", choices=LORA_KERNELS, default="gather",
                    help="single: one adapter per batch, dense GEMMs; gather: per-token gather; sgmv: fused shrink+expand")
     p.add_argument("--lora-sgmv-backend", choices=BACKENDS, default="auto",
-                   help="who runs the LoRA stage: auto (sgmv on cuda fp16/bf16: mixed where Triton is installed, "
+                   help="who runs the LoRA stage: auto (sgmv on cuda fp16/bf16: triton where Triton is installed, "
                         "else cuda; else TIR), mixed (the CUDA C++ kernels up to 256 tokens, the Triton ones above), "
                         "cuda (the CUDA C++ kernels), triton (tensor-core kernels over tokens sorted by slot) or tir")
     p.add_argument("--no-lora-fused", dest="lora_fused", action="store_false",

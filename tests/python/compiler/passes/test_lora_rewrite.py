@@ -388,7 +388,7 @@ class ExpectedTriton:
             x2 = R.reshape(x, R.shape([b, 1024]))
             v = R.call_tir(cls.lora_sgmv_triton_shrink_m0_1024, (x2, lora_arena, lora_token_order, lora_slot_start,
                            lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
-                           out_ty=R.Tensor((b, 1, 4, 16), "float32"))
+                           out_ty=R.Tensor((b, 1, 16, 16), "float32"))
             y2 = R.reshape(y, R.shape([b, 600]))
             y3 = R.call_tir_inplace(cls.lora_sgmv_triton_expand_m0_1024x600, (v, lora_arena, lora_token_order,
                                     lora_slot_start, lora_rank, lora_scale, lora_b_off, R.prim_value(T.int64(0)),
@@ -423,7 +423,7 @@ class ExpectedMixed:
             x2 = R.reshape(x, R.shape([b, 1024]))
             v = R.call_tir(cls.lora_sgmv_mixed_shrink_m0_1024, (x2, lora_arena, lora_token_slot, lora_token_order,
                            lora_slot_start, lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
-                           out_ty=R.Tensor((b, 1, 2, 16), "float32"))
+                           out_ty=R.Tensor((b, 1, 4, 16), "float32"))
             y2 = R.reshape(y, R.shape([b, 600]))
             y3 = R.call_tir_inplace(cls.lora_sgmv_mixed_expand_m0_1024x600, (v, lora_arena, lora_token_slot,
                                     lora_token_order, lora_slot_start, lora_rank, lora_scale, lora_b_off,
@@ -446,10 +446,10 @@ def test_rewrite_inserts_the_cuda_kernels(cuda, backend):
     if backend in ("triton", "mixed"):
         pytest.importorskip("triton")
     after = _rewrite(cuda, backend)
-    if backend == "auto":  # "auto" is "mixed" where Triton is installed, else "cuda"
+    if backend == "auto":  # "auto" is "triton" where Triton is installed, else "cuda"
         try:
             import triton  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-            backend = "mixed"
+            backend = "triton"
         except ImportError:
             backend = "cuda"
     on_cuda = backend == "cuda"

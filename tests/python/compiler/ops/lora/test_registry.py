@@ -27,18 +27,18 @@ def test_every_stage_of_the_contract_is_registered():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_auto_picks_the_mixed_sgmv_on_cuda_half(dtype, monkeypatch):
+def test_auto_picks_the_triton_sgmv_on_cuda_half(dtype, monkeypatch):
     pytest.importorskip("triton")
     for parts in (1, 2, 3):
-        assert lora.select("sgmv", "auto", CUDA, dtype, 64, parts) is sgmv_mixed.STAGE
-    assert lora.select("sgmv", "auto", CUDA, dtype, 128, 1) is sgmv_mixed.STAGE
+        assert lora.select("sgmv", "auto", CUDA, dtype, 64, parts) is sgmv_triton.STAGE
+    assert lora.select("sgmv", "auto", CUDA, dtype, 128, 1) is sgmv_triton.STAGE
     monkeypatch.setattr(sgmv_triton, "triton", None)  # without Triton: the CUDA C++ kernels alone
     assert lora.select("sgmv", "auto", CUDA, dtype, 64, 3) is sgmv_cuda.STAGE
 
 
-def test_the_triton_sgmv_runs_when_asked_for(monkeypatch):
+def test_the_other_sgmv_backends_run_when_asked_for(monkeypatch):
     pytest.importorskip("triton")
-    assert lora.select("sgmv", "triton", CUDA, "bfloat16", 64, 3) is sgmv_triton.STAGE
+    assert lora.select("sgmv", "cuda", CUDA, "bfloat16", 64, 3) is sgmv_cuda.STAGE
     assert lora.select("sgmv", "mixed", CUDA, "bfloat16", 64, 3) is sgmv_mixed.STAGE
     monkeypatch.setattr(sgmv_triton, "triton", None)
     for backend in ("triton", "mixed"):  # the mixed stage needs both kinds of kernel

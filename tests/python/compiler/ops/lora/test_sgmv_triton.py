@@ -37,19 +37,33 @@ def _case(rng, dtype, n, S, K, widths, mods, R, M=4):
     return arena, base, rank, scale, a_off, b_off, slot, x, y
 
 
+# tile configurations besides each variant's own: several output tiles per expand block with a
+# partial last group and tile (BN 16, G 2 over widths 72 | 24 | 40), an input of whole BK steps
+# (the unmasked loads) over uneven splits, and a grid of fewer blocks than tiles (each block takes
+# several, as when more slots are used than GRID_SLOTS)
+CONFIGS = {"own": (300, {}), "groups": (300, dict(BN=16, G=2, SPLITS=2)), "even": (320, dict(SPLITS=3, BN=32, G=3)),
+           "loop": (300, dict(grid_slots=1))}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("variant", list(ST.VARIANTS))
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_kernels_match_references(tmp_path, variant, dtype):
+def test_kernels_match_references(tmp_path, variant, dtype, config):
     rng = np.random.default_rng(7)
     widths, mods, R = (72, 24, 40), (0, -1, 2), 32  # q|k|v with k untargeted
+    K, override = CONFIGS[config]
     n = 90 if variant == "large" else 37
-    arena, base, rank, scale, a_off, b_off, slot, x, y = _case(rng, dtype, n, 6, 300, widths, mods, R)
+    arena, base, rank, scale, a_off, b_off, slot, x, y = _case(rng, dtype, n, 6, K, widths, mods, R)
     S, cap = len(rank), 9
     order, start = ST.sort_tokens_ref(slot, S)
     start = np.concatenate([start, np.full(cap - S, start[-1], np.int32)])  # padded to the capacity
     v, got = _interpret(tmp_path, variant=variant, x=x, arena=arena, rank=rank, scale=scale, order=order, start=start,
-                        mods=np.array(mods), widths=np.array(widths), base=base, R=R, a_off=a_off, b_off=b_off, y=y)
-    chunk = ST.VARIANTS[variant]["CHUNK"]
+                        mods=np.array(mods), widths=np.array(widths), base=base, R=R, a_off=a_off, b_off=b_off, y=y,
+                        **override)
+    cfg = dict(ST.VARIANTS[variant], **{k: v for k, v in override.items() if k != "grid_slots"})
+    C = ST.constants("shrink", variant, K, mods, None, R, 4, 9, 8, cfg)[0]["C"]
+    chunk = -(-(-(-K // ST.BK)) // C) * ST.BK  # whole BK steps per split
+    assert v.shape[2] == C and (C > 1 or K <= ST.BK)
     v_ref = ST.shrink_ref(x, arena, base, order, start, rank, scale, a_off, mods, R, chunk)
     written = ~np.isnan(v)
     # every entry the expand reads was written, and equals the reference

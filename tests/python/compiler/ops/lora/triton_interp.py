@@ -130,29 +130,22 @@ def run(inp: dict) -> dict:
 
     _interpreter_scalars()
     variant = str(inp["variant"])
-    cfg = ST.VARIANTS[variant]
     x, arena, rank, scale = inp["x"], inp["arena"], inp["rank"], inp["scale"]
     order, start = inp["order"], inp["start"]
     mods, widths = [int(m) for m in inp["mods"]], [int(w) for w in inp["widths"]]
     base, R, cap = int(inp["base"]), int(inp["R"]), len(start) - 1
     n, K = x.shape
-    P, C = len(mods), ST.num_chunks(K, variant)
+    cfg = dict(ST.VARIANTS[variant], **{k: int(inp[k]) for k in ("BM", "SPLITS", "BN", "G") if k in inp})
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    v = torch.full((n, P, C, R), float("nan"), dtype=torch.float32)
-    m = (mods + [-1] * 3)[:3]
-    w = (widths + [0] * 3)[:3]
-    rows = -(-n // cfg["BM"]) + min(n, cap)
-    sp = ST._slot_pad(cap)  # pylint: disable=protected-access
-    ST.lora_shrink_kernel[(rows, C * P)](
-        t(x), t(arena), t(order), t(start), t(rank), t(scale), t(inp["a_off"]), v, n, cap, base, M=scale.shape[1],
-        m0=m[0], m1=m[1], m2=m[2], C=C, P=P, K=K, R=R, BM=cfg["BM"], CHUNK=cfg["CHUNK"], BK=ST.BK, BR=ST.BR, SP=sp,
-        ALIGN=8)
+    rows = -(-n // cfg["BM"]) + min(n, cap, int(inp.get("grid_slots", ST.GRID_SLOTS)))  # as launch()
+    sc, sy = ST.constants("shrink", variant, K, mods, None, R, scale.shape[1], cap, 8, cfg)
+    ec, ey = ST.constants("expand", variant, K, mods, widths, R, scale.shape[1], cap, 8, cfg)
+    v = torch.full((n, len(mods), sc["C"], R), float("nan"), dtype=torch.float32)
+    ST.lora_shrink_kernel[(rows, sy)](t(x), t(arena), t(order), t(start), t(rank), t(scale), t(inp["a_off"]), v,
+                                      n, cap, base, **sc)
     y = t(inp["y"].copy())
-    tiles = sum(-(-x_ // cfg["BN"]) for x_ in widths)
-    ST.lora_expand_kernel[(rows, tiles)](
-        v, t(arena), t(order), t(start), t(rank), t(scale), t(inp["b_off"]), y, n, cap, base, C=C, M=scale.shape[1],
-        m0=m[0], m1=m[1], m2=m[2], w0=w[0], w1=w[1], w2=w[2], P=P, W=sum(widths), R=R, BM=cfg["BM"], BN=cfg["BN"],
-        BR=ST.BR, CP=1 << max(0, (C - 1).bit_length()), SP=sp, ALIGN=8)
+    ST.lora_expand_kernel[(rows, ey)](v, t(arena), t(order), t(start), t(rank), t(scale), t(inp["b_off"]), y,
+                                      n, cap, base, **ec)
     return {"v": v.numpy(), "y": y.numpy()}
 
 
