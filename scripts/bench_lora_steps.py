@@ -1,6 +1,6 @@
 """Where a LoRA step's time goes inside ModelRunner: the Llama-2-7B-shaped libraries of
 bench_lora_throughput.py (`base`, `lora`, `lora-nofused`), one decode or prefill step at a time,
-base vs 4 adapters of rank 8, on a GPU, one process.
+base vs 4 adapters of rank 8 (or 64 of ranks 8/16/32/64 in turn: `lora64`), on a GPU, one process.
 
   python scripts/bench_lora_throughput.py compile --out DIR --libs base,lora,lora-nofused   # here
   python scripts/bench_lora_steps.py run --lib-dir DIR [--batches 1,16,64,128,256] [--prefill 512,1024,2048]
@@ -24,8 +24,9 @@ from harness import cli
 from harness.timing import wall_time
 
 LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofused", 4),
-        "lora4-rows": ("lora-rows", 4)}  # (lora-rows: --lora-rank-rows)
+        "lora4-rows": ("lora-rows", 4), "lora64": ("lora", 64)}  # (lora-rows: --lora-rank-rows)
 RANK = 8
+RANKS = {"lora64": (8, 16, 32, 64)}  # adapter i's rank: RANKS[config][i % 4] (bench_lora_throughput's lora64), else RANK
 KINDS = ("gemm", "lora", "attention", "other")
 
 
@@ -115,6 +116,20 @@ def restore_parts(r, kv) -> None:
     r._decode, r._base_fns, r._fused_fns = r._saved_fns  # pylint: disable=protected-access
 
 
+def release() -> None:
+    """Hand the freed pool, activations and VM buffers back to the device."""
+    import gc  # pylint: disable=import-outside-toplevel
+
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.runner import _tvm  # pylint: disable=import-outside-toplevel
+
+    gc.collect()
+    _tvm().get_global_func("vm.builtin.memory_manager.clear")()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     import torch  # pylint: disable=import-outside-toplevel  (loads libcublas first)
     from torch.profiler import ProfilerActivity, profile  # pylint: disable=import-outside-toplevel
@@ -149,7 +164,8 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
         packed = []
         if n_ad:
             for i in range(n_ad):
-                ad = random_adapter(f"a{i}", mc, r.lora.module_names, RANK, torch, dev, seed=a.seed + i)
+                rank = RANKS.get(name, (RANK,))[i % len(RANKS.get(name, (RANK,)))]
+                ad = random_adapter(f"a{i}", mc, r.lora.module_names, rank, torch, dev, seed=a.seed + i)
                 packed.append(pack_adapter(r.lora, ad, r.compiled.numpy_dtype))
 
         # one pool per runner (decode graphs stay bound to its LoRA arena); sequences come and go
@@ -222,7 +238,8 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             say(f"{name} prefill T={T}: {ms:.3f} ms/step, kernels {cats}")
             for s in ids:
                 kv.remove_sequence(s)
-        del kv, r
+        del kv, r, fresh  # (fresh holds the pool too, as its default argument)
+        release()  # the next config's pool must fit beside nothing of this one
     say("\n| step | config | ms | host ms | gemm | lora | attention | other | vs base |\n|---|---|---|---|---|---|---|---|---|")
     base = {x["step"]: x["ms"] for x in rows if x["config"] == "base"}
     for x in sorted(rows, key=lambda x: (x["step"], x["config"])):
