@@ -16,6 +16,8 @@ layer's four base GEMMs (each candidate runs the GEMMs, then its LoRA; its cost 
   plan (here):             python scripts/bench_lora_kernels.py plan [SELECTION] --parts 6
   run (the GPU machine):   python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR [SELECTION] [--part 1/6]
   one Llama-2-7B layer:    python scripts/bench_lora_kernels.py layer --lib lora_k.so --log-dir DIR
+  tile configurations:     ... run ... --triton-jit model,L5=32/8/128/4/4/3 (the Triton stage 3 JIT-compiled
+                           on the GPU with each, beside the rest: how sgmv_triton.VARIANTS are picked)
   table + chart (here):    python scripts/bench_lora_kernels.py plot DIR/bench_lora_kernels*.json --out F.svg
   CPU dry run (tiny shapes, TIR kernels on llvm, the peers under Triton's interpreter if importable):
                            python scripts/bench_lora_kernels.py compile --target llvm --out k.so
@@ -341,6 +343,50 @@ def _sgmv_triton(pb: Linear):
         shrink(pb.x[c], pb.arena, order, start, pb.rank, pb.scale, pb.a_off[c], 0, v)
         expand(v, pb.arena, order, start, pb.rank, pb.scale, pb.b_off[c], 0, pb.y[c])  # y += delta
     return call
+
+
+def triton_jit(cfg: dict | None):
+    """A backend maker: the Triton stage 3 of compiler_passes/ops/lora/sgmv_triton.py JIT-compiled
+    here with tile configuration `cfg` (VARIANTS' keys; None: the variant the model runs for the
+    point's token count), launched as its TIR wrapper launches it (grid_x, constants) over a
+    model-sized slot table: tile configurations timed beside the library and the peers."""
+
+    def make(pb: Linear):
+        from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST  # pylint: disable=import-outside-toplevel
+
+        p, t = pb.p, pb.env.torch
+        var = ST.variant_for(p.T)
+        c = cfg or ST.VARIANTS[var]
+        order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, TRITON_SLOTS)
+        slots = len(start) - 1
+        sc, sy = ST.constants("shrink", var, p.in_f, (0,), None, p.R, 1, TRITON_SLOTS, 8, c)
+        ec, ey = ST.constants("expand", var, p.in_f, (0,), (p.out_f,), p.R, 1, TRITON_SLOTS, 8, c)
+        v = t.empty((p.T, 1, sc["C"], p.R), dtype=t.float32, device=pb.env.device)
+        gx, kw = ST.grid_x(p.T, slots, c["BM"]), dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+        def call(k):
+            ST.lora_shrink_kernel[(gx, sy)](pb.x[k], pb.arena, order, start, pb.rank, pb.scale, pb.a_off[k], v,
+                                            p.T, slots, 0, **sc, **kw)
+            ST.lora_expand_kernel[(gx, ey)](v, pb.arena, order, start, pb.rank, pb.scale, pb.b_off[k], pb.y[k],
+                                            p.T, slots, 0, **ec, **kw)
+        return call
+    return make
+
+
+def parse_triton_jit(spec: str) -> dict:
+    """--triton-jit NAME=BM/SPLITS/BN/G/WARPS/STAGES,... ("model": the model's variants) -> {backend: cfg}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, vals = item.partition("=")
+        if name == "model" and not vals:
+            out["triton-jit-model"] = None
+            continue
+        try:
+            bm, splits, bn, g, warps, stages = (int(v) for v in vals.split("/"))
+        except ValueError:
+            raise SystemExit(f"--triton-jit {item!r}: NAME=BM/SPLITS/BN/G/WARPS/STAGES, or model") from None
+        out[f"triton-jit-{name}"] = dict(BM=bm, SPLITS=splits, BN=bn, G=g, num_warps=warps, num_stages=stages)
+    return out
 
 
 def _vllm(pb: Linear):
@@ -742,6 +788,8 @@ def _part(points, spec: str | None):
 
 
 def run(a) -> int:
+    for name, cfg in parse_triton_jit(a.triton_jit or "").items():
+        BACKENDS[name] = Backend("ours", triton_jit(cfg), cuda_only=not os.environ.get("TRITON_INTERPRET"))
     points, suffix = _part(_selection(a, a.dry_run), a.part)
     log = cli.Log(a.log_dir, "bench_lora_kernels" + suffix)
     env = open_env(a, log)
@@ -879,6 +927,9 @@ def main(argv=None) -> int:
     selection(r)
     r.add_argument("--part", help="K/P: the K-th of P parts of the selection, of about equal estimated time")
     r.add_argument("--budget-s", type=float, default=540.0, help="stop after this many seconds (0: never)")
+    r.add_argument("--triton-jit", help="also time the Triton stage 3 JIT-compiled here with these tile "
+                   "configurations: NAME=BM/SPLITS/BN/G/WARPS/STAGES,... or `model` (the model's variant for each "
+                   "point's token count); how sgmv_triton.VARIANTS were picked")
     lay = cli.add_run(sub, "all seven modules of a Llama-2-7B layer vs its base GEMMs (the GPU machine)",
                       name="layer", log_dir=".")
     device_args(lay)

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
-from tvm import relax
 
 from .. import triton_build
 from ..kernel_attrs import kernel_attrs
@@ -319,6 +318,17 @@ def variant_kernel(kind: str, var: str, in_f: int, mods, widths, max_rank: int, 
     return (*_module(kind, dtype, consts, VARIANTS[var], arch), grid_y)
 
 
+def variant_for(n: int) -> str:
+    """The tile variant the launch wrappers run for n tokens."""
+    return "tiny" if n <= TINY_MAX_TOKENS else "small" if n <= SMALL_MAX_TOKENS else "large"
+
+
+def grid_x(n, slots, bm: int, minimum=min):
+    """Blocks along x for n tokens over a slot table of `slots` slots, tiles of bm tokens: a block
+    per bm tokens plus one per slot up to GRID_SLOTS (minimum: min, or T.min for TIR expressions)."""
+    return (n + bm - 1) // bm + minimum(minimum(n, slots), GRID_SLOTS)
+
+
 def launch(var: str, kernel: tuple, n, cap1, base) -> tuple:
     """The arguments after the pointers (n, S, base) and the launch (grid x, y, z, threads, shared
     bytes) of `kernel` (variant_kernel's tuple for tile variant `var`) over n tokens sorted by slot,
@@ -329,7 +339,7 @@ def launch(var: str, kernel: tuple, n, cap1, base) -> tuple:
     _, threads, shared, _, grid_y = kernel
     bm = VARIANTS[var]["BM"]
     return (T.Cast("int32", n), T.Cast("int32", cap1 - 1), base, T.int64(0), T.int64(0),
-            T.Cast("int32", (n + bm - 1) // bm + T.min(T.min(n, cap1 - 1), GRID_SLOTS)), grid_y, threads, shared)
+            T.Cast("int32", grid_x(n, cap1 - 1, bm, T.min)), grid_y, threads, shared)
 
 
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
@@ -432,6 +442,8 @@ class SgmvTriton(LoraStage):
     def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int, parts: Sequence[Part],
              tables: Mapping[str, relax.Var]) -> relax.Expr:
         """y + the deltas of all parts: one shrink (v) and one expand adding into y in place."""
+        from tvm import relax  # pylint: disable=import-outside-toplevel  (this module imports with TVM's runtime)
+
         bb, t, n, R = ctx.builder, tables, tokens(x), ctx.max_rank
         in_f, dtype, L, M = int(x.ty.shape.values[-1]), str(y.ty.dtype), ctx.num_layers, ctx.num_modules
         arch = str(ctx.target.arch)

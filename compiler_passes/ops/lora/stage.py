@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, NamedTuple, Sequence
 
+# TVM's runtime is enough to import this module (relax is imported where it is used), so that the
+# Triton stage's kernels import on a GPU machine that has the runtime-only TVM
 import tvm
-from tvm import relax
 
 
 class Part(NamedTuple):
@@ -87,6 +88,8 @@ class LoraStage:
 
 def layer_arg(layer: int) -> relax.PrimValue:
     """The layer as the kernels' int64 scalar argument."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
     return relax.prim_value(tvm.tirx.IntImm("int64", layer))
 
 
@@ -99,6 +102,8 @@ def add_module_deltas(ctx: LoraContext, y: relax.Var, x: relax.Var, parts: Seque
                       delta: Callable[[Part], relax.Var]) -> relax.Expr:
     """y + the concatenation over the parts of delta(part) (n, width), zeros for parts without a
     module: the update of the stages that run one kernel (or pair) per module."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
     bb, n = ctx.builder, tokens(x)
     deltas = [delta(p) if p.module >= 0 else bb.emit(relax.op.zeros(relax.ShapeExpr([n, p.width]), y.ty.dtype))
               for p in parts]

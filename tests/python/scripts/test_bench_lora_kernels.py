@@ -158,3 +158,35 @@ def test_run_takes_the_ranks_the_library_was_built_for(tmp_path, monkeypatch):
                        "--tokens", "1", "--adapters", "4", "--ranks", "16", "--compiled-ranks", "8,64"]) == 0
     rows = json.loads((tmp_path / "bench_lora_kernels.json").read_text())["rows"]
     assert rows and all(r["R"] == 64 and r["status"]["sgmv-tir"] == "ok" and r["err"]["sgmv-tir"] < 1e-3 for r in rows)
+
+
+def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
+    """--triton-jit: the Triton stage 3 JIT-compiled with the model's variants and with a given tile
+    configuration, here under Triton's interpreter (set before triton is imported: a process of its
+    own), each checked against float64 before it is timed beside the library's kernels."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[3]
+    code = ("import sys\n"
+            "from tests.python.compiler.ops.lora.triton_interp import _interpreter_scalars\n"
+            "_interpreter_scalars()\n"
+            "import bench_lora_kernels as bench\n"
+            f"sys.exit(bench.main(['run', '--lib', {str(dry_lib)!r}, '--dry-run', '--no-peers', '--log-dir', "
+            f"{str(tmp_path)!r}, '--shapes', '64x96', '--tokens', '5,17', '--adapters', '4', '--ranks', 'mixed', "
+            "'--triton-jit', 'model,few=16/2/32/2/4/2']))\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "scripts"), str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_lora_kernels.json").read_text())["rows"]
+    assert [r["T"] for r in rows] == [5, 17]
+    for r in rows:
+        for name in ("triton-jit-model", "triton-jit-few"):
+            assert r["status"][name] == "ok" and r["err"][name] < 2e-3 and r["us"][name] > 0
+    with pytest.raises(SystemExit, match="BM/SPLITS/BN/G/WARPS/STAGES"):
+        bench.parse_triton_jit("bad=16/2")

@@ -91,3 +91,40 @@ def test_kernels_build_to_cubin_for_sm90(cubin_cache):
     script = sh.script() + ex.script()
     for var in ST.VARIANTS:
         assert f"_BM{ST.VARIANTS[var]['BM']}_" in script  # each variant's kernel, by its constants
+
+
+def test_kernels_import_with_the_tvm_runtime_alone():
+    """The GPU machine has TVM's runtime only (no relax, no TVMScript): the kernels and their launch
+    constants import there (bench_lora_kernels.py --triton-jit runs them). Checked on the module
+    level imports of sgmv_triton.py and of every mlc-lora module it imports at its top."""
+    import ast  # pylint: disable=import-outside-toplevel
+    from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+    ops = Path(ST.__file__).resolve().parents[1]
+    todo, seen = [Path(ST.__file__).resolve()], set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for node in ast.parse(f.read_text()).body:  # module level only: imports inside functions are lazy
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = f.parent if node.level == 1 else ops
+                names = []
+                for a in node.names:
+                    mod = base / (node.module or "").replace(".", "/")
+                    for cand in (mod.with_suffix(".py"), mod / f"{a.name}.py", mod / "__init__.py"):
+                        if cand.is_file():
+                            todo.append(cand)
+                            break
+                continue
+            else:
+                continue
+            assert not [n for n in names if n.startswith(("tvm.relax", "tvm.script", "tvm.tirx"))], (f, names)
+    assert {p.name for p in seen} >= {"sgmv_triton.py", "stage.py", "triton_build.py", "kernel_attrs.py"}
+    c, gy = ST.constants("shrink", "large", 11008, (0,), None, 64, 1, 256, 8)
+    assert (c["C"], gy, ST.grid_x(1024, 256, 64), ST.variant_for(17)) == (4, 4, 16 + 64, "small")

@@ -137,7 +137,7 @@ def run(inp: dict) -> dict:
     n, K = x.shape
     cfg = dict(ST.VARIANTS[variant], **{k: int(inp[k]) for k in ("BM", "SPLITS", "BN", "G") if k in inp})
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    rows = -(-n // cfg["BM"]) + min(n, cap, int(inp.get("grid_slots", ST.GRID_SLOTS)))  # as launch()
+    rows = ST.grid_x(n, min(cap, int(inp.get("grid_slots", cap))), cfg["BM"])  # as launch(), or fewer blocks
     sc, sy = ST.constants("shrink", variant, K, mods, None, R, scale.shape[1], cap, 8, cfg)
     ec, ey = ST.constants("expand", variant, K, mods, widths, R, scale.shape[1], cap, 8, cfg)
     v = torch.full((n, len(mods), sc["C"], R), float("nan"), dtype=torch.float32)
