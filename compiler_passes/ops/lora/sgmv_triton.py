@@ -54,7 +54,8 @@ TINY_MAX_TOKENS, SMALL_MAX_TOKENS = 16, 256
 GRID_SLOTS = 64  # blocks for the slots' partial tiles (past ceil(n / BM)); more tiles loop over them
 # tile configurations, by token count (tiny: n <= TINY_MAX_TOKENS, small: n <= SMALL_MAX_TOKENS,
 # large above): tokens per block, input splits (at most), output columns per tile, output tiles per
-# expand block, warps and pipeline stages of both kernels. Picked by measurement against each other
+# expand block, warps and pipeline stages of both kernels; RSPLIT (default 1) splits the shrink's
+# rank rows over that many blocks (more blocks without more partial sums for the expand to read). Picked by measurement against each other
 # and the peers (docs/SGMV.md): few tokens need more splits to spread the A rows over the SMs.
 VARIANTS = {
     "tiny": dict(BM=16, SPLITS=16, BN=64, G=2, num_warps=4, num_stages=3),
@@ -175,11 +176,15 @@ if triton is not None:
     def lora_shrink_kernel(x_ptr, arena_ptr, order_ptr, start_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr,
                            n, S, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
                            C: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-                           BK: tl.constexpr, RB: tl.constexpr, SP: tl.constexpr, ALIGN: tl.constexpr):
-        """Block (tile of BM sorted positions of one slot, split c of the input's BK steps, part):
-        v[tile, part, c, :rank] = scale * x[tile] @ A[:rank, split].T, every rank row at once."""
-        pid_c = tl.program_id(1) % C
-        part = tl.program_id(1) // C
+                           BK: tl.constexpr, RB: tl.constexpr, RS: tl.constexpr, SP: tl.constexpr,
+                           ALIGN: tl.constexpr):
+        """Block (tile of BM sorted positions of one slot, rank block rb of RS, split c of the input's
+        BK steps, part): v[tile, part, c, rank rows of rb] = scale * x[tile] @ A[those rows, split].T
+        (RS = 1: every rank row at once)."""
+        RBS: tl.constexpr = RB // RS  # rank rows per block: the rank block rb of RS
+        rb = tl.program_id(1) % RS
+        pid_c = (tl.program_id(1) // RS) % C
+        part = tl.program_id(1) // (RS * C)
         m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
         if m < 0:
             return
@@ -188,12 +193,12 @@ if triton is not None:
         per: tl.constexpr = (steps + C - 1) // C
         st0 = pid_c * per
         st1 = tl.minimum(st0 + per, steps)
-        kk = tl.arange(0, RB)
+        kk = rb * RBS + tl.arange(0, RBS)
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
             s, p0, p1 = _tile(lo, hi, ntiles, tend, t, BM, SP)
             sc = tl.load(scale_ptr + s * M + m)
-            if sc != 0.0:
-                r_s = tl.load(rank_ptr + s)
+            r_s = tl.load(rank_ptr + s)
+            if (sc != 0.0) & (rb * RBS < r_s):
                 pos = p0 + tl.arange(0, BM)
                 rmask = pos < p1
                 tok = tl.load(order_ptr + pos, mask=rmask, other=0).to(tl.int64)
@@ -201,7 +206,7 @@ if triton is not None:
                 aoff = tl.multiple_of(tl.load(aoff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
                 xp = x_ptr + tok[:, None] * K + tl.arange(0, BK)[None, :]
                 ap = arena_ptr + base + aoff.to(tl.int64)[None, :] + tl.arange(0, BK)[:, None]
-                acc = tl.zeros((BM, RB), dtype=tl.float32)
+                acc = tl.zeros((BM, RBS), dtype=tl.float32)
                 for st in range(st0, st1):
                     i0 = st * BK
                     if K % BK == 0:
@@ -269,7 +274,7 @@ def _signature(kind: str, dtype: str) -> dict:
     if kind == "shrink":
         ptrs = dict(x_ptr=e, arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32")
-        consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "BK", "RB", "SP", "ALIGN"]
+        consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "BK", "RB", "RS", "SP", "ALIGN"]
     else:
         ptrs = dict(v_ptr="*fp32", arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", boff_ptr="*i32", y_ptr=e)
@@ -302,8 +307,10 @@ def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_m
     steps = -(-in_f // BK)
     c = -(-steps // -(-steps // min(cfg["SPLITS"], steps)))
     if kind == "shrink":
-        return dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], BK=BK, RB=RB, SP=SP,
-                    ALIGN=align), c * P
+        rs = max(1, min(cfg.get("RSPLIT", 1), RB // 16))  # rank blocks of >= 16 rows (tl.dot), a power of 2
+        rs = 1 << (rs.bit_length() - 1)
+        return dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], BK=BK, RB=RB, RS=rs, SP=SP,
+                    ALIGN=align), c * P * rs
     w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
     consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],
                   BN=cfg["BN"], G=cfg["G"], RB=RB, SP=SP, ALIGN=align)

@@ -177,7 +177,7 @@ def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
             "import bench_lora_kernels as bench\n"
             f"sys.exit(bench.main(['run', '--lib', {str(dry_lib)!r}, '--dry-run', '--no-peers', '--log-dir', "
             f"{str(tmp_path)!r}, '--shapes', '64x96', '--tokens', '5,17', '--adapters', '4', '--ranks', 'mixed', "
-            "'--triton-jit', 'model,few=16/2/32/2/4/2']))\n")
+            "'--triton-jit', 'model,few=16/2/32/2/4/2/2']))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "scripts"), str(root), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
@@ -190,3 +190,6 @@ def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
             assert r["status"][name] == "ok" and r["err"][name] < 2e-3 and r["us"][name] > 0
     with pytest.raises(SystemExit, match="BM/SPLITS/BN/G/WARPS/STAGES"):
         bench.parse_triton_jit("bad=16/2")
+    assert bench.parse_triton_jit("a=16/8/64/4/4/3,model") == {
+        "triton-jit-a": dict(BM=16, SPLITS=8, BN=64, G=4, num_warps=4, num_stages=3, RSPLIT=1),
+        "triton-jit-model": None}

@@ -39,10 +39,10 @@ def _case(rng, dtype, n, S, K, widths, mods, R, M=4):
 
 # tile configurations besides each variant's own: several output tiles per expand block with a
 # partial last group and tile (BN 16, G 2 over widths 72 | 24 | 40), an input of whole BK steps
-# (the unmasked loads) over uneven splits, and a grid of fewer blocks than tiles (each block takes
-# several, as when more slots are used than GRID_SLOTS)
+# (the unmasked loads) over uneven splits, a grid of fewer blocks than tiles (each block takes
+# several, as when more slots are used than GRID_SLOTS), and the shrink's rank rows over two blocks
 CONFIGS = {"own": (300, {}), "groups": (300, dict(BN=16, G=2, SPLITS=2)), "even": (320, dict(SPLITS=3, BN=32, G=3)),
-           "loop": (300, dict(grid_slots=1))}
+           "loop": (300, dict(grid_slots=1)), "ranks": (300, dict(RSPLIT=2, SPLITS=2))}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
