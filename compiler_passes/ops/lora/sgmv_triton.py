@@ -55,8 +55,9 @@ GRID_SLOTS = 64  # blocks for the slots' partial tiles (past ceil(n / BM)); more
 # tile configurations, by token count (tiny: n <= TINY_MAX_TOKENS, small: n <= SMALL_MAX_TOKENS,
 # large above): tokens per block, input splits (at most), output columns per tile, output tiles per
 # expand block, warps and pipeline stages of both kernels; RSPLIT (default 1) splits the shrink's
-# rank rows over that many blocks (more blocks without more partial sums for the expand to read). Picked by measurement against each other
-# and the peers (docs/SGMV.md): few tokens need more splits to spread the A rows over the SMs.
+# rank rows over that many blocks (more blocks without more partial sums for the expand to read).
+# Picked by measurement against each other and the peers (docs/SGMV.md): few tokens need more
+# splits to spread the A rows over the SMs.
 VARIANTS = {
     "tiny": dict(BM=16, SPLITS=16, BN=64, G=2, num_warps=4, num_stages=3),
     "small": dict(BM=16, SPLITS=8, BN=64, G=4, num_warps=4, num_stages=3),
@@ -67,10 +68,11 @@ DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MAX_RANK, MAX_PARTS = 128, 3
 
 
-def num_chunks(in_f: int, variant: str) -> int:
-    """C: the input's splits (of whole BK steps, none empty) in tile variant `variant`."""
+def num_chunks(in_f: int, variant: str, cfg: dict | None = None) -> int:
+    """C: the input's splits (of whole BK steps, none empty) in tile variant `variant` (cfg: its
+    VARIANTS entry, or another configuration)."""
     steps = -(-in_f // BK)
-    return -(-steps // -(-steps // min(VARIANTS[variant]["SPLITS"], steps)))
+    return -(-steps // -(-steps // min((cfg or VARIANTS[variant])["SPLITS"], steps)))
 
 
 def max_chunks(in_f: int) -> int:
@@ -78,10 +80,10 @@ def max_chunks(in_f: int) -> int:
     return max(num_chunks(in_f, var) for var in VARIANTS)
 
 
-def chunk_elems(in_f: int, variant: str) -> int:
+def chunk_elems(in_f: int, variant: str, cfg: dict | None = None) -> int:
     """Input elements per split (the last split may be shorter)."""
     steps = -(-in_f // BK)
-    return -(-steps // num_chunks(in_f, variant)) * BK
+    return -(-steps // num_chunks(in_f, variant, cfg)) * BK
 
 
 def rank_block(max_rank: int) -> int:
@@ -304,8 +306,7 @@ def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_m
     cfg = cfg or VARIANTS[var]
     M, R, P, RB, SP = num_modules, max_rank, len(mods), rank_block(max_rank), _slot_pad(max_slots)
     m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    steps = -(-in_f // BK)
-    c = -(-steps // -(-steps // min(cfg["SPLITS"], steps)))
+    c = num_chunks(in_f, var, cfg)
     if kind == "shrink":
         rs = max(1, min(cfg.get("RSPLIT", 1), RB // 16))  # rank blocks of >= 16 rows (tl.dot), a power of 2
         rs = 1 << (rs.bit_length() - 1)

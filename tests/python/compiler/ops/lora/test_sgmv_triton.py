@@ -62,8 +62,8 @@ def test_kernels_match_references(tmp_path, variant, dtype, config):
                         **override)
     cfg = dict(ST.VARIANTS[variant], **{k: v for k, v in override.items() if k != "grid_slots"})
     C = ST.constants("shrink", variant, K, mods, None, R, 4, 9, 8, cfg)[0]["C"]
-    chunk = -(-(-(-K // ST.BK)) // C) * ST.BK  # whole BK steps per split
-    assert v.shape[2] == C and (C > 1 or K <= ST.BK)
+    chunk = ST.chunk_elems(K, variant, cfg)
+    assert v.shape[2] == C and C > 1 and chunk % ST.BK == 0 and (C - 1) * chunk < K <= C * chunk
     v_ref = ST.shrink_ref(x, arena, base, order, start, rank, scale, a_off, mods, R, chunk)
     written = ~np.isnan(v)
     # every entry the expand reads was written, and equals the reference
