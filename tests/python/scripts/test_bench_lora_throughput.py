@@ -1,6 +1,7 @@
 """scripts/bench_lora_throughput.py end to end on CPU: prepare -> compile --smoke --target llvm ->
 run --smoke --device cpu (the LoRA library's logits checked against harness/torch_llama.py, then
-base, 4 adapters, 64 adapters through AsyncMLCEngine), and the merge of split runs."""
+base, 4 adapters, 64 adapters through AsyncMLCEngine), the merge of split runs, and
+bench_lora_steps.py's step timing on the same libraries."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import bench_lora_throughput as bench
 
 
-def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys):
+def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     def conv(i):
         return {"conversations": [{"from": "human", "value": f"question {i} " + "word " * (5 + i)},
                                   {"from": "gpt", "value": "answer " * (4 + i)}]}
@@ -58,4 +59,32 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys):
     assert [r["config"] for r in m["results"]] == ["base", "lora4", "lora64"]
     assert m["results"][1]["ratio_vs_base"] == res[1]["requests_per_s"] / res[0]["requests_per_s"]
     assert len(m["merged_from"]) == 2
+
+    # bench_lora_steps on the same libraries: the base model and 64 adapters of ranks 8-64, one
+    # decode and one prefill step each, one process (each config's pool freed before the next)
+    import weakref  # pylint: disable=import-outside-toplevel
+
+    import bench_lora_steps as steps  # pylint: disable=import-outside-toplevel
+    from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
+
+    pools, freed = [], []
+    create, release = ModelRunner.create_pool, steps.release
+
+    def recording_create(self, *args, **kw):
+        pool = create(self, *args, **kw)
+        pools.append(weakref.ref(pool))
+        return pool
+
+    def checking_release():
+        release()
+        freed.append(pools[-1]() is None)  # nothing keeps the config's pool once it is done
+
+    monkeypatch.setattr(ModelRunner, "create_pool", recording_create)
+    monkeypatch.setattr(steps, "release", checking_release)
+    assert steps.main(["run", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,lora64", "--batches", "4",
+                       "--prefill", "64", "--ctx", "16", "--device", "cpu", "--log-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_lora_steps.json").read_text())["rows"]
+    assert [(r["config"], r["step"]) for r in rows] == [
+        ("base", "decode b=4"), ("base", "prefill T=64"), ("lora64", "decode b=4"), ("lora64", "prefill T=64")]
+    assert all(r["ms"] > 0 for r in rows) and freed == [True, True]
     assert merged.with_suffix(".svg").stat().st_size > 0 and merged.with_suffix(".png").stat().st_size > 0
