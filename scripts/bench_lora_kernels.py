@@ -68,7 +68,6 @@ DRY = dict(shapes=[(64, 96), (96, 64)], tokens=[1, 5, 17], adapters=[1, 4], rank
                                       "down": (96, (64,))}, layer_tokens=[3, 17])
 HBM = 4.2e12  # bytes/s for the roofline
 TRITON_SLOTS = 256  # the tensor-core kernels are built for up to this many slots (a model: its max batch size)
-TRITON_BK = 64  # their input step (sgmv_triton.BK; TVM's compiler, which that module imports, is not here)
 SCALE = 0.5  # every adapter's LoRA scale (not 1: the check sees scaling)
 TOL = 2e-2  # relative error of the delta against float64 (fp16 ~1e-3, bf16 ~4e-3 expected)
 ELT = 2  # bytes per fp16 / bf16 element
@@ -329,6 +328,13 @@ def _sorted_tables(t, slot, n_slots: int, dev, capacity: int = 0):
     return t.from_numpy(order).to(dev), t.from_numpy(start).to(dev)
 
 
+def _triton():
+    """compiler_passes/ops/lora/sgmv_triton.py (it imports with TVM's runtime alone)."""
+    from mlc_lora.compiler_passes.ops.lora import sgmv_triton  # pylint: disable=import-outside-toplevel
+
+    return sgmv_triton
+
+
 def _sgmv_triton(pb: Linear):
     """The tensor-core stage 3 (Triton) as the model runs it: tokens sorted by slot on the host, the
     slot table as large as a model's."""
@@ -336,8 +342,7 @@ def _sgmv_triton(pb: Linear):
     shrink = _fn(pb.env.lib, fname("tshrink", p.dtype, p.R, p.in_f, p.out_f))
     expand = _fn(pb.env.lib, fname("texpand", p.dtype, p.R, p.in_f, p.out_f))
     order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, TRITON_SLOTS)
-    # scratch of at least the kernels' input splits (at most one per TRITON_BK inputs)
-    v = t.empty((p.T, 1, -(-p.in_f // TRITON_BK), p.R), dtype=t.float32, device=pb.env.device)
+    v = t.empty((p.T, 1, _triton().max_chunks(p.in_f), p.R), dtype=t.float32, device=pb.env.device)
 
     def call(c):
         shrink(pb.x[c], pb.arena, order, start, pb.rank, pb.scale, pb.a_off[c], 0, v)
@@ -352,8 +357,7 @@ def triton_jit(cfg: dict | None):
     model-sized slot table: tile configurations timed beside the library and the peers."""
 
     def make(pb: Linear):
-        from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST  # pylint: disable=import-outside-toplevel
-
+        ST = _triton()  # pylint: disable=invalid-name
         p, t = pb.p, pb.env.torch
         var = ST.variant_for(p.T)
         c = cfg or ST.VARIANTS[var]
@@ -529,7 +533,7 @@ def _layer_triton(lp: Layer):
     t, lib = lp.env.torch, lp.env.lib
     order, start = _sorted_tables(t, lp.slot, lp.N, lp.env.device, TRITON_SLOTS)
     fns = {name: (_fn(lib, lname("tshrink", name, lp.dtype, lp.R)), _fn(lib, lname("texpand", name, lp.dtype, lp.R)),
-                  t.empty((lp.T, len(parts), -(-lp.layer[name][0] // TRITON_BK), lp.R), dtype=t.float32,
+                  t.empty((lp.T, len(parts), _triton().max_chunks(lp.layer[name][0]), lp.R), dtype=t.float32,
                           device=lp.env.device))
            for name, parts in lp.mods.items()}
 

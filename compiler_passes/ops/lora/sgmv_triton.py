@@ -255,6 +255,7 @@ if triton is not None:
                 h = tl.zeros((BM, RB), dtype=tl.float32)
                 for c in tl.static_range(C):
                     h += tl.load(vptr + c * R, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                hh = h.to(arena_ptr.dtype.element_ty)  # rounded once, as PEFT rounds lora_A's output
                 boff = tl.multiple_of(tl.load(boff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
                 bp = arena_ptr + base + boff.to(tl.int64)[:, None]
                 yp = y_ptr + tok[:, None] * W + o_p
@@ -262,7 +263,7 @@ if triton is not None:
                     cols = (grp * G + g) * BN + tl.arange(0, BN)
                     cmask = cols < width
                     bt = tl.load(bp + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-                    acc = tl.dot(h.to(bt.dtype), bt)
+                    acc = tl.dot(hh, bt)
                     ymask = rmask[:, None] & cmask[None, :]
                     yv = tl.load(yp + cols[None, :], mask=ymask, other=0.0)
                     tl.store(yp + cols[None, :], (yv.to(tl.float32) + acc).to(yv.dtype), mask=ymask)
