@@ -163,9 +163,9 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
         r = ModelRunner(folder, dev, params=lib_params(p, lcfg))
         packed = []
         if n_ad:
+            ranks = RANKS.get(name, (RANK,))
             for i in range(n_ad):
-                rank = RANKS.get(name, (RANK,))[i % len(RANKS.get(name, (RANK,)))]
-                ad = random_adapter(f"a{i}", mc, r.lora.module_names, rank, torch, dev, seed=a.seed + i)
+                ad = random_adapter(f"a{i}", mc, r.lora.module_names, ranks[i % len(ranks)], torch, dev, seed=a.seed + i)
                 packed.append(pack_adapter(r.lora, ad, r.compiled.numpy_dtype))
 
         # one pool per runner (decode graphs stay bound to its LoRA arena); sequences come and go
