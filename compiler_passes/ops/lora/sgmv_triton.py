@@ -60,7 +60,7 @@ GRID_SLOTS = 64  # blocks for the slots' partial tiles (past ceil(n / BM)); more
 # splits to spread the A rows over the SMs.
 VARIANTS = {
     "tiny": dict(BM=16, SPLITS=16, BN=64, G=2, num_warps=4, num_stages=3),
-    "small": dict(BM=16, SPLITS=8, BN=64, G=4, num_warps=4, num_stages=3),
+    "small": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=2, num_stages=3),
     "large": dict(BM=64, SPLITS=4, BN=128, G=4, num_warps=4, num_stages=3),
 }
 BK = 64  # input elements per dot step
