@@ -10,7 +10,9 @@ samples, harness/timing.wall_time), the host time of the call alone (launches qu
 what the engine pays before the GPU starts when it waits on every step), and the GPU kernel time
 by kind from a torch.profiler trace (cuBLAS GEMMs, LoRA kernels, attention, other), per step.
 Decode runs with `--ctx` tokens of context per sequence (adapters round-robin over the batch);
-prefill is one batch of 4 sequences of T/4 tokens each. Seeded random weights made on the device.
+prefill is one batch of 4 sequences of T/4 tokens each; `--mixed T` adds the steps the engine runs
+most under load: every decode batch's sequences one token each plus a prefill chunk of T tokens of
+one more sequence, in one call. Seeded random weights made on the device.
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     gen = torch.Generator(device="cpu").manual_seed(a.seed)
     batches = [int(b) for b in a.batches.split(",") if b]
     prefills = [int(t) for t in a.prefill.split(",") if t]
+    mixed = [int(t) for t in a.mixed.split(",") if t]
     rows = []
     for name in a.configs.split(","):
         lib, n_ad = LIBS[name]
@@ -170,7 +173,8 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
 
         # one pool per runner (decode graphs stay bound to its LoRA arena); sequences come and go
         pages = sum(pk.pages.shape[1] for pk in packed)
-        kv = r.create_pool(r.compiled.max_batch_size, max(batches) * (a.ctx + 96) + 2 * max(prefills + [0]) + 16 * pages)
+        kv = r.create_pool(r.compiled.max_batch_size, max(batches) * (a.ctx + 128) + 2 * max(prefills + mixed + [0])
+                           + 16 * pages)
         for i, pk in enumerate(packed):
             kv.load_packed_adapter(i, pk, True)
         lora = "pool" if packed else None
@@ -221,6 +225,21 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                     say(f"  {calls:8.1f} {us:9.1f}  {key}")
             rows.append(dict(config=name, step=f"decode b={b}", ms=round(ms, 3), host_ms=round(host, 3), **cats, top=top))
             say(f"{name} decode b={b}: {ms:.3f} ms/step, host {host:.3f} ms, kernels {cats}")
+            for T in mixed:  # the decode batch's next tokens and a prefill chunk of a new sequence
+                chunk, cid = torch.randint(0, V, (T,), generator=gen).tolist(), 2000
+                ids, toks = seqs + [cid], [[1]] * b + [chunk]
+                ms = wall_time(lambda ids=ids, toks=toks: r.prefill(kv, ids, toks, lora=lora),
+                               setup=lambda cid=cid: fresh([cid]), repeat=5, warmup=1, sync=sync) * 1e3
+                fresh([cid])
+                sync()
+                with profile(activities=[ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]) as prof:
+                    r.prefill(kv, ids, toks, lora=lora)
+                    sync()
+                cats, top = breakdown(prof, 1)
+                rows.append(dict(config=name, step=f"mixed b={b}+T={T}", ms=round(ms, 3), host_ms=None, **cats,
+                                 top=top))
+                say(f"{name} mixed b={b}+T={T}: {ms:.3f} ms/step, kernels {cats}")
+                kv.remove_sequence(cid)
             for s in seqs:
                 kv.remove_sequence(s)
         for T in prefills:
@@ -262,6 +281,7 @@ def main(argv=None) -> int:
     r.add_argument("--configs", default="base,lora4,lora4-nofused", help=f"of {', '.join(LIBS)}")
     r.add_argument("--batches", default="1,16,64,128,256", help="decode batch sizes")
     r.add_argument("--prefill", default="512,1024,2048", help="prefill token counts (4 sequences)")
+    r.add_argument("--mixed", default="", help="prefill chunk sizes run beside each decode batch in one step")
     r.add_argument("--ctx", type=int, default=320, help="context tokens per sequence before the decode steps")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--profile-host", action="store_true", help="host time of each part of 10 decode calls")

@@ -82,9 +82,10 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(ModelRunner, "create_pool", recording_create)
     monkeypatch.setattr(steps, "release", checking_release)
     assert steps.main(["run", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,lora64", "--batches", "4",
-                       "--prefill", "64", "--ctx", "16", "--device", "cpu", "--log-dir", str(tmp_path)]) == 0
+                       "--prefill", "64", "--mixed", "32", "--ctx", "16", "--device", "cpu",
+                       "--log-dir", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_lora_steps.json").read_text())["rows"]
     assert [(r["config"], r["step"]) for r in rows] == [
-        ("base", "decode b=4"), ("base", "prefill T=64"), ("lora64", "decode b=4"), ("lora64", "prefill T=64")]
+        (c, s) for c in ("base", "lora64") for s in ("decode b=4", "mixed b=4+T=32", "prefill T=64")]
     assert all(r["ms"] > 0 for r in rows) and freed == [True, True]
     assert merged.with_suffix(".svg").stat().st_size > 0 and merged.with_suffix(".png").stat().st_size > 0
