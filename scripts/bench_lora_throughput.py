@@ -42,17 +42,14 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     "base": ("base", []),
     "lora4": ("lora", [(8, 4)]),
     "lora64": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
-    "lora0": ("lora", []),
+    "lora0": ("lora", []),  # the LoRA library with no adapter: batches run its functions without LoRA
     # the same 4 x r8 on the library without the _fused functions (--no-lora-fused): every batch
     # runs cuBLAS + the sgmv kernels
-    "lora4-nofused": ("lora-nofused", [(8, 4)]),  # the LoRA library with no adapter: batches run its functions without LoRA
-    # the same 4 x r8 and 64 mixed through the Triton tensor-core stage 3 (--lora-sgmv-backend
-    # triton) instead of the default library's CUDA C++ kernels (sgmv.cu)
+    "lora4-nofused": ("lora-nofused", [(8, 4)]),
+    # the same 4 x r8 and 64 mixed with the Triton tensor-core stage 3 asked for by name
+    # (--lora-sgmv-backend triton; what `auto` picks where Triton is installed)
     "lora4-triton": ("lora-triton", [(8, 4)]),
     "lora64-triton": ("lora-triton", [(8, 16), (16, 16), (32, 16), (64, 16)]),
-    # the same 64 mixed with the CUDA C++ kernels for decode sizes and the Triton ones for prefill
-    # sizes (--lora-sgmv-backend mixed)
-    "lora64-mixed": ("lora-mixed", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     # the same 4 x r8 on a library compiled for max rank 16 (vLLM's default max_lora_rank) instead
     # of 64: the kernels' register tiles and loops are sized by the compiled maximum
     "lora4-r16": ("lora-r16", [(8, 4)]),
@@ -104,14 +101,13 @@ def compile_libs(a) -> int:
             "lora": CompileOptions(**lora, max_lora_rank=MAX_RANK),
             "lora-nofused": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_fused=False),
             "lora-triton": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="triton"),
-            "lora-mixed": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="mixed"),
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir"),
             "lora-rows": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_rank_rows=True)}
     # by default every library the target can build (the CUDA C++ and Triton stage 3 and the rank
     # rows route are CUDA only)
     names = a.libs.split(",") if a.libs else [n for n, o in libs.items() if a.target == "cuda" or (
-        o.lora_sgmv_backend not in ("cuda", "triton", "mixed") and not o.lora_rank_rows)]
+        o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows)]
     for name in names:
         if name not in libs:
             raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")

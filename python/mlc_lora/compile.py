@@ -48,8 +48,7 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     lora_kernel: str = "gather"
     # lora_kernel "sgmv" on cuda fp16/bf16: one shrink and one in-place expand per fused linear, by
     # the Triton tensor-core kernels ("triton"; "auto" with Triton), by our CUDA C++ kernels ("cuda";
-    # "auto" without Triton), by the CUDA C++ ones up to 256 tokens and the Triton ones above
-    # ("mixed"), or the TIR kernels per module ("tir")
+    # "auto" without Triton), or the TIR kernels per module ("tir")
     lora_sgmv_backend: str = "auto"
     # lora_kernel "sgmv" on cuda fp16/bf16 with Triton: also build prefill_fused and decode_fused, each
     # linear and its LoRA delta over the batch's rank columns (one kernel for small batches, cuBLAS +

@@ -10,8 +10,6 @@ per backend ("tir", "cuda", ...), each in its own file here beside its kernels:
                     shrink + one in-place expand per fused linear (CUDA fp16/bf16, rank <= 128)
     sgmv_cuda.py    stage 3: one shrink + one in-place expand per fused linear (sgmv.cu; CUDA
                     fp16/bf16, rank <= 128, <= 3 parts)
-    sgmv_mixed.py   stage 3 by token count: sgmv_cuda.py's kernels for decode sizes, sgmv_triton.py's
-                    large tiles for prefill sizes (one launch wrapper branching on the token count)
     sgmv_tir.py     stage 3: a shrink + expand pair per module (TIR, any target)
     linear_triton.py  not a stage: the base linear and the delta over the batch's rank columns, for
                     prefill_fused/decode_fused (LoraRewrite(fused=True); batches over a few low-rank
@@ -59,15 +57,12 @@ _LAZY = {"LoraContext": "stage", "LoraStage": "stage", "Part": "stage"}
 @functools.lru_cache(maxsize=None)
 def _stages() -> dict:
     """(stage, backend) -> implementation; per stage in the order "auto" tries them."""
-    from . import (gather_tir, sgmv_cuda, sgmv_mixed, sgmv_tir, sgmv_triton,  # pylint: disable=import-outside-toplevel
-                   single_tir)
+    from . import gather_tir, sgmv_cuda, sgmv_tir, sgmv_triton, single_tir  # pylint: disable=import-outside-toplevel
 
-    # sgmv: the Triton tensor-core kernels first (faster than the CUDA C++ ones and the peers' at
-    # every token count measured, docs/SGMV.md), then the CUDA C++ kernels (where Triton is not
-    # installed); "mixed" (CUDA C++ for decode sizes, Triton past them) only when asked for
+    # sgmv: the Triton tensor-core kernels first (faster than the CUDA C++ ones at every token count
+    # measured, docs/SGMV.md), then the CUDA C++ kernels (where Triton is not installed)
     return {(impl.stage, impl.backend): impl
-            for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_triton.STAGE, sgmv_cuda.STAGE, sgmv_mixed.STAGE,
-                         sgmv_tir.STAGE)}
+            for impl in (single_tir.STAGE, gather_tir.STAGE, sgmv_triton.STAGE, sgmv_cuda.STAGE, sgmv_tir.STAGE)}
 
 
 def __getattr__(name: str):

@@ -41,8 +41,8 @@ def parser() -> argparse.ArgumentParser:
                    help="single: one adapter per batch, dense GEMMs; gather: per-token gather; sgmv: fused shrink+expand")
     p.add_argument("--lora-sgmv-backend", choices=BACKENDS, default="auto",
                    help="who runs the LoRA stage: auto (sgmv on cuda fp16/bf16: triton where Triton is installed, "
-                        "else cuda; else TIR), mixed (the CUDA C++ kernels up to 256 tokens, the Triton ones above), "
-                        "cuda (the CUDA C++ kernels), triton (tensor-core kernels over tokens sorted by slot) or tir")
+                        "else cuda; else TIR), cuda (the CUDA C++ kernels), triton (tensor-core kernels over tokens "
+                        "sorted by slot) or tir")
     p.add_argument("--no-lora-fused", dest="lora_fused", action="store_false",
                    help="do not build prefill_fused/decode_fused (sgmv on cuda fp16/bf16: each linear and its LoRA delta "
                         "over the batch's rank columns, run for batches over a few low-rank adapters; limits in the "

@@ -14,7 +14,6 @@ from tvm.script import tirx as T
 from mlc_lora.compiler_passes.ops.lora import reference as lora_ref
 from mlc_lora.compiler_passes.ops.lora import sgmv_cuda as GC
 from mlc_lora.compiler_passes.ops.lora import sgmv_tir as G
-from mlc_lora.compiler_passes.ops.lora import sgmv_mixed as GM
 from mlc_lora.compiler_passes.ops.lora import sgmv_triton as GT
 from mlc_lora.compiler_passes.ops.lora.gather_tir import lora_gather_kernel
 from mlc_lora.compiler_passes.ops.lora.single_tir import lora_dense_rows_kernel
@@ -398,41 +397,6 @@ class ExpectedTriton:
         return gv
 
 
-@I.ir_module(check_well_formed=False)
-class ExpectedMixed:
-    @T.prim_func
-    def lora_sgmv_mixed_shrink_m0_1024():
-        T.evaluate(0)
-
-    @T.prim_func
-    def lora_sgmv_mixed_expand_m0_1024x600():
-        T.evaluate(0)
-
-    @R.function
-    def decode(x: R.Tensor(("b", 1, 1024), "float16"), lora_arena: R.Tensor((4096,), "float16"),
-               lora_token_slot: R.Tensor(("b",), "int32"), lora_rank: R.Tensor(("s",), "int32"),
-               lora_scale: R.Tensor(("s", 1), "float32"), lora_a_off: R.Tensor(("s", 1, 16), "int32"),
-               lora_b_off: R.Tensor(("s", 1, 16), "int32"), lora_token_order: R.Tensor(("b",), "int32"),
-               lora_slot_start: R.Tensor(("c",), "int32"), params: R.Tuple(R.Tensor((600, 1024), "float16"))):
-        R.func_attr({"num_input": 9})
-        b = T.int64()
-        cls = ExpectedMixed
-        with R.dataflow():
-            w = params[0]
-            y = R.matmul(x, R.permute_dims(w))
-            x2 = R.reshape(x, R.shape([b, 1024]))
-            v = R.call_tir(cls.lora_sgmv_mixed_shrink_m0_1024, (x2, lora_arena, lora_token_slot, lora_token_order,
-                           lora_slot_start, lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
-                           out_ty=R.Tensor((b, 1, 4, 16), "float32"))
-            y2 = R.reshape(y, R.shape([b, 600]))
-            y3 = R.call_tir_inplace(cls.lora_sgmv_mixed_expand_m0_1024x600, (v, lora_arena, lora_token_slot,
-                                    lora_token_order, lora_slot_start, lora_rank, lora_scale, lora_b_off,
-                                    R.prim_value(T.int64(0)), y2), [9], R.Tensor((b, 600), "float16"))
-            gv = R.reshape(y3, R.shape([b, 1, 600]))
-            R.output(gv)
-        return gv
-
-
 def _rewrite(target, backend):
     return LoraRewrite(param_names=NAMES_CUDA, modules=[("o_proj", 1024, 600)],
                        linears={"o_proj": [("o_proj", 0, 600)]}, num_layers=1, max_rank=16, kernel="sgmv",
@@ -441,9 +405,9 @@ def _rewrite(target, backend):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("backend", ["auto", "triton", "cuda", "tir", "mixed"])
+@pytest.mark.parametrize("backend", ["auto", "triton", "cuda", "tir"])
 def test_rewrite_inserts_the_cuda_kernels(cuda, backend):
-    if backend in ("triton", "mixed"):
+    if backend == "triton":
         pytest.importorskip("triton")
     after = _rewrite(cuda, backend)
     if backend == "auto":  # "auto" is "triton" where Triton is installed, else "cuda"
@@ -453,21 +417,6 @@ def test_rewrite_inserts_the_cuda_kernels(cuda, backend):
         except ImportError:
             backend = "cuda"
     on_cuda = backend == "cuda"
-    if backend == "mixed":  # the CUDA C++ kernels below MIXED_MIN_TOKENS, the Triton large tiles above
-        names = ("lora_sgmv_mixed_shrink_m0_1024", "lora_sgmv_mixed_expand_m0_1024x600")
-        shrink, smods = GM.shrink_wrapper(1024, (0,), 1, 16, 1, "float16", 256, 8, "sm_90a")
-        expand, emods = GM.expand_wrapper(1024, (600,), (0,), 1, 16, 1, "float16", 256, 8, "sm_90a")
-        for name, func in zip(names, (shrink, expand)):
-            ExpectedMixed[name] = func.with_attr("global_symbol", name)
-        relax.analysis.well_formed(after)
-        tvm.ir.assert_structural_equal(after.without_attr("external_mods"), relax.transform.Normalize()(ExpectedMixed))
-        mods = list(after.attrs["external_mods"])
-        assert len(mods) == 1 + len(smods) + len(emods)  # the CUDA C++ module, a cubin per Triton kernel
-        launched = set(re.findall(r'"(mlc_lora_(?:triton|sgmv)_\w+)"', after.script()))
-        assert launched == {*GC.kernel_names("float16", 16), *(m for m in launched if "triton" in m)}
-        assert len(launched) == 4 and all(any(m.implements_function(k) for m in mods) for k in launched)
-        assert f"n < T.int64({GM.MIXED_MIN_TOKENS})" in after.script() or f"n < {GM.MIXED_MIN_TOKENS}" in after.script()
-        return
     if backend == "triton":
         expected = ExpectedTriton
         names = ("lora_sgmv_triton_shrink_m0_1024", "lora_sgmv_triton_expand_m0_1024x600")

@@ -5,7 +5,7 @@ import pytest
 import tvm
 
 from mlc_lora.compiler_passes.ops import lora
-from mlc_lora.compiler_passes.ops.lora import sgmv_cuda, sgmv_mixed, sgmv_tir, sgmv_triton
+from mlc_lora.compiler_passes.ops.lora import sgmv_cuda, sgmv_tir, sgmv_triton
 from mlc_lora.compiler_passes.ops.lora.stage import LoraStage
 from mlc_lora.contract import LORA_KERNELS
 
@@ -23,7 +23,7 @@ def test_every_stage_of_the_contract_is_registered():
     for (stage, backend), impl in lora.STAGES.items():
         assert isinstance(impl, LoraStage) and (impl.stage, impl.backend) == (stage, backend)
         assert type(impl).emit is not LoraStage.emit and type(impl).supported is not LoraStage.supported
-    assert lora.BACKENDS == ("auto", "cuda", "mixed", "tir", "triton")
+    assert lora.BACKENDS == ("auto", "cuda", "tir", "triton")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -39,11 +39,12 @@ def test_auto_picks_the_triton_sgmv_on_cuda_half(dtype, monkeypatch):
 def test_the_other_sgmv_backends_run_when_asked_for(monkeypatch):
     pytest.importorskip("triton")
     assert lora.select("sgmv", "cuda", CUDA, "bfloat16", 64, 3) is sgmv_cuda.STAGE
-    assert lora.select("sgmv", "mixed", CUDA, "bfloat16", 64, 3) is sgmv_mixed.STAGE
+    assert lora.select("sgmv", "triton", CUDA, "bfloat16", 64, 3) is sgmv_triton.STAGE
     monkeypatch.setattr(sgmv_triton, "triton", None)
-    for backend in ("triton", "mixed"):  # the mixed stage needs both kinds of kernel
-        with pytest.raises(ValueError, match="triton is not installed"):
-            lora.select("sgmv", backend, CUDA, "float16", 16, 1)
+    with pytest.raises(ValueError, match="triton is not installed"):
+        lora.select("sgmv", "triton", CUDA, "float16", 16, 1)
+    with pytest.raises(ValueError, match="unknown LoRA kernel backend 'mixed'"):  # removed: dominated by triton
+        lora.select("sgmv", "mixed", CUDA, "float16", 16, 1)
 
 
 @pytest.mark.parametrize("target,dtype,rank,parts,why", [
@@ -56,7 +57,6 @@ def test_the_other_sgmv_backends_run_when_asked_for(monkeypatch):
 def test_auto_falls_back_to_tir_with_the_reason(target, dtype, rank, parts, why):
     assert why in sgmv_cuda.STAGE.supported(target, dtype, rank, parts)
     assert why in sgmv_triton.STAGE.supported(target, dtype, rank, parts)
-    assert why in sgmv_mixed.STAGE.supported(target, dtype, rank, parts)
     assert lora.select("sgmv", "auto", target, dtype, rank, parts) is sgmv_tir.STAGE
     # an explicit "cuda" refuses with the same reason; "tir" is always there
     with pytest.raises(ValueError, match=why):
@@ -75,5 +75,5 @@ def test_stages_without_cuda_stay_on_tir(stage):
 def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match="unknown LoRA kernel 'bgmv'"):
         lora.check("bgmv", "auto")
-    with pytest.raises(ValueError, match="unknown LoRA kernel backend 'cutlass'; choose from auto, cuda, mixed, tir, triton"):
+    with pytest.raises(ValueError, match="unknown LoRA kernel backend 'cutlass'; choose from auto, cuda, tir, triton"):
         lora.check("sgmv", "cutlass")

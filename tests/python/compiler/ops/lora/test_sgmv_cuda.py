@@ -16,7 +16,6 @@ from mlc_lora.compiler_passes.ops import cuda_build
 from mlc_lora.compiler_passes.ops.kernel_attrs import OPAQUE
 from mlc_lora.compiler_passes.ops.lora import reference as lora_ref
 from mlc_lora.compiler_passes.ops.lora import sgmv_cuda as GC
-from mlc_lora.compiler_passes.ops.lora import sgmv_mixed as GM
 from mlc_lora.compiler_passes.ops.lora import sgmv_tir as G
 
 from ... import emu
@@ -270,45 +269,3 @@ def test_cuda_source_on_cpu_emulation(sgmv_emu, tmp_path, dtype, case, tiling):
     if mods[0] >= 0 and P > 1:  # the part-0-only slot leaves the other parts alone
         w0 = widths[0]
         assert np.array_equal(y[3, w0:], y0[3, w0:]) and not np.array_equal(y[3, :w0], y0[3, :w0])
-
-
-# ---------------------------------------------------------------------------------------------
-# The mixed stage (sgmv_mixed.py): this file's kernels below MIXED_MIN_TOKENS, the Triton large
-# tiles from there on, behind one wrapper per kernel; on a GPU both branches against the references.
-
-@needs_nvcc
-@pytest.mark.parametrize("n", [37, GM.MIXED_MIN_TOKENS - 1, GM.MIXED_MIN_TOKENS, 300])
-def test_sgmv_mixed_kernels_run_against_references(cuda_device, cuda, n):
-    pytest.importorskip("triton")
-    dev, dtype = cuda_device, "float16"
-    in_f, widths, mods, R = 1024, (520, 136, 136), (0, -1, 2), 64
-    rng = np.random.default_rng(n)
-    L, M, layer = 2, 3, 1
-    ranks = [R, 3, R // 2 + 1, 1, 5]
-    arena, slot, rank, scale, a_off, b_off = _tables(rng, n, ranks, in_f, widths, M, mods, R, L, True)
-    arena = arena.astype(np.float16)
-    x = rng.standard_normal((n, in_f)).astype(np.float16)
-    _, delta = _refs(x, arena, layer, L, slot, rank, scale, a_off, b_off, mods, widths, R)
-    y0 = _base_output(rng, delta, np.float16)
-    shrink, smods = GM.shrink_wrapper(in_f, mods, L, R, M, dtype, 256, 8, "sm_90a")
-    expand, emods = GM.expand_wrapper(in_f, widths, mods, L, R, M, dtype, 256, 8, "sm_90a")
-    mod = tvm.IRModule({"shrink": shrink.with_attr("global_symbol", "shrink"),
-                        "expand": expand.with_attr("global_symbol", "expand")})
-    for m in [GC.build_module(dtype, R, "sm_90a"), *smods, *emods]:
-        mod = cuda_build.attach(mod, m)
-    with cuda:
-        lib = tvm.compile(mod, target=cuda)
-
-    def t(a):
-        return tvm.runtime.tensor(a, dev)
-
-    order, start = lora_ref.sort_tokens_ref(slot, 256)
-    v = t(np.full((n, len(mods), lora_ref.num_chunks(in_f), R), 9.0, np.float32))
-    y = t(y0)
-    tabs = (t(arena), t(slot), t(order), t(start), t(rank), t(scale))
-    lib["shrink"](t(x), *tabs, t(a_off), layer, v)
-    lib["expand"](v, *tabs, t(b_off), layer, y)
-    np.testing.assert_allclose(y.numpy().astype(np.float32), y0.astype(np.float32) + delta, rtol=2e-2,
-                               atol=2e-2 * np.abs(delta).max())
-    untouched = (slot == -1) | (slot == len(ranks) - 1)
-    assert np.array_equal(y.numpy()[untouched], y0[untouched]) and np.abs(delta).max() > 0.1
