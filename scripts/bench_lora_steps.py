@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from harness import cli
 from harness.timing import wall_time
 
@@ -30,6 +31,14 @@ LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofus
 RANK = 8
 RANKS = {"lora64": (8, 16, 32, 64)}  # adapter i's rank: RANKS[config][i % 4] (bench_lora_throughput's lora64), else RANK
 KINDS = ("gemm", "lora", "attention", "other")
+BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth by GPU name (the rows floor below)
+
+
+def rows_bytes(spec, ranks, adapters, itemsize: int) -> int:
+    """Bytes of the rank rows a step over `adapters` (ids; adapter i has rank ranks[i % len]) must
+    read: every layer's A and B rows of each distinct adapter (rank x (in + out) per module)."""
+    per_rank = sum(m.in_features + m.out_features for m in spec.modules) * spec.num_layers * itemsize
+    return sum(ranks[i % len(ranks)] for i in set(adapters)) * per_rank
 
 
 def kind_of(key: str) -> str:
@@ -155,6 +164,18 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     sync()
     V = mc["vocab_size"]
     gen = torch.Generator(device="cpu").manual_seed(a.seed)
+    bw = a.bandwidth_tbs
+    if bw is None and dev == "cuda":
+        name = torch.cuda.get_device_name()
+        bw = next((v for k, v in BANDWIDTH_TBS.items() if k in name), None)
+
+    def floor_ms(r, n_ad, ranks, ids):
+        """The step's rank rows at the bandwidth, ms (None without adapters or a bandwidth)."""
+        if not n_ad or not bw:
+            return None
+        item = np.dtype(r.compiled.numpy_dtype).itemsize
+        return round(rows_bytes(r.lora, ranks, [i % n_ad for i in ids], item) / (bw * 1e12) * 1e3, 3)
+
     batches = [int(b) for b in a.batches.split(",") if b]
     prefills = [int(t) for t in a.prefill.split(",") if t]
     mixed = [int(t) for t in a.mixed.split(",") if t]
@@ -164,9 +185,8 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
         folder = lib_dir / lib
         lcfg = json.loads((folder / CONFIG_FILE).read_text())
         r = ModelRunner(folder, dev, params=lib_params(p, lcfg))
-        packed = []
+        packed, ranks = [], RANKS.get(name, (RANK,))
         if n_ad:
-            ranks = RANKS.get(name, (RANK,))
             for i in range(n_ad):
                 ad = random_adapter(f"a{i}", mc, r.lora.module_names, ranks[i % len(ranks)], torch, dev, seed=a.seed + i)
                 packed.append(pack_adapter(r.lora, ad, r.compiled.numpy_dtype))
@@ -223,7 +243,8 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 say(f"{name} decode b={b}: CUDA API calls per step (calls, host us per step)")
                 for key, calls, us in api_calls(prof, 5):
                     say(f"  {calls:8.1f} {us:9.1f}  {key}")
-            rows.append(dict(config=name, step=f"decode b={b}", ms=round(ms, 3), host_ms=round(host, 3), **cats, top=top))
+            rows.append(dict(config=name, step=f"decode b={b}", ms=round(ms, 3), host_ms=round(host, 3), **cats, top=top,
+                             rows_ms=floor_ms(r, n_ad, ranks, seqs)))
             say(f"{name} decode b={b}: {ms:.3f} ms/step, host {host:.3f} ms, kernels {cats}")
             for T in mixed:  # the decode batch's next tokens and a prefill chunk of a new sequence
                 chunk, cid = torch.randint(0, V, (T,), generator=gen).tolist(), 2000
@@ -237,7 +258,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                     sync()
                 cats, top = breakdown(prof, 1)
                 rows.append(dict(config=name, step=f"mixed b={b}+T={T}", ms=round(ms, 3), host_ms=None, **cats,
-                                 top=top))
+                                 top=top, rows_ms=floor_ms(r, n_ad, ranks, ids)))
                 say(f"{name} mixed b={b}+T={T}: {ms:.3f} ms/step, kernels {cats}")
                 kv.remove_sequence(cid)
             for s in seqs:
@@ -253,18 +274,22 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 r.prefill(kv, ids, toks, lora=lora)
                 sync()
             cats, top = breakdown(prof, 1)
-            rows.append(dict(config=name, step=f"prefill T={T}", ms=round(ms, 3), host_ms=None, **cats, top=top))
+            rows.append(dict(config=name, step=f"prefill T={T}", ms=round(ms, 3), host_ms=None, **cats, top=top,
+                             rows_ms=floor_ms(r, n_ad, ranks, ids)))
             say(f"{name} prefill T={T}: {ms:.3f} ms/step, kernels {cats}")
             for s in ids:
                 kv.remove_sequence(s)
         del kv, r, fresh  # (fresh holds the pool too, as its default argument)
         release()  # the next config's pool must fit beside nothing of this one
-    say("\n| step | config | ms | host ms | gemm | lora | attention | other | vs base |\n|---|---|---|---|---|---|---|---|---|")
+    say(f"\n(rows ms: the step's adapter rank rows read once at {bw} TB/s, the least any LoRA kernels take)"
+        "\n| step | config | ms | host ms | gemm | lora | attention | other | vs base | rows ms |"
+        "\n|---|---|---|---|---|---|---|---|---|---|")
     base = {x["step"]: x["ms"] for x in rows if x["config"] == "base"}
     for x in sorted(rows, key=lambda x: (x["step"], x["config"])):
         vs = f"{x['ms'] / base[x['step']]:.3f}" if x["step"] in base else "-"
         say(f"| {x['step']} | {x['config']} | {x['ms']:.3f} | {x['host_ms'] if x['host_ms'] is not None else '-'} | "
-            f"{x['gemm']:.3f} | {x['lora']:.3f} | {x['attention']:.3f} | {x['other']:.3f} | {vs} |")
+            f"{x['gemm']:.3f} | {x['lora']:.3f} | {x['attention']:.3f} | {x['other']:.3f} | {vs} | "
+            f"{x['rows_ms'] if x['rows_ms'] is not None else '-'} |")
     for x in rows:
         if x["config"] != "base":
             say(f"\n{x['config']} {x['step']}: top kernels (calls/step, us/call)")
@@ -282,6 +307,8 @@ def main(argv=None) -> int:
     r.add_argument("--batches", default="1,16,64,128,256", help="decode batch sizes")
     r.add_argument("--prefill", default="512,1024,2048", help="prefill token counts (4 sequences)")
     r.add_argument("--mixed", default="", help="prefill chunk sizes run beside each decode batch in one step")
+    r.add_argument("--bandwidth-tbs", type=float, default=None,
+                   help="memory bandwidth for the rows floor (default: by GPU name, H100 3.35, H200 4.8)")
     r.add_argument("--ctx", type=int, default=320, help="context tokens per sequence before the decode steps")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--profile-host", action="store_true", help="host time of each part of 10 decode calls")

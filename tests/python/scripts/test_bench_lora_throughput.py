@@ -82,10 +82,19 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(ModelRunner, "create_pool", recording_create)
     monkeypatch.setattr(steps, "release", checking_release)
     assert steps.main(["run", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,lora64", "--batches", "4",
-                       "--prefill", "64", "--mixed", "32", "--ctx", "16", "--device", "cpu",
+                       "--prefill", "64", "--mixed", "32", "--ctx", "16", "--device", "cpu", "--bandwidth-tbs", "1e-6",
                        "--log-dir", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_lora_steps.json").read_text())["rows"]
     assert [(r["config"], r["step"]) for r in rows] == [
         (c, s) for c in ("base", "lora64") for s in ("decode b=4", "mixed b=4+T=32", "prefill T=64")]
+    # the rows floor: the distinct adapters' rank rows (ranks 8/16/32/64 in turn), from the compiled
+    # config's modules, at 1 MB/s: decode b=4 uses adapters 0-3, prefill sequences 1000-1003 (mod 64:
+    # 40-43), the mixed step adapters 0-3 and 2000 % 64 = 16 (rank 8)
+    lcfg = json.loads((tmp_path / "libs" / "lora" / "mlc-lora-config.json").read_text())["lora"]
+    per_rank = sum(m["in_features"] + m["out_features"] for m in lcfg["modules"]) * lcfg["num_layers"] * 4
+    floor = {r["step"]: r["rows_ms"] for r in rows if r["config"] == "lora64"}
+    want = {"decode b=4": 120 * per_rank / 1e3, "prefill T=64": 120 * per_rank / 1e3, "mixed b=4+T=32": 128 * per_rank / 1e3}
+    assert floor.keys() == want.keys() and all(abs(floor[k] - want[k]) <= 1e-3 for k in want)
+    assert all(r["rows_ms"] is None for r in rows if r["config"] == "base")
     assert all(r["ms"] > 0 for r in rows) and freed == [True, True]
     assert merged.with_suffix(".svg").stat().st_size > 0 and merged.with_suffix(".png").stat().st_size > 0
