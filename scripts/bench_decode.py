@@ -18,13 +18,12 @@ import time
 from pathlib import Path
 
 from harness import cli
-from harness.timing import compare, wall_time
+from harness.timing import PEAK_BW, compare, wall_time
 from harness.torch_llama import TorchLlama
 from mlc_lora.contract import CONFIG_FILE
 from mlc_lora.models.random_model import LLAMA2_7B, build, make_params
 
 PROMPT = 512  # tokens per prompt (prefill) and context before the timed decode steps
-PEAK_BW = 4.2e12  # bytes/s: the H200's measured device-to-device copy rate (read + write)
 
 
 # name: (CUDA graphs for decode, attention kernels, gemv_max_rows; None: the default). graph: the default build;

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import cli, peers as peers_mod, plot as charts
-from harness.timing import compare, copies_for
+from harness.timing import PEAK_BW, compare, copies_for
 from harness.workload import arena_tables, lora_weights, mixed_ranks, token_slots
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in, out)
@@ -66,7 +66,6 @@ LAYER_CALLS = 4  # calls per graph in `layer`: each runs the layer's 1.1 GB of G
 DRY = dict(shapes=[(64, 96), (96, 64)], tokens=[1, 5, 17], adapters=[1, 4], ranks=[8, 16, MIXED],
            dtypes=["float16"], layer={"qkv": (64, (64, 32, 32)), "o": (64, (64,)), "gate_up": (64, (96, 96)),
                                       "down": (96, (64,))}, layer_tokens=[3, 17])
-HBM = 4.2e12  # bytes/s for the roofline
 TRITON_SLOTS = 256  # the tensor-core kernels are built for up to this many slots (a model: its max batch size)
 SCALE = 0.5  # every adapter's LoRA scale (not 1: the check sees scaling)
 TOL = 2e-2  # relative error of the delta against float64 (fp16 ~1e-3, bf16 ~4e-3 expected)
@@ -813,7 +812,7 @@ def run(a) -> int:
         pb = Linear(env, p)
         row = dict(mode="linear", shape=p.shape, in_f=p.in_f, out_f=p.out_f, T=p.T, N=p.N, r=p.r, R=p.R,
                    dtype=p.dtype, grouped=p.grouped, copies=pb.copies, touched=len(pb.used),
-                   bytes=min_bytes(p, pb.used), roof_us=min_bytes(p, pb.used) / HBM * 1e6)
+                   bytes=min_bytes(p, pb.used), roof_us=min_bytes(p, pb.used) / PEAK_BW * 1e6)
         row.update(run_candidates(env, pb, "linear", p.r == MIXED, pb.base(), pb.W.shape[0], log.say))
         row["seconds"] = time.perf_counter() - t1
         rows.append(row)

@@ -24,14 +24,13 @@ from pathlib import Path
 
 import numpy as np
 from harness import cli
-from harness.timing import wall_time
+from harness.timing import HBM_TBS, wall_time
 
 LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofused", 4),
         "lora4-rows": ("lora-rows", 4), "lora64": ("lora", 64)}  # (lora-rows: --lora-rank-rows)
 RANK = 8
 RANKS = {"lora64": (8, 16, 32, 64)}  # adapter i's rank: RANKS[config][i % 4] (bench_lora_throughput's lora64), else RANK
 KINDS = ("gemm", "lora", "attention", "other")
-BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth by GPU name (the rows floor below)
 
 
 def rows_bytes(spec, ranks, adapters, itemsize: int) -> int:
@@ -167,7 +166,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     bw = a.bandwidth_tbs
     if bw is None and dev == "cuda":
         name = torch.cuda.get_device_name()
-        bw = next((v for k, v in BANDWIDTH_TBS.items() if k in name), None)
+        bw = next((v for k, v in HBM_TBS.items() if k in name), None)
 
     def floor_ms(r, n_ad, ranks, ids):
         """The step's rank rows at the bandwidth, ms (None without adapters or a bandwidth)."""
@@ -209,6 +208,23 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 if packed:
                     kv.set_sequence_adapter(s, s % len(packed))
 
+        def one_prefill(step, ids, toks, new):
+            """Time and profile one prefill call over `ids` (`new`: its sequences added afresh
+            before each call, removed after) and record the row."""
+            ms = wall_time(lambda: r.prefill(kv, ids, toks, lora=lora), setup=lambda: fresh(new), repeat=5,
+                           warmup=1, sync=sync) * 1e3
+            fresh(new)
+            sync()
+            with profile(activities=[ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]) as prof:
+                r.prefill(kv, ids, toks, lora=lora)
+                sync()
+            cats, top = breakdown(prof, 1)
+            rows.append(dict(config=name, step=step, ms=round(ms, 3), host_ms=None, **cats, top=top,
+                             rows_ms=floor_ms(r, n_ad, ranks, ids)))
+            say(f"{name} {step}: {ms:.3f} ms/step, kernels {cats}")
+            for s in new:
+                kv.remove_sequence(s)
+
         for b in batches:
             seqs, tok = list(range(b)), [1] * b
             fresh(seqs)
@@ -247,39 +263,15 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                              rows_ms=floor_ms(r, n_ad, ranks, seqs)))
             say(f"{name} decode b={b}: {ms:.3f} ms/step, host {host:.3f} ms, kernels {cats}")
             for T in mixed:  # the decode batch's next tokens and a prefill chunk of a new sequence
-                chunk, cid = torch.randint(0, V, (T,), generator=gen).tolist(), 2000
-                ids, toks = seqs + [cid], [[1]] * b + [chunk]
-                ms = wall_time(lambda ids=ids, toks=toks: r.prefill(kv, ids, toks, lora=lora),
-                               setup=lambda cid=cid: fresh([cid]), repeat=5, warmup=1, sync=sync) * 1e3
-                fresh([cid])
-                sync()
-                with profile(activities=[ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]) as prof:
-                    r.prefill(kv, ids, toks, lora=lora)
-                    sync()
-                cats, top = breakdown(prof, 1)
-                rows.append(dict(config=name, step=f"mixed b={b}+T={T}", ms=round(ms, 3), host_ms=None, **cats,
-                                 top=top, rows_ms=floor_ms(r, n_ad, ranks, ids)))
-                say(f"{name} mixed b={b}+T={T}: {ms:.3f} ms/step, kernels {cats}")
-                kv.remove_sequence(cid)
+                chunk = torch.randint(0, V, (T,), generator=gen).tolist()
+                one_prefill(f"mixed b={b}+T={T}", seqs + [2000], [[1]] * b + [chunk], [2000])
             for s in seqs:
                 kv.remove_sequence(s)
         for T in prefills:
             ids = list(range(1000, 1004))
-            toks = [torch.randint(0, V, (T // len(ids),), generator=gen).tolist() for _ in ids]
-            ms = wall_time(lambda: r.prefill(kv, ids, toks, lora=lora), setup=lambda: fresh(ids), repeat=5, warmup=1,
-                           sync=sync) * 1e3
-            fresh(ids)
-            sync()
-            with profile(activities=[ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]) as prof:
-                r.prefill(kv, ids, toks, lora=lora)
-                sync()
-            cats, top = breakdown(prof, 1)
-            rows.append(dict(config=name, step=f"prefill T={T}", ms=round(ms, 3), host_ms=None, **cats, top=top,
-                             rows_ms=floor_ms(r, n_ad, ranks, ids)))
-            say(f"{name} prefill T={T}: {ms:.3f} ms/step, kernels {cats}")
-            for s in ids:
-                kv.remove_sequence(s)
-        del kv, r, fresh  # (fresh holds the pool too, as its default argument)
+            one_prefill(f"prefill T={T}", ids, [torch.randint(0, V, (T // len(ids),), generator=gen).tolist()
+                                                 for _ in ids], ids)
+        del kv, r, fresh, one_prefill  # (fresh holds the pool too, as its default argument)
         release()  # the next config's pool must fit beside nothing of this one
     say(f"\n(rows ms: the step's adapter rank rows read once at {bw} TB/s, the least any LoRA kernels take)"
         "\n| step | config | ms | host ms | gemm | lora | attention | other | vs base | rows ms |"

@@ -19,6 +19,10 @@ import time
 from typing import Any, Callable
 
 ROTATE_BYTES = 256 << 20  # the working set every candidate's calls rotate over
+# Memory bandwidth the benchmarks' floors and roofline shares divide by: PEAK_BW, the H200's
+# measured device-to-device copy rate (bytes/s); HBM_TBS, the data-sheet rate by GPU name (TB/s).
+PEAK_BW = 4.2e12
+HBM_TBS = {"H200": 4.8, "H100": 3.35}
 MAX_CALLS = 2048  # the most calls one graph holds (256 MB of the smallest sweep point's 128 KB)
 
 

@@ -103,7 +103,7 @@ def test_dry_run_checks_and_times_every_cpu_backend(dry_lib, tmp_path):
         assert r["status"]["vllm"] == r["status"]["sglang"] == "skip: no peers"
         assert max(r["err"].values()) < 1e-3  # fp16 kernels against float64
         assert set(r["us"]) == {"base", "gather", "sgmv-tir"} and min(r["us"].values()) > 0
-        assert 1 <= r["touched"] <= min(4, r["T"]) and r["roof_us"] == pytest.approx(r["bytes"] / bench.HBM * 1e6)
+        assert 1 <= r["touched"] <= min(4, r["T"]) and r["roof_us"] == pytest.approx(r["bytes"] / bench.PEAK_BW * 1e6)
     assert (tmp_path / "bench_lora_kernels.log").read_text().count("; rel err ") == len(rows)
 
 
