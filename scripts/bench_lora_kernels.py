@@ -162,6 +162,18 @@ def min_bytes(p: Point, used) -> int:
 # --- ours: the library --------------------------------------------------------------------------
 
 
+TILES_FN = "ttiles"  # the library's Triton tile-table function
+
+
+def _tile_table(pb_env, order, start):
+    """The tile table of the batch (order, start) from the library's function: the model lays it
+    out once per step for every linear, so the timed calls read it as they do there."""
+    t = pb_env.torch
+    tiles = t.empty((_triton().tile_table_len(order.numel()),), dtype=t.int32, device=pb_env.device)
+    _fn(pb_env.lib, TILES_FN)(order, start, tiles)
+    return tiles
+
+
 def fname(kind: str, dtype: str, R: int, i: int, o: int) -> str:  # pylint: disable=invalid-name
     return f"{kind}_{DT[dtype]}_r{R}_{i}x{o}"
 
@@ -182,6 +194,9 @@ def compile_lib(out: Path, target: str, dry: bool, ranks=None) -> None:
     dtypes = DRY["dtypes"] if dry else DTYPES
     pairs = sorted(set(shapes) | {(i, w) for i, ws in layer.values() for w in ws})
     funcs, imports = {}, []
+    if target == "cuda":  # the tile table the Triton kernels read (laid out once per batch)
+        funcs[TILES_FN], ms = C.sgmv_triton.tiles_wrapper(TRITON_SLOTS, C.ARCH)
+        imports += ms
     for dtype in dtypes:
         for R in ranks or COMPILED_RANKS:
             for i, o in pairs:
@@ -341,11 +356,12 @@ def _sgmv_triton(pb: Linear):
     shrink = _fn(pb.env.lib, fname("tshrink", p.dtype, p.R, p.in_f, p.out_f))
     expand = _fn(pb.env.lib, fname("texpand", p.dtype, p.R, p.in_f, p.out_f))
     order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, TRITON_SLOTS)
+    tiles = _tile_table(pb.env, order, start)
     v = t.empty((p.T, 1, _triton().max_chunks(p.in_f), p.R), dtype=t.float32, device=pb.env.device)
 
     def call(c):
-        shrink(pb.x[c], pb.arena, order, start, pb.rank, pb.scale, pb.a_off[c], 0, v)
-        expand(v, pb.arena, order, start, pb.rank, pb.scale, pb.b_off[c], 0, pb.y[c])  # y += delta
+        shrink(pb.x[c], pb.arena, order, start, tiles, pb.rank, pb.scale, pb.a_off[c], 0, v)
+        expand(v, pb.arena, order, start, tiles, pb.rank, pb.scale, pb.b_off[c], 0, pb.y[c])  # y += delta
     return call
 
 
@@ -365,13 +381,16 @@ def triton_jit(cfg: dict | None):
         sc, sy = ST.constants("shrink", var, p.in_f, (0,), None, p.R, 1, TRITON_SLOTS, 8, c)
         ec, ey = ST.constants("expand", var, p.in_f, (0,), (p.out_f,), p.R, 1, TRITON_SLOTS, 8, c)
         v = t.empty((p.T, 1, sc["C"], p.R), dtype=t.float32, device=pb.env.device)
+        tiles = t.empty((ST.tile_table_len(p.T),), dtype=t.int32, device=pb.env.device)  # once per batch
+        ST.lora_tiles_kernel[(ST.tiles_grid(p.T, slots, c["BM"]),)](start, tiles, slots,
+                                                                   **ST.tiles_constants(var, TRITON_SLOTS, c))
         gx, kw = ST.grid_x(p.T, slots, c["BM"]), dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
         def call(k):
-            ST.lora_shrink_kernel[(gx, sy)](pb.x[k], pb.arena, order, start, pb.rank, pb.scale, pb.a_off[k], v,
-                                            p.T, slots, 0, **sc, **kw)
-            ST.lora_expand_kernel[(gx, ey)](v, pb.arena, order, start, pb.rank, pb.scale, pb.b_off[k], pb.y[k],
-                                            p.T, slots, 0, **ec, **kw)
+            ST.lora_shrink_kernel[(gx, sy)](pb.x[k], pb.arena, order, tiles, pb.rank, pb.scale, pb.a_off[k], v,
+                                            p.T, 0, **sc, **kw)
+            ST.lora_expand_kernel[(gx, ey)](v, pb.arena, order, tiles, pb.rank, pb.scale, pb.b_off[k], pb.y[k],
+                                            p.T, 0, **ec, **kw)
         return call
     return make
 
@@ -531,6 +550,7 @@ def _layer_triton(lp: Layer):
     in-place expand over the tokens sorted by slot."""
     t, lib = lp.env.torch, lp.env.lib
     order, start = _sorted_tables(t, lp.slot, lp.N, lp.env.device, TRITON_SLOTS)
+    tiles = _tile_table(lp.env, order, start)
     fns = {name: (_fn(lib, lname("tshrink", name, lp.dtype, lp.R)), _fn(lib, lname("texpand", name, lp.dtype, lp.R)),
                   t.empty((lp.T, len(parts), _triton().max_chunks(lp.layer[name][0]), lp.R), dtype=t.float32,
                           device=lp.env.device))
@@ -540,8 +560,8 @@ def _layer_triton(lp: Layer):
         lp.base(c)
         a, b = lp.t7[c]
         for name, (shrink, expand, v) in fns.items():
-            shrink(lp.x[name][c], lp.arena, order, start, lp.rank, lp.scale7, a, 0, v)
-            expand(v, lp.arena, order, start, lp.rank, lp.scale7, b, 0, lp.y[name][c])
+            shrink(lp.x[name][c], lp.arena, order, start, tiles, lp.rank, lp.scale7, a, 0, v)
+            expand(v, lp.arena, order, start, tiles, lp.rank, lp.scale7, b, 0, lp.y[name][c])
     return call
 
 

@@ -125,7 +125,6 @@ class _Rewriter(relax.PyExprMutator):
         self.n_tok = None
         self.rewritten = 0
         self.fused = False  # rewriting a _fused copy: linears the fused kernel supports become one call
-        self.counters: relax.Var | None = None  # the fused kernels' counters in the function rewritten
 
     def rewrite(self, gv: relax.GlobalVar) -> None:
         func = self.builder_.get()[gv]  # as the builder holds it (a _fused copy: just added)
@@ -147,7 +146,8 @@ class _Rewriter(relax.PyExprMutator):
         }
         self.inputs = {k: relax.Var(k, relax.TensorType(*shapes[k])) for k in LORA_TABLE_INPUTS}
         self.packed = params[-1] if num_input < len(params) else None
-        self.n_tok, self.rewritten, self.counters = n_tok, 0, None
+        self.n_tok, self.rewritten = n_tok, 0
+        self.ctx.begin_function()
         new_params = params[:num_input] + [self.inputs[k] for k in LORA_TABLE_INPUTS] + params[num_input:]
         func = relax.Function(new_params, func.body, func.ret_ty, func.is_pure, func.attrs, func.span)
         if "relax.rewrite_cuda_graph.capture_symbolic_vars" not in (func.attrs or {}):
@@ -212,9 +212,8 @@ class _Rewriter(relax.PyExprMutator):
                 self.ctx.target, str(x.ty.dtype), str(w.ty.dtype), in_f, [p.width for p in parts]) is None:
             x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
             self.rewritten += 1
-            if self.counters is None:
-                self.counters = bb.emit(FUSED.counters())
-            return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, self.counters, call.ty.shape)
+            counters = self.ctx.per_function(("fused counters",), lambda: bb.emit(FUSED.counters()))
+            return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, counters, call.ty.shape)
         y = bb.emit(call)
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
         impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(y.ty.dtype), o.max_rank, len(parts))

@@ -20,7 +20,13 @@ scale[s, m] != 0; CHUNK = chunk_elems(in, variant) input elements per split, C =
           (B^T[s, m][k] = arena[base + b_off[s, m, k] : + w_part], o_part = sum of earlier widths;
           the sum over c is rounded to the model dtype before the product, as PEFT rounds lora_A's
           output); rows of base-model tokens and parts no adapter module covers are left alone.
-References: `shrink_ref` / `expand_ref` below.
+  tiles: the batch's tiles of BM sorted positions, each of one slot, slot after slot:
+          [total, (slot, first position, end position) per tile] (BM of the tile variant for n).
+References: `shrink_ref` / `expand_ref` / `tiles_ref` below.
+
+The tile table is laid out once per function call (per batch) by `lora_tiles_kernel`, before the
+first linear, and read by every shrink and expand (a block loads its tile's three ints instead of
+finding it in the slot table with a prefix sum and three reductions over it).
 
 Grid (static for CUDA graphs; a function of the token count and the table sizes only): x =
 ceil(n / BM) + min(n, S, GRID_SLOTS) blocks over the batch's tiles (every slot's tokens in tiles of
@@ -52,6 +58,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 TINY_MAX_TOKENS, SMALL_MAX_TOKENS = 16, 256
 GRID_SLOTS = 64  # blocks for the slots' partial tiles (past ceil(n / BM)); more tiles loop over them
+TILE_BLOCK = 64  # tiles the tile kernel lays out per block
 # tile configurations, by token count (tiny: n <= TINY_MAX_TOKENS, small: n <= SMALL_MAX_TOKENS,
 # large above): tokens per block, input splits (at most), output columns per tile, output tiles per
 # expand block, warps and pipeline stages of both kernels; RSPLIT (default 1) splits the shrink's
@@ -106,6 +113,16 @@ def supported(dtype: str, max_rank: int, num_parts: int = 1) -> str | None:
 
 # ---------------------------------------------------------------------------------------------
 # numpy references
+
+
+def tiles_ref(slot_start, bm: int) -> np.ndarray:
+    """Semantics of the tile table: [total, then (slot, first position, end position) per tile],
+    each slot's sorted positions in tiles of bm, slot after slot (entries past them unwritten)."""
+    out = []
+    for s in range(len(slot_start) - 1):
+        for p0 in range(int(slot_start[s]), int(slot_start[s + 1]), bm):
+            out += [s, p0, int(slot_start[s + 1])]
+    return np.array([len(out) // 3] + out, np.int32)
 
 
 def shrink_ref(x, arena, base, order, slot_start, rank, scale, a_off, mods, max_rank, chunk):
@@ -164,22 +181,35 @@ if triton is not None:
         tend = tl.cumsum(ntiles, axis=0)
         return lo, hi, ntiles, tend, tl.sum(ntiles, axis=0)
 
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_tiles", "start_ptr"))
+    def lora_tiles_kernel(start_ptr, tiles_ptr, S, BM: tl.constexpr, SP: tl.constexpr, TB: tl.constexpr):
+        """Block b: tiles b * TB .. b * TB + TB - 1 of the batch (each slot's sorted positions in
+        tiles of BM, slot after slot): tiles[1 + 3 t ..] = (slot, first position, end position)
+        for t < the total, which block 0 stores in tiles[0]."""
+        lo, hi, ntiles, tend, total = _slot_tiles(start_ptr, S, BM, SP)
+        if tl.program_id(0) == 0:
+            tl.store(tiles_ptr, total)
+        t = tl.program_id(0) * TB + tl.arange(0, TB)
+        s = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        pick = tl.arange(0, SP)[None, :] == s[:, None]
+        tstart = tl.sum(tl.where(pick, (tend - ntiles)[None, :], 0), axis=1)
+        p0 = tl.sum(tl.where(pick, lo[None, :], 0), axis=1) + (t - tstart) * BM
+        p1 = tl.sum(tl.where(pick, hi[None, :], 0), axis=1)
+        ok = t < total
+        tl.store(tiles_ptr + 1 + 3 * t, s, mask=ok)
+        tl.store(tiles_ptr + 2 + 3 * t, p0, mask=ok)
+        tl.store(tiles_ptr + 3 + 3 * t, p1, mask=ok)
+
     @triton.jit
-    def _tile(lo, hi, ntiles, tend, t, BM: tl.constexpr, SP: tl.constexpr):
-        """(slot, first sorted position, end position) of tile t < the total."""
-        ss = tl.arange(0, SP)
-        s = tl.sum((tend <= t).to(tl.int32), axis=0)
-        tstart = tl.sum(tl.where(ss == s, tend - ntiles, 0), axis=0)
-        p0 = tl.sum(tl.where(ss == s, lo, 0), axis=0) + (t - tstart) * BM
-        p1 = tl.sum(tl.where(ss == s, hi, 0), axis=0)
-        return s, p0, p1
+    def _tile_at(tiles_ptr, t):
+        """(slot, first sorted position, end position) of tile t of the table."""
+        return tl.load(tiles_ptr + 1 + 3 * t), tl.load(tiles_ptr + 2 + 3 * t), tl.load(tiles_ptr + 3 + 3 * t)
 
     @triton.jit(repr=_kernel_name("shrink"))
-    def lora_shrink_kernel(x_ptr, arena_ptr, order_ptr, start_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr,
-                           n, S, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
+    def lora_shrink_kernel(x_ptr, arena_ptr, order_ptr, tiles_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr,
+                           n, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
                            C: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-                           BK: tl.constexpr, RB: tl.constexpr, RS: tl.constexpr, SP: tl.constexpr,
-                           ALIGN: tl.constexpr):
+                           BK: tl.constexpr, RB: tl.constexpr, RS: tl.constexpr, ALIGN: tl.constexpr):
         """Block (tile of BM sorted positions of one slot, rank block rb of RS, split c of the input's
         BK steps, part): v[tile, part, c, rank rows of rb] = scale * x[tile] @ A[those rows, split].T
         (RS = 1: every rank row at once)."""
@@ -190,14 +220,14 @@ if triton is not None:
         m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
         if m < 0:
             return
-        lo, hi, ntiles, tend, total = _slot_tiles(start_ptr, S, BM, SP)
+        total = tl.load(tiles_ptr)
         steps: tl.constexpr = (K + BK - 1) // BK
         per: tl.constexpr = (steps + C - 1) // C
         st0 = pid_c * per
         st1 = tl.minimum(st0 + per, steps)
         kk = rb * RBS + tl.arange(0, RBS)
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
-            s, p0, p1 = _tile(lo, hi, ntiles, tend, t, BM, SP)
+            s, p0, p1 = _tile_at(tiles_ptr, t)
             sc = tl.load(scale_ptr + s * M + m)
             r_s = tl.load(rank_ptr + s)
             if (sc != 0.0) & (rb * RBS < r_s):
@@ -223,11 +253,11 @@ if triton is not None:
                 tl.store(vptr, acc * sc, mask=rmask[:, None] & kmask[None, :])
 
     @triton.jit(repr=_kernel_name("expand"))
-    def lora_expand_kernel(v_ptr, arena_ptr, order_ptr, start_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr,
-                           n, S, base, C: tl.constexpr, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
+    def lora_expand_kernel(v_ptr, arena_ptr, order_ptr, tiles_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr,
+                           n, base, C: tl.constexpr, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
                            m2: tl.constexpr, w0: tl.constexpr, w1: tl.constexpr, w2: tl.constexpr, P: tl.constexpr,
                            W: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-                           RB: tl.constexpr, SP: tl.constexpr, ALIGN: tl.constexpr):
+                           RB: tl.constexpr, ALIGN: tl.constexpr):
         """Block (tile of BM sorted positions of one slot, group of G output tiles of BN of a part):
         h = sum_c v[tile, part, c] once, then y[tile, cols] += h @ B^T[:rank, cols] per output tile."""
         pid_o = tl.program_id(1)
@@ -237,13 +267,13 @@ if triton is not None:
         m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
         if m < 0:
             return
-        lo, hi, ntiles, tend, total = _slot_tiles(start_ptr, S, BM, SP)
+        total = tl.load(tiles_ptr)
         width = tl.where(part == 0, w0, tl.where(part == 1, w1, w2))
         o_p = tl.where(part == 0, 0, tl.where(part == 1, w0, w0 + w1))
         grp = pid_o - tl.where(part == 0, 0, tl.where(part == 1, g0, g0 + g1))
         kk = tl.arange(0, RB)
         for t in range(tl.program_id(0), total, tl.num_programs(0)):
-            s, p0, p1 = _tile(lo, hi, ntiles, tend, t, BM, SP)
+            s, p0, p1 = _tile_at(tiles_ptr, t)
             sc = tl.load(scale_ptr + s * M + m)
             if sc != 0.0:
                 r_s = tl.load(rank_ptr + s)
@@ -273,17 +303,20 @@ if triton is not None:
 # building the kernels (cubin for the target's arch, no GPU needed) and launching them from TIR
 
 def _signature(kind: str, dtype: str) -> dict:
+    if kind == "tiles":
+        return {"start_ptr": "*i32", "tiles_ptr": "*i32", "S": "i32", "BM": "constexpr", "SP": "constexpr",
+                "TB": "constexpr"}
     e = triton_build.PTR[dtype]
     if kind == "shrink":
-        ptrs = dict(x_ptr=e, arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
+        ptrs = dict(x_ptr=e, arena_ptr=e, order_ptr="*i32", tiles_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32")
-        consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "BK", "RB", "RS", "SP", "ALIGN"]
+        consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "BK", "RB", "RS", "ALIGN"]
     else:
-        ptrs = dict(v_ptr="*fp32", arena_ptr=e, order_ptr="*i32", start_ptr="*i32", rank_ptr="*i32",
+        ptrs = dict(v_ptr="*fp32", arena_ptr=e, order_ptr="*i32", tiles_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", boff_ptr="*i32", y_ptr=e)
-        consts = ["C", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R", "BM", "BN", "G", "RB", "SP", "ALIGN"]
+        consts = ["C", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R", "BM", "BN", "G", "RB", "ALIGN"]
     sig = dict(ptrs)
-    sig.update({"n": "i32", "S": "i32", "base": "i64"})
+    sig.update({"n": "i32", "base": "i64"})
     sig.update({k: "constexpr" for k in consts})
     return sig
 
@@ -305,17 +338,17 @@ def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_m
     `var` (cfg: its VARIANTS entry, or another configuration to try) for a linear of parts `mods`
     (widths: the parts' widths, for the expand)."""
     cfg = cfg or VARIANTS[var]
-    M, R, P, RB, SP = num_modules, max_rank, len(mods), rank_block(max_rank), _slot_pad(max_slots)
+    M, R, P, RB = num_modules, max_rank, len(mods), rank_block(max_rank)
     m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     c = num_chunks(in_f, var, cfg)
     if kind == "shrink":
         rs = max(1, min(cfg.get("RSPLIT", 1), RB // 16))  # rank blocks of >= 16 rows (tl.dot), a power of 2
         rs = 1 << (rs.bit_length() - 1)
-        return dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], BK=BK, RB=RB, RS=rs, SP=SP,
+        return dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], BK=BK, RB=RB, RS=rs,
                     ALIGN=align), c * P * rs
     w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
     consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],
-                  BN=cfg["BN"], G=cfg["G"], RB=RB, SP=SP, ALIGN=align)
+                  BN=cfg["BN"], G=cfg["G"], RB=RB, ALIGN=align)
     return consts, sum(-(-(-(-w // cfg["BN"])) // cfg["G"]) for w in widths)
 
 
@@ -325,6 +358,24 @@ def variant_kernel(kind: str, var: str, in_f: int, mods, widths, max_rank: int, 
     or expand kernel of tile variant `var` for a linear (widths: the parts' widths, for the expand)."""
     consts, grid_y = constants(kind, var, in_f, mods, widths, max_rank, num_modules, max_slots, align)
     return (*_module(kind, dtype, consts, VARIANTS[var], arch), grid_y)
+
+
+def tile_table_len(n):
+    """The tile table's length for n tokens: the total and 3 ints per tile, of which a batch has at
+    most 2n (ceil(n / BM) + min(n, slots)); a function of n alone, so that a captured CUDA graph's
+    buffers depend on the batch size only (n: an int or a TIR/Relax expression)."""
+    return 1 + 6 * n
+
+
+def tiles_constants(var: str, max_slots: int, cfg: dict | None = None) -> dict:
+    """The tile kernel's constants for tile variant `var` (cfg: another configuration to try)."""
+    return dict(BM=(cfg or VARIANTS[var])["BM"], SP=_slot_pad(max_slots), TB=TILE_BLOCK)
+
+
+def tiles_grid(n, slots, bm: int, minimum=min):
+    """The tile kernel's blocks: the batch's tiles (at most ceil(n / bm) + min(n, slots)) in blocks
+    of TILE_BLOCK (minimum: min, or T.min for TIR expressions)."""
+    return ((n + bm - 1) // bm + minimum(n, slots) + TILE_BLOCK - 1) // TILE_BLOCK
 
 
 def variant_for(n: int) -> str:
@@ -339,7 +390,7 @@ def grid_x(n, slots, bm: int, minimum=min):
 
 
 def launch(var: str, kernel: tuple, n, cap1, base) -> tuple:
-    """The arguments after the pointers (n, S, base) and the launch (grid x, y, z, threads, shared
+    """The arguments after the pointers (n, base) and the launch (grid x, y, z, threads, shared
     bytes) of `kernel` (variant_kernel's tuple for tile variant `var`) over n tokens sorted by slot,
     slot_start of cap1 entries and the layer's arena offset `base` (TIR expressions): x = a block per
     BM tokens plus one per slot up to GRID_SLOTS (a slot's last tile may be partial)."""
@@ -347,16 +398,17 @@ def launch(var: str, kernel: tuple, n, cap1, base) -> tuple:
 
     _, threads, shared, _, grid_y = kernel
     bm = VARIANTS[var]["BM"]
-    return (T.Cast("int32", n), T.Cast("int32", cap1 - 1), base, T.int64(0), T.int64(0),
-            T.Cast("int32", grid_x(n, cap1 - 1, bm, T.min)), grid_y, threads, shared)
+    return (T.Cast("int32", n), base, T.int64(0), T.int64(0), T.Cast("int32", grid_x(n, cap1 - 1, bm, T.min)),
+            grid_y, threads, shared)
 
 
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    max_slots: int, align: int, arch: str):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), arena (size,), order (n,) int32,
-    slot_start (cap + 1,) int32, rank (S,), scale (S, M), a_off (S, M, R), layer: int64,
-    v (n, P, C, R) float32 [out]); part p is module mods[p] (-1: none), C >= max_chunks(in_f) (each
-    variant uses the first num_chunks(in_f, variant) x R floats of a position's part)."""
+    slot_start (cap + 1,) int32, tiles (>= tile_table_len(n),) int32 (tiles_wrapper's),
+    rank (S,), scale (S, M), a_off (S, M, R), layer: int64, v (n, P, C, R) float32 [out]); part p
+    is module mods[p] (-1: none), C >= max_chunks(in_f) (each variant uses the first
+    num_chunks(in_f, variant) x R floats of a position's part)."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     R, M, L, P, SP = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots)
@@ -368,28 +420,31 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
     def lora_shrink_triton(x_h: T.handle, arena_h: T.handle, order_h: T.handle, start_h: T.handle,
-                           rank_h: T.handle, scale_h: T.handle, aoff_h: T.handle, layer: T.int64, v_h: T.handle):
+                           tiles_h: T.handle, rank_h: T.handle, scale_h: T.handle, aoff_h: T.handle, layer: T.int64,
+                           v_h: T.handle):
         T.func_attr(kernel_attrs(True))
-        n, S, size, cap1, cs = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        n, S, size, cap1, cs, nt = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         x = T.match_buffer(x_h, (n, in_f), dtype)
         arena = T.match_buffer(arena_h, (size,), dtype)
         order = T.match_buffer(order_h, (n,), "int32")
         start = T.match_buffer(start_h, (cap1,), "int32")
+        tiles = T.match_buffer(tiles_h, (nt,), "int32")
         rank = T.match_buffer(rank_h, (S,), "int32")
         scale = T.match_buffer(scale_h, (S, M), "float32")
         a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
         v = T.match_buffer(v_h, (n, P, cs, R), "float32")
         assert cap1 - 1 <= SP, "more LoRA slots than the kernels were built for"
+        assert nt >= tile_table_len(n), "the LoRA tile table is too short for the batch"
         assert cs >= C, "the LoRA scratch v holds fewer splits than the kernels write"
         if n > 0:
             if n <= TINY_MAX_TOKENS:
-                T.call_packed(tn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
+                T.call_packed(tn, x.data, arena.data, order.data, tiles.data, rank.data, scale.data, a_off.data,
                               v.data, *launch("tiny", built["tiny"], n, cap1, layer * (size // L)))
             elif n <= SMALL_MAX_TOKENS:
-                T.call_packed(sn, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
+                T.call_packed(sn, x.data, arena.data, order.data, tiles.data, rank.data, scale.data, a_off.data,
                               v.data, *launch("small", built["small"], n, cap1, layer * (size // L)))
             else:
-                T.call_packed(ln, x.data, arena.data, order.data, start.data, rank.data, scale.data, a_off.data,
+                T.call_packed(ln, x.data, arena.data, order.data, tiles.data, rank.data, scale.data, a_off.data,
                               v.data, *launch("large", built["large"], n, cap1, layer * (size // L)))
 
     return lora_shrink_triton, [b[3] for b in built.values()]
@@ -398,8 +453,9 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
 def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    max_slots: int, align: int, arch: str):
     """(TIR wrapper, CUDA modules). Signature: (v (n, P, C, R) float32, arena (size,), order (n,),
-    slot_start (cap + 1,), rank (S,), scale (S, M), b_off (S, M, R), layer: int64, y (n, W) [in
-    place]); W = sum(widths), part p = module mods[p], C >= max_chunks(in_f) as the shrink's."""
+    slot_start (cap + 1,), tiles (as the shrink's), rank (S,), scale (S, M), b_off (S, M, R),
+    layer: int64, y (n, W) [in place]); W = sum(widths), part p = module mods[p], C >=
+    max_chunks(in_f) as the shrink's."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     R, M, L, P, SP, W = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots), sum(widths)
@@ -411,31 +467,77 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     # pylint: disable=unused-variable
     @T.prim_func(s_tir=True)
     def lora_expand_triton(v_h: T.handle, arena_h: T.handle, order_h: T.handle, start_h: T.handle,
-                           rank_h: T.handle, scale_h: T.handle, boff_h: T.handle, layer: T.int64, y_h: T.handle):
+                           tiles_h: T.handle, rank_h: T.handle, scale_h: T.handle, boff_h: T.handle, layer: T.int64,
+                           y_h: T.handle):
         T.func_attr(kernel_attrs(True))
-        n, S, size, cap1, cs = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        n, S, size, cap1, cs, nt = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         v = T.match_buffer(v_h, (n, P, cs, R), "float32")
         arena = T.match_buffer(arena_h, (size,), dtype)
         order = T.match_buffer(order_h, (n,), "int32")
         start = T.match_buffer(start_h, (cap1,), "int32")
+        tiles = T.match_buffer(tiles_h, (nt,), "int32")
         rank = T.match_buffer(rank_h, (S,), "int32")
         scale = T.match_buffer(scale_h, (S, M), "float32")
         b_off = T.match_buffer(boff_h, (S, M, R), "int32")
         y = T.match_buffer(y_h, (n, W), dtype)
         assert cap1 - 1 <= SP, "more LoRA slots than the kernels were built for"
+        assert nt >= tile_table_len(n), "the LoRA tile table is too short for the batch"
         assert cs >= C, "the LoRA scratch v holds fewer splits than the kernels write"
         if n > 0:
             if n <= TINY_MAX_TOKENS:
-                T.call_packed(tn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
+                T.call_packed(tn, v.data, arena.data, order.data, tiles.data, rank.data, scale.data, b_off.data,
                               y.data, *launch("tiny", built["tiny"], n, cap1, layer * (size // L)))
             elif n <= SMALL_MAX_TOKENS:
-                T.call_packed(sn, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
+                T.call_packed(sn, v.data, arena.data, order.data, tiles.data, rank.data, scale.data, b_off.data,
                               y.data, *launch("small", built["small"], n, cap1, layer * (size // L)))
             else:
-                T.call_packed(ln, v.data, arena.data, order.data, start.data, rank.data, scale.data, b_off.data,
+                T.call_packed(ln, v.data, arena.data, order.data, tiles.data, rank.data, scale.data, b_off.data,
                               y.data, *launch("large", built["large"], n, cap1, layer * (size // L)))
 
     return lora_expand_triton, [b[3] for b in built.values()]
+
+
+def tiles_wrapper(max_slots: int, arch: str):
+    """(TIR wrapper, CUDA modules). Signature: (order (n,) int32, slot_start (cap + 1,) int32,
+    tiles (>= tile_table_len(n),) int32 [out]): the batch's tiles in the tile variant's BM
+    for n (the shrink and expand of every linear of the batch read them)."""
+    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
+
+    SP = _slot_pad(max_slots)
+    built = {var: triton_build.cuda_module(lora_tiles_kernel, _signature("tiles", ""), tiles_constants(var, max_slots),
+                                           4, arch, Path(__file__), num_stages=1) for var in VARIANTS}
+
+    def args(var, n, cap1):  # after the pointers: S, the launch (grid x, y, threads, shared bytes)
+        _, threads, shared, _ = built[var]
+        return (T.Cast("int32", cap1 - 1), T.int64(0), T.int64(0),
+                T.Cast("int32", tiles_grid(n, cap1 - 1, VARIANTS[var]["BM"], T.min)), 1, threads, shared)
+
+    tn, sn, ln = built["tiny"][0], built["small"][0], built["large"][0]
+
+    # pylint: disable=unused-variable
+    @T.prim_func(s_tir=True)
+    def lora_tiles_triton(order_h: T.handle, start_h: T.handle, tiles_h: T.handle):
+        T.func_attr(kernel_attrs(True))
+        n, cap1, nt = T.int64(), T.int64(), T.int64()
+        order = T.match_buffer(order_h, (n,), "int32")
+        start = T.match_buffer(start_h, (cap1,), "int32")
+        tiles = T.match_buffer(tiles_h, (nt,), "int32")
+        # a root block: relax's reshape detection reads the body of a function whose buffers
+        # share one dtype (here all int32) and expects one
+        with T.sblock("root"):
+            T.reads(start[0:cap1])
+            T.writes(tiles[0:nt])
+            assert cap1 - 1 <= SP, "more LoRA slots than the kernels were built for"
+            assert nt >= tile_table_len(n), "the LoRA tile table is too short for the batch"
+            if n > 0:
+                if n <= TINY_MAX_TOKENS:
+                    T.call_packed(tn, start.data, tiles.data, *args("tiny", n, cap1))
+                elif n <= SMALL_MAX_TOKENS:
+                    T.call_packed(sn, start.data, tiles.data, *args("small", n, cap1))
+                else:
+                    T.call_packed(ln, start.data, tiles.data, *args("large", n, cap1))
+
+    return lora_tiles_triton, [b[3] for b in built.values()]
 
 
 class SgmvTriton(LoraStage):
@@ -474,12 +576,23 @@ class SgmvTriton(LoraStage):
         shrink = ctx.kernel(key + ("shrink",), f"lora_sgmv_triton_shrink_m{tag}_{in_f}", lambda: make("shrink"))
         expand = ctx.kernel(key + ("expand",), f"lora_sgmv_triton_expand_m{tag}_{in_f}x{sum(widths)}",
                             lambda: make("expand"))
-        common = [t["lora_arena"], t["lora_token_order"], t["lora_slot_start"], t["lora_rank"], t["lora_scale"]]
+        order, start = t["lora_token_order"], t["lora_slot_start"]
+
+        def make_tiles():  # the batch's tiles, laid out once per function for all its linears
+            func, mods_ = tiles_wrapper(ctx.max_slots, arch)
+            for i, m in enumerate(mods_):
+                ctx.external(("sgmv_triton_tiles", "module", i), lambda m=m: m)
+            return func
+
+        tiles_fn = ctx.kernel(("sgmv_triton_tiles",), "lora_sgmv_triton_tiles", make_tiles)
+        tiles = ctx.per_function(("sgmv_triton_tiles",), lambda: bb.emit(relax.call_tir(
+            tiles_fn, [order, start], relax.TensorType([tile_table_len(n)], "int32"))))
+        common = [t["lora_arena"], order, start, tiles, t["lora_rank"], t["lora_scale"]]
         v = bb.emit(relax.call_tir(shrink, [x, *common, t["lora_a_off"], layer_arg(layer)],
                                    relax.TensorType([n, len(parts), max_chunks(in_f), R], "float32")))
         y2 = bb.emit(relax.op.reshape(y, relax.ShapeExpr([n, sum(widths)])))
         # in place: the GEMM's output takes the deltas (no delta tensor, no add, no concat)
-        y2 = bb.emit(relax.call_tir_inplace(expand, [v, *common, t["lora_b_off"], layer_arg(layer), y2], [8],
+        y2 = bb.emit(relax.call_tir_inplace(expand, [v, *common, t["lora_b_off"], layer_arg(layer), y2], [9],
                                             relax.TensorType([n, sum(widths)], dtype)))
         return relax.op.reshape(y2, y.ty.shape)
 

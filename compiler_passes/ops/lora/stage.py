@@ -42,6 +42,18 @@ class LoraContext:
         self.row_align = row_align  # every row offset in the arena is a multiple of this
         self.external_mods: dict[tuple, tvm.runtime.Module] = {}  # linked into the library
         self._kernels: dict[tuple, relax.GlobalVar] = {}
+        self._function_values: dict[tuple, relax.Var] = {}
+
+    def begin_function(self) -> None:
+        """The rewrite moves to another function: per_function values start afresh."""
+        self._function_values = {}
+
+    def per_function(self, key: tuple, make: Callable[[], relax.Var]) -> relax.Var:
+        """A value the linears of one function share (e.g. split counters, the batch's tile
+        table), emitted by `make()` at its first use in the function and reused after."""
+        if key not in self._function_values:
+            self._function_values[key] = make()
+        return self._function_values[key]
 
     def kernel(self, key: tuple, name: str, make: Callable[[], tvm.tirx.PrimFunc]) -> relax.GlobalVar:
         """The PrimFunc `make()` added to the module as `name`, once per `key` (a key, not the

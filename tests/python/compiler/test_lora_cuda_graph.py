@@ -60,9 +60,10 @@ def test_decode_graphs_capture_the_sgmv_kernels():
     assert captures, "decode was not captured"
     inside = [c for f in captures.values() for c in _calls(f, "lora_sgmv_")]
     # one shrink + one in-place expand per fused linear (qkv, o, gate_up, down: all 7 modules) in
-    # every layer, all inside the graphs
-    assert len(inside) == 2 * 4 * cfg.num_hidden_layers
+    # every layer, and the batch's tile table laid out once for all of them, all inside the graphs
+    assert len(inside) == 2 * 4 * cfg.num_hidden_layers + 1
     assert sum("expand" in c for c in inside) == 4 * cfg.num_hidden_layers
+    assert sum("tiles" in c for c in inside) == 1
     assert not _calls(lowered["decode"], "lora_sgmv_")
     # the decode without adapters is captured too, and runs no LoRA kernel at all
     base = "decode" + BASE_FUNCTION_SUFFIX
@@ -142,9 +143,9 @@ def test_fused_functions_are_one_kernel_call_per_linear_decode_in_graphs():
     assert len(_calls(lowered[pre], "lora_linear_triton_")) == 4 * cfg.num_hidden_layers
     assert not _calls(lowered[pre], "lora_sgmv_")
     assert [p.name for p in lowered[pre].params] == [p.name for p in lowered["prefill"].params]
-    # decode itself is unchanged: cuBLAS/gemv + the sgmv kernels
+    # decode itself is unchanged: cuBLAS/gemv + the sgmv kernels (and their tile table)
     dec = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_cuda_graph_capture")]
-    assert sum(len(_calls(f, "lora_sgmv_")) for f in dec) == 2 * 4 * cfg.num_hidden_layers
+    assert sum(len(_calls(f, "lora_sgmv_")) for f in dec) == 2 * 4 * cfg.num_hidden_layers + 1
     assert sum(len(_calls(f, "silu_mul_triton_96_float16")) for f in dec) == cfg.num_hidden_layers
     # the fused linears of a function share one (COUNTER_SLOTS,) int32 counter tensor of zeros (the
     # split kernels leave it so), a constant of the library: the same object in every call

@@ -365,6 +365,10 @@ class ExpectedCuda:
 @I.ir_module(check_well_formed=False)
 class ExpectedTriton:
     @T.prim_func
+    def lora_sgmv_triton_tiles():
+        T.evaluate(0)
+
+    @T.prim_func
     def lora_sgmv_triton_shrink_m0_1024():
         T.evaluate(0)
 
@@ -385,13 +389,16 @@ class ExpectedTriton:
             w = params[0]
             y = R.matmul(x, R.permute_dims(w))
             x2 = R.reshape(x, R.shape([b, 1024]))
+            # the batch's tiles, laid out once per function for every linear's shrink and expand
+            tiles = R.call_tir(cls.lora_sgmv_triton_tiles, (lora_token_order, lora_slot_start),
+                               out_ty=R.Tensor((1 + 6 * b,), "int32"))
             v = R.call_tir(cls.lora_sgmv_triton_shrink_m0_1024, (x2, lora_arena, lora_token_order, lora_slot_start,
-                           lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
+                           tiles, lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
                            out_ty=R.Tensor((b, 1, 16, 16), "float32"))
             y2 = R.reshape(y, R.shape([b, 600]))
             y3 = R.call_tir_inplace(cls.lora_sgmv_triton_expand_m0_1024x600, (v, lora_arena, lora_token_order,
-                                    lora_slot_start, lora_rank, lora_scale, lora_b_off, R.prim_value(T.int64(0)),
-                                    y2), [8], R.Tensor((b, 600), "float16"))
+                                    lora_slot_start, tiles, lora_rank, lora_scale, lora_b_off,
+                                    R.prim_value(T.int64(0)), y2), [9], R.Tensor((b, 600), "float16"))
             gv = R.reshape(y3, R.shape([b, 1, 600]))
             R.output(gv)
         return gv
@@ -419,18 +426,21 @@ def test_rewrite_inserts_the_cuda_kernels(cuda, backend):
     on_cuda = backend == "cuda"
     if backend == "triton":
         expected = ExpectedTriton
-        names = ("lora_sgmv_triton_shrink_m0_1024", "lora_sgmv_triton_expand_m0_1024x600")
+        names = ("lora_sgmv_triton_tiles", "lora_sgmv_triton_shrink_m0_1024", "lora_sgmv_triton_expand_m0_1024x600")
+        tiles, tmods = GT.tiles_wrapper(256, "sm_90a")
         shrink, smods = GT.shrink_wrapper(1024, (0,), 1, 16, 1, "float16", 256, 8, "sm_90a")
         expand, emods = GT.expand_wrapper(1024, (600,), (0,), 1, 16, 1, "float16", 256, 8, "sm_90a")
-        for name, func in zip(names, (shrink, expand)):
+        for name, func in zip(names, (tiles, shrink, expand)):
             expected[name] = func.with_attr("global_symbol", name)
         relax.analysis.well_formed(after)
         tvm.ir.assert_structural_equal(after.without_attr("external_mods"), relax.transform.Normalize()(expected))
         mods = list(after.attrs["external_mods"])
-        assert len(mods) == len(smods) + len(emods)  # one cubin per kernel and tile variant
-        # every kernel the wrappers launch (one per kind and tile variant) is in a linked module
+        assert len(mods) == len(tmods) + len(smods) + len(emods)  # one cubin per kernel and tile variant
+        # every kernel the wrappers launch (one per kind and tile variant; the tile kernel per BM) is
+        # in a linked module
         launched = set(re.findall(r'"(mlc_lora_triton_\w+)"', after.script()))
-        assert len(launched) == 2 * len(GT.VARIANTS)
+        bms = {cfg["BM"] for cfg in GT.VARIANTS.values()}
+        assert len(launched) == 2 * len(GT.VARIANTS) + len(bms)
         assert all(any(m.implements_function(k) for m in mods) for k in launched)
         return
     if on_cuda:

@@ -16,7 +16,7 @@ from .conftest import interpret  # noqa: E402
 def _interpret(tmp_path, **inp):
     """The kernels' outputs under Triton's interpreter, in a process of its own (triton_interp.py)."""
     out = interpret(tmp_path, **inp)
-    return out["v"], out["y"]
+    return out["v"], out["y"], out["tiles"]
 
 
 def _case(rng, dtype, n, S, K, widths, mods, R, M=4):
@@ -57,10 +57,13 @@ def test_kernels_match_references(tmp_path, variant, dtype, config):
     S, cap = len(rank), 9
     order, start = ST.sort_tokens_ref(slot, S)
     start = np.concatenate([start, np.full(cap - S, start[-1], np.int32)])  # padded to the capacity
-    v, got = _interpret(tmp_path, variant=variant, x=x, arena=arena, rank=rank, scale=scale, order=order, start=start,
+    v, got, tiles = _interpret(tmp_path, variant=variant, x=x, arena=arena, rank=rank, scale=scale, order=order, start=start,
                         mods=np.array(mods), widths=np.array(widths), base=base, R=R, a_off=a_off, b_off=b_off, y=y,
                         **override)
     cfg = dict(ST.VARIANTS[variant], **{k: v for k, v in override.items() if k != "grid_slots"})
+    # the tile table the kernels read: the reference's, nothing written past it
+    want = ST.tiles_ref(start, cfg["BM"])
+    assert np.array_equal(tiles[:len(want)], want) and (tiles[len(want):] == -7).all()
     C = ST.constants("shrink", variant, K, mods, None, R, 4, 9, 8, cfg)[0]["C"]
     chunk = ST.chunk_elems(K, variant, cfg)
     assert v.shape[2] == C and C > 1 and chunk % ST.BK == 0 and (C - 1) * chunk < K <= C * chunk
@@ -82,13 +85,29 @@ def test_kernels_match_references(tmp_path, variant, dtype, config):
     assert np.array_equal(got[:, 72:96], y[:, 72:96])  # the untargeted part untouched
 
 
+@pytest.mark.parametrize("bm", [16, 64])
+def test_tile_table_matches_the_reference(tmp_path, bm):
+    """Slots of 0-300 tokens (several blocks of TILE_BLOCK tiles at BM 16), unused slots between
+    used ones and at the end of a 40-slot table, base-model tokens after them."""
+    rng = np.random.default_rng(bm)
+    counts = rng.integers(0, 300, 40) * (rng.random(40) < 0.7)
+    counts[-5:] = 0
+    start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    out = interpret(tmp_path, tiles_only=1, start=start, BM=bm, n=int(start[-1]) + 3)
+    want = ST.tiles_ref(start, bm)
+    assert want[0] > 2 * ST.TILE_BLOCK or bm == 64
+    assert np.array_equal(out["tiles"][:len(want)], want) and (out["tiles"][len(want):] == -7).all()
+
+
 def test_kernels_build_to_cubin_for_sm90(cubin_cache):
     """Both tile variants of both kernels compile here (no GPU) and become TVM CUDA modules."""
     sh, smods = ST.shrink_wrapper(4096, (0, 1, 2), 2, 16, 7, "float16", 64, 8, "sm_90a")
     ex, emods = ST.expand_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 64, 8, "sm_90a")
-    assert len(smods) == len(emods) == len(ST.VARIANTS)
-    assert len(list(cubin_cache.glob("*.cubin"))) == 2 * len(ST.VARIANTS)
-    script = sh.script() + ex.script()
+    ti, tmods = ST.tiles_wrapper(64, "sm_90a")
+    assert len(smods) == len(emods) == len(tmods) == len(ST.VARIANTS)
+    bms = {cfg["BM"] for cfg in ST.VARIANTS.values()}  # tile kernels of equal BM are one cubin
+    assert len(list(cubin_cache.glob("*.cubin"))) == 2 * len(ST.VARIANTS) + len(bms)
+    script = sh.script() + ex.script() + ti.script()
     for var in ST.VARIANTS:
         assert f"_BM{ST.VARIANTS[var]['BM']}_" in script  # each variant's kernel, by its constants
 

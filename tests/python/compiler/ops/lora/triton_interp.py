@@ -118,8 +118,25 @@ def run_silu_mul(inp: dict) -> dict:
     return {"h": h.numpy()}
 
 
+def run_tiles(inp: dict) -> dict:
+    """The tile kernel alone over slot_start `start` (its grid for n tokens at BM)."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
+
+    _interpreter_scalars()
+    start, bm, n = inp["start"], int(inp["BM"]), int(inp["n"])
+    cap = len(start) - 1
+    tiles = torch.full((ST.tile_table_len(n),), -7, dtype=torch.int32)
+    consts = dict(BM=bm, SP=ST._slot_pad(cap), TB=ST.TILE_BLOCK)  # pylint: disable=protected-access
+    ST.lora_tiles_kernel[(ST.tiles_grid(n, cap, bm),)](torch.from_numpy(start), tiles, cap, **consts)
+    return {"tiles": tiles.numpy()}
+
+
 def run(inp: dict) -> dict:
     """The shrink then the in-place expand, launched as the TIR wrappers launch them."""
+    if "tiles_only" in inp:
+        return run_tiles(inp)
     if "w" in inp:
         return run_linear(inp)
     if "gate_up" in inp:
@@ -140,13 +157,16 @@ def run(inp: dict) -> dict:
     rows = ST.grid_x(n, min(cap, int(inp.get("grid_slots", cap))), cfg["BM"])  # as launch(), or fewer blocks
     sc, sy = ST.constants("shrink", variant, K, mods, None, R, scale.shape[1], cap, 8, cfg)
     ec, ey = ST.constants("expand", variant, K, mods, widths, R, scale.shape[1], cap, 8, cfg)
+    tiles = torch.full((ST.tile_table_len(n),), -7, dtype=torch.int32)
+    ST.lora_tiles_kernel[(ST.tiles_grid(n, cap, cfg["BM"]),)](t(start), tiles, cap,
+                                                             **ST.tiles_constants(variant, cap, cfg))
     v = torch.full((n, len(mods), sc["C"], R), float("nan"), dtype=torch.float32)
-    ST.lora_shrink_kernel[(rows, sy)](t(x), t(arena), t(order), t(start), t(rank), t(scale), t(inp["a_off"]), v,
-                                      n, cap, base, **sc)
+    ST.lora_shrink_kernel[(rows, sy)](t(x), t(arena), t(order), tiles, t(rank), t(scale), t(inp["a_off"]), v,
+                                      n, base, **sc)
     y = t(inp["y"].copy())
-    ST.lora_expand_kernel[(rows, ey)](v, t(arena), t(order), t(start), t(rank), t(scale), t(inp["b_off"]), y,
-                                      n, cap, base, **ec)
-    return {"v": v.numpy(), "y": y.numpy()}
+    ST.lora_expand_kernel[(rows, ey)](v, t(arena), t(order), tiles, t(rank), t(scale), t(inp["b_off"]), y,
+                                      n, base, **ec)
+    return {"v": v.numpy(), "y": y.numpy(), "tiles": tiles.numpy()}
 
 
 if __name__ == "__main__":
