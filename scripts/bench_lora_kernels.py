@@ -396,7 +396,7 @@ def triton_jit(cfg: dict | None):
 
 
 def parse_triton_jit(spec: str) -> dict:
-    """--triton-jit NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT],... ("model": the model's variants) ->
+    """--triton-jit NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK]],... ("model": the model's variants) ->
     {backend: cfg}."""
     out = {}
     for item in filter(None, spec.split(",")):
@@ -405,13 +405,13 @@ def parse_triton_jit(spec: str) -> dict:
             out["triton-jit-model"] = None
             continue
         try:
-            bm, splits, bn, g, warps, stages, *rsplit = (int(v) for v in vals.split("/"))
-            if len(rsplit) > 1:
+            bm, splits, bn, g, warps, stages, *rest = (int(v) for v in vals.split("/"))
+            if len(rest) > 2:
                 raise ValueError
         except ValueError:
-            raise SystemExit(f"--triton-jit {item!r}: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT], or model") from None
+            raise SystemExit(f"--triton-jit {item!r}: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK]], or model") from None
         out[f"triton-jit-{name}"] = dict(BM=bm, SPLITS=splits, BN=bn, G=g, num_warps=warps, num_stages=stages,
-                                         RSPLIT=rsplit[0] if rsplit else 1)
+                                         RSPLIT=rest[0] if rest else 1, **({"BK": rest[1]} if len(rest) > 1 else {}))
     return out
 
 
@@ -955,7 +955,7 @@ def main(argv=None) -> int:
     r.add_argument("--part", help="K/P: the K-th of P parts of the selection, of about equal estimated time")
     r.add_argument("--budget-s", type=float, default=540.0, help="stop after this many seconds (0: never)")
     r.add_argument("--triton-jit", help="also time the Triton stage 3 JIT-compiled here with these tile "
-                   "configurations: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT],... or `model` (the model's variant for each "
+                   "configurations: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK]],... or `model` (the model's variant for each "
                    "point's token count); how sgmv_triton.VARIANTS were picked")
     lay = cli.add_run(sub, "all seven modules of a Llama-2-7B layer vs its base GEMMs (the GPU machine)",
                       name="layer", log_dir=".")

@@ -62,7 +62,8 @@ TILE_BLOCK = 64  # tiles the tile kernel lays out per block
 # tile configurations, by token count (tiny: n <= TINY_MAX_TOKENS, small: n <= SMALL_MAX_TOKENS,
 # large above): tokens per block, input splits (at most), output columns per tile, output tiles per
 # expand block, warps and pipeline stages of both kernels; RSPLIT (default 1) splits the shrink's
-# rank rows over that many blocks (more blocks without more partial sums for the expand to read).
+# rank rows over that many blocks (more blocks without more partial sums for the expand to read);
+# BK (default BK below) the shrink's input elements per dot step.
 # Picked by measurement against each other and the peers (docs/SGMV.md): few tokens need more
 # splits to spread the A rows over the SMs.
 VARIANTS = {
@@ -70,15 +71,20 @@ VARIANTS = {
     "small": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=2, num_stages=3),
     "large": dict(BM=64, SPLITS=4, BN=128, G=4, num_warps=4, num_stages=3),
 }
-BK = 64  # input elements per dot step
+BK = 64  # the shrink's input elements per dot step, where a variant does not set its own
 DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MAX_RANK, MAX_PARTS = 128, 3
 
 
+def step_elems(variant: str, cfg: dict | None = None) -> int:
+    """The shrink's input elements per dot step in tile variant `variant` (cfg as num_chunks')."""
+    return (cfg or VARIANTS[variant]).get("BK", BK)
+
+
 def num_chunks(in_f: int, variant: str, cfg: dict | None = None) -> int:
-    """C: the input's splits (of whole BK steps, none empty) in tile variant `variant` (cfg: its
+    """C: the input's splits (of whole dot steps, none empty) in tile variant `variant` (cfg: its
     VARIANTS entry, or another configuration)."""
-    steps = -(-in_f // BK)
+    steps = -(-in_f // step_elems(variant, cfg))
     return -(-steps // -(-steps // min((cfg or VARIANTS[variant])["SPLITS"], steps)))
 
 
@@ -89,8 +95,9 @@ def max_chunks(in_f: int) -> int:
 
 def chunk_elems(in_f: int, variant: str, cfg: dict | None = None) -> int:
     """Input elements per split (the last split may be shorter)."""
-    steps = -(-in_f // BK)
-    return -(-steps // num_chunks(in_f, variant, cfg)) * BK
+    bk = step_elems(variant, cfg)
+    steps = -(-in_f // bk)
+    return -(-steps // num_chunks(in_f, variant, cfg)) * bk
 
 
 def rank_block(max_rank: int) -> int:
@@ -344,7 +351,7 @@ def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_m
     if kind == "shrink":
         rs = max(1, min(cfg.get("RSPLIT", 1), RB // 16))  # rank blocks of >= 16 rows (tl.dot), a power of 2
         rs = 1 << (rs.bit_length() - 1)
-        return dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], BK=BK, RB=RB, RS=rs,
+        return dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], BK=step_elems(var, cfg), RB=RB, RS=rs,
                     ALIGN=align), c * P * rs
     w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
     consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],

@@ -193,3 +193,7 @@ def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
     assert bench.parse_triton_jit("a=16/8/64/4/4/3,model") == {
         "triton-jit-a": dict(BM=16, SPLITS=8, BN=64, G=4, num_warps=4, num_stages=3, RSPLIT=1),
         "triton-jit-model": None}
+    assert bench.parse_triton_jit("b=16/8/128/4/4/3/1/128") == {
+        "triton-jit-b": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=4, num_stages=3, RSPLIT=1, BK=128)}
+    with pytest.raises(SystemExit, match="RSPLIT"):
+        bench.parse_triton_jit("c=16/8/128/4/4/3/1/128/9")

@@ -40,9 +40,11 @@ def _case(rng, dtype, n, S, K, widths, mods, R, M=4):
 # tile configurations besides each variant's own: several output tiles per expand block with a
 # partial last group and tile (BN 16, G 2 over widths 72 | 24 | 40), an input of whole BK steps
 # (the unmasked loads) over uneven splits, a grid of fewer blocks than tiles (each block takes
-# several, as when more slots are used than GRID_SLOTS), and the shrink's rank rows over two blocks
+# several, as when more slots are used than GRID_SLOTS), the shrink's rank rows over two blocks, and
+# dot steps of 128 inputs (whole steps, and a masked last one)
 CONFIGS = {"own": (300, {}), "groups": (300, dict(BN=16, G=2, SPLITS=2)), "even": (320, dict(SPLITS=3, BN=32, G=3)),
-           "loop": (300, dict(grid_slots=1)), "ranks": (300, dict(RSPLIT=2, SPLITS=2))}
+           "loop": (300, dict(grid_slots=1)), "ranks": (300, dict(RSPLIT=2, SPLITS=2)),
+           "bk": (512, dict(BK=128, SPLITS=3)), "bk-tail": (300, dict(BK=128, SPLITS=2))}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -66,7 +68,7 @@ def test_kernels_match_references(tmp_path, variant, dtype, config):
     assert np.array_equal(tiles[:len(want)], want) and (tiles[len(want):] == -7).all()
     C = ST.constants("shrink", variant, K, mods, None, R, 4, 9, 8, cfg)[0]["C"]
     chunk = ST.chunk_elems(K, variant, cfg)
-    assert v.shape[2] == C and C > 1 and chunk % ST.BK == 0 and (C - 1) * chunk < K <= C * chunk
+    assert v.shape[2] == C and C > 1 and chunk % ST.step_elems(variant, cfg) == 0 and (C - 1) * chunk < K <= C * chunk
     v_ref = ST.shrink_ref(x, arena, base, order, start, rank, scale, a_off, mods, R, chunk)
     written = ~np.isnan(v)
     # every entry the expand reads was written, and equals the reference

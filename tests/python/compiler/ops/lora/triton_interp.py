@@ -152,7 +152,7 @@ def run(inp: dict) -> dict:
     mods, widths = [int(m) for m in inp["mods"]], [int(w) for w in inp["widths"]]
     base, R, cap = int(inp["base"]), int(inp["R"]), len(start) - 1
     n, K = x.shape
-    cfg = dict(ST.VARIANTS[variant], **{k: int(inp[k]) for k in ("BM", "SPLITS", "BN", "G", "RSPLIT") if k in inp})
+    cfg = dict(ST.VARIANTS[variant], **{k: int(inp[k]) for k in ("BM", "SPLITS", "BN", "G", "RSPLIT", "BK") if k in inp})
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     rows = ST.grid_x(n, min(cap, int(inp.get("grid_slots", cap))), cfg["BM"])  # as launch(), or fewer blocks
     sc, sy = ST.constants("shrink", variant, K, mods, None, R, scale.shape[1], cap, 8, cfg)
