@@ -25,6 +25,9 @@ PTR = {"float16": "*fp16", "bfloat16": "*bf16"}
 SCRATCH = 2  # the scratch pointers Triton appends
 _LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "threadIdx.x", "tirx.use_dyn_shared_memory"]
 _DIVISIBLE = ("base",)  # integer arguments that are multiples of 16 bytes' worth of elements
+# the most dynamic shared memory a block may take, by compute capability (CUDA's opt-in limit per
+# block): a kernel built past it would be refused only at its first launch, on the GPU
+MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
 def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
@@ -43,6 +46,7 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
     out = cache_dir() / "triton" / f"{fn.__name__}-{key}"
     if out.with_suffix(".json").exists():
         meta = json.loads(out.with_suffix(".json").read_text())
+        _check_shared(meta, cap, consts)
         return meta["name"], out.with_suffix(".cubin").read_bytes(), meta
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -50,9 +54,18 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
     if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
         raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
     meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared)
+    _check_shared(meta, cap, consts)
     write_cached(out.with_suffix(".cubin"), k.asm["cubin"])
     write_cached(out.with_suffix(".json"), json.dumps(meta))  # last: a reader that sees it finds the cubin
     return md.name, k.asm["cubin"], meta
+
+
+def _check_shared(meta: dict, cap: int, consts: dict) -> None:
+    """Refuse a kernel that takes more shared memory than a block of compute capability `cap` may."""
+    limit = MAX_SHARED.get(cap)
+    if limit is not None and meta["shared"] > limit:
+        raise ValueError(f"{meta['name']}: {meta['shared']} bytes of shared memory, more than the {limit} a block "
+                         f"may take on sm_{cap} (constants {consts}); fewer stages or smaller tiles")
 
 
 def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):

@@ -149,3 +149,21 @@ def test_kernels_import_with_the_tvm_runtime_alone():
     assert {p.name for p in seen} >= {"sgmv_triton.py", "stage.py", "triton_build.py", "kernel_attrs.py"}
     c, gy = ST.constants("shrink", "large", 11008, (0,), None, 64, 1, 256, 8)
     assert (c["C"], gy, ST.grid_x(1024, 256, 64), ST.variant_for(17)) == (4, 4, 16 + 64, "small")
+
+
+def test_every_variant_fits_a_block_at_the_largest_rank(cubin_cache):
+    """At the largest rank the kernels take (MAX_RANK: the most rank rows per tile), every tile
+    variant's shrink and expand fit the shared memory a block may take on sm_90a, which the build
+    checks (a kernel past it would be refused only at its first launch on the GPU); a configuration
+    past it is refused with the bytes and the limit."""
+    from mlc_lora.compiler_passes.ops import triton_build
+
+    for var in ST.VARIANTS:
+        for kind in ("shrink", "expand"):
+            name, _, shared, _, _ = ST.variant_kernel(kind, var, 4096, (0, 1, 2), (4096, 1024, 1024), ST.MAX_RANK,
+                                                      7, "float16", 64, 8, "sm_90a")
+            assert 0 < shared <= triton_build.MAX_SHARED[90], (name, shared)
+    big = dict(ST.VARIANTS["large"], num_stages=4, BK=256)
+    consts, _ = ST.constants("shrink", "large", 4096, (0,), None, ST.MAX_RANK, 7, 64, 8, big)
+    with pytest.raises(ValueError, match=r"bytes of shared memory, more than the 232448 a block may take on sm_90"):
+        ST._module("shrink", "float16", consts, big, "sm_90a")  # pylint: disable=protected-access
