@@ -68,7 +68,7 @@ TILE_BLOCK = 64  # tiles the tile kernel lays out per block
 # splits to spread the A rows over the SMs.
 VARIANTS = {
     "tiny": dict(BM=16, SPLITS=16, BN=64, G=2, num_warps=4, num_stages=3),
-    "small": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=4, num_stages=3),
+    "small": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=4, num_stages=3, BK=128),
     "large": dict(BM=64, SPLITS=4, BN=128, G=4, num_warps=4, num_stages=3, BK=128),
 }
 BK = 64  # the shrink's input elements per dot step, where a variant does not set its own
