@@ -69,8 +69,20 @@ MAX_LORAS = {"lora64-max16": 16, "lora64-max8": 8}
 
 
 def config_of(name: str) -> str:
-    """The CONFIGS entry a run name stands for ("lora64@cmp": lora64 on --compare-lib-dir's library)."""
-    return name.split("@")[0]
+    """The CONFIGS entry a run name stands for ("lora64@cmp": lora64 on --compare-lib-dir's library;
+    "lora4#2": lora4's second run in the process)."""
+    return name.split("#")[0].split("@")[0]
+
+
+def run_labels(names: list[str]) -> list[str]:
+    """The result label of each run: a config named again is run again, as NAME#2, NAME#3, ... (the
+    position in the process moves a result: repeat a config, or base at the end, to see by how much)."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return out
 
 
 def pool_pages(model_cfg: dict, kv_pages: int) -> tuple[int, int]:
@@ -304,12 +316,13 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     results = []
     out = Path(a.out)
     old = json.loads(out.read_text()) if out.is_file() and a.append else {}
-    for name in configs:
-        r = run_config(name, where(name), tdev, requests, weights, torch, a, size)
+    for i, (name, label) in enumerate(zip(configs, run_labels(configs))):
+        r = run_config(label, where(name), tdev, requests, weights, torch, a, size)
+        r["position"] = i + 1  # in this process
         if name.endswith("@cmp"):
             r["lib_dir"] = str(a.compare_lib_dir)
         results.append(r)
-        print(f"{name}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "
+        print(f"{label}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "
               f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "
               f"(peak batch {r['peak_batch']}, {r['preemptions']} preemptions, {r['num_steps']} steps; "
               f"adapters loaded in {r['adapter_load_s']} s)", flush=True)
@@ -317,10 +330,13 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     by.update({r["config"]: r for r in results})
     order = {c: i for i, c in enumerate(CONFIGS)}
     results = with_ratios(sorted(by.values(), key=lambda r: (order[config_of(r["config"])], r["config"])))
-    print("\n| config | adapters | req/s | output tok/s | total tok/s | req/s vs base |\n|---|---|---|---|---|---|")
+    print("\n| config | run | adapters | req/s | output tok/s | total tok/s | req/s vs base |\n"
+          "|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['config']} | {r['adapters']} | {r['requests_per_s']:.2f} | {r['output_tokens_per_s']:.1f} | "
-              f"{r['total_tokens_per_s']:.1f} | {r['ratio_vs_base']:.3f} |")
+        print(f"| {r['config']} | {r.get('position', '-')} | {r['adapters']} | {r['requests_per_s']:.2f} | "
+              f"{r['output_tokens_per_s']:.1f} | {r['total_tokens_per_s']:.1f} | {r['ratio_vs_base']:.3f} |")
+    if sum(config_of(r["config"]) == "base" and "@" not in r["config"] for r in results) > 1:
+        print("(vs base: against the mean of the base runs)")
     cli.write_results(out, {"model": cfg["model_name"], "model_config": cfg["model_config"], "device": a.device,
                             "requests_file": str(a.requests), "tokenizer": note,
                             "sampling": "temperature 1.0, top_p 1.0, EOS ignored", "results": results})
@@ -330,7 +346,9 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
 
 
 def with_ratios(results):
-    base = next((r["requests_per_s"] for r in results if r["config"] == "base"), None)
+    """Each result's req/s over base's (the mean of base's runs where it ran more than once)."""
+    bases = [r["requests_per_s"] for r in results if config_of(r["config"]) == "base" and "@" not in r["config"]]
+    base = sum(bases) / len(bases) if bases else None
     for r in results:
         r["ratio_vs_base"] = r["requests_per_s"] / base if base else float("nan")
     return results
@@ -378,7 +396,8 @@ def main(argv=None) -> int:
     r.add_argument("--check", action="store_true", help="the logits check of --smoke on the full-size model too "
                    "(its torch reference in float32)")
     r.add_argument("--configs", default="base,lora4,lora64",
-                   help=f"comma-separated, run in this order, from {', '.join(CONFIGS)}")
+                   help=f"comma-separated, run in this order, from {', '.join(CONFIGS)}; a config named again runs "
+                   "again (NAME#2, ...: the position in the process moves a result)")
     r.add_argument("--assign", choices=["roundrobin", "uniform"], default="roundrobin")
     r.add_argument("--num-prompts", type=int, default=None)
     r.add_argument("--max-prompt-len", type=int, default=None)

@@ -98,3 +98,15 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert all(r["rows_ms"] is None for r in rows if r["config"] == "base")
     assert all(r["ms"] > 0 for r in rows) and freed == [True, True]
     assert merged.with_suffix(".svg").stat().st_size > 0 and merged.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_config_named_again_runs_again_and_base_is_the_mean_of_its_runs():
+    """--configs base,lora4,lora64,lora4,base: the repeats are labelled by their run (the position
+    in the process moves a result), each maps to its config, and the ratios are over base's mean."""
+    names = ["base", "lora4", "lora64@cmp", "lora4", "base", "lora4"]
+    labels = bench.run_labels(names)
+    assert labels == ["base", "lora4", "lora64@cmp", "lora4#2", "base#2", "lora4#3"]
+    assert [bench.config_of(x) for x in labels] == ["base", "lora4", "lora64", "lora4", "base", "lora4"]
+    res = bench.with_ratios([dict(config="base", requests_per_s=20.0), dict(config="base#2", requests_per_s=30.0),
+                             dict(config="lora4#2", requests_per_s=20.0), dict(config="base@cmp", requests_per_s=1.0)])
+    assert [r["ratio_vs_base"] for r in res] == [0.8, 1.2, 0.8, 0.04]
