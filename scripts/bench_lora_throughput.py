@@ -170,7 +170,8 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
             offline.drive(engine, [(p[:8], i + 1) for i, (p, _) in enumerate(requests[:b])], assign[:b],
                           f"{name} capture")
         base_stats = asyncio.run(engine.stats())
-        elapsed = offline.drive(engine, requests, assign, name)
+        with cli.GpuMonitor() as gpu:  # a hot or power-capped GPU runs slower: recorded with the result
+            elapsed = offline.drive(engine, requests, assign, name)
         stats = asyncio.run(engine.stats())
     finally:
         engine.close()
@@ -192,7 +193,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
                 **offline.rates(elapsed, requests),
                 kv_pages=a.kv_pages or size["kv_pages"], adapter_pages=spec_pages,
                 peak_batch=stats["max_running"], preemptions=stats["num_preemptions"], **steps,
-                step_times={k: v for k, v in step_times.items() if v["steps"]})
+                step_times={k: v for k, v in step_times.items() if v["steps"]}, gpu=gpu.summary)
 
 
 def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib="lora") -> float:
@@ -326,6 +327,11 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
               f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "
               f"(peak batch {r['peak_batch']}, {r['preemptions']} preemptions, {r['num_steps']} steps; "
               f"adapters loaded in {r['adapter_load_s']} s)", flush=True)
+        if r["gpu"]:
+            g = r["gpu"]
+            print(f"{label}: GPU SM clock {g['sm_clock_mhz_mean']} MHz mean, {g['sm_clock_mhz_min']} min; "
+                  f"{g['temperature_c_max']:.0f} C max; {g['power_w_mean']} W mean, {g['power_w_max']:.0f} max; "
+                  f"throttle reasons {', '.join(g['throttle_reasons']) or 'none'}", flush=True)
     by = {r["config"]: r for r in old.get("results", [])}
     by.update({r["config"]: r for r in results})
     order = {c: i for i, c in enumerate(CONFIGS)}

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,54 @@ def machine() -> dict:
     except ImportError:
         pass
     return out
+
+
+GPU_FIELDS = ("clocks.sm", "temperature.gpu", "power.draw", "clocks_throttle_reasons.active")
+
+
+def gpu_summary(lines) -> dict:
+    """What `GpuMonitor` saw, from nvidia-smi's CSV lines of GPU_FIELDS (no header, no units): SM
+    clock mean / min (MHz), temperature max (C), power mean / max (W), the throttle-reason masks
+    seen other than none (a hot or power-capped GPU runs slower: a result's position in a process
+    can move it)."""
+    rows = []
+    for line in lines:
+        f = [x.strip() for x in line.split(",")]
+        try:
+            rows.append((float(f[0]), float(f[1]), float(f[2]), f[3]))
+        except (IndexError, ValueError):
+            continue  # a line nvidia-smi wrote with "[N/A]" or cut at the end
+    if not rows:
+        return {}
+    clk, temp, power = ([r[i] for r in rows] for i in range(3))
+    reasons = sorted({r[3] for r in rows if int(r[3], 16) != 0}) if all(r[3].startswith("0x") for r in rows) else []
+    return dict(samples=len(rows), sm_clock_mhz_mean=round(sum(clk) / len(clk)), sm_clock_mhz_min=round(min(clk)),
+                temperature_c_max=max(temp), power_w_mean=round(sum(power) / len(power), 1), power_w_max=max(power),
+                throttle_reasons=reasons)
+
+
+class GpuMonitor:
+    """GPU 0's clock, temperature, power and throttle reasons once a second (nvidia-smi) while the
+    `with` block runs; `summary` is gpu_summary's dict, {} where there is no nvidia-smi."""
+
+    def __init__(self, period_ms: int = 1000):
+        self.period_ms, self.proc, self.summary = period_ms, None, {}
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={','.join(GPU_FIELDS)}",
+                                          "--format=csv,noheader,nounits", "-lms", str(self.period_ms)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.summary = gpu_summary(out.splitlines())
+        return False
 
 
 def command_line() -> str:

@@ -110,3 +110,22 @@ def test_a_config_named_again_runs_again_and_base_is_the_mean_of_its_runs():
     res = bench.with_ratios([dict(config="base", requests_per_s=20.0), dict(config="base#2", requests_per_s=30.0),
                              dict(config="lora4#2", requests_per_s=20.0), dict(config="base@cmp", requests_per_s=1.0)])
     assert [r["ratio_vs_base"] for r in res] == [0.8, 1.2, 0.8, 0.04]
+
+
+def test_the_gpu_monitor_summarizes_nvidia_smi_and_is_empty_without_it():
+    """gpu_summary over nvidia-smi's CSV (a cut or N/A line skipped); no nvidia-smi: an empty
+    summary, the run goes on."""
+    from harness import cli
+
+    lines = ["1980, 45, 300.5, 0x0000000000000000", "1755, 61, 690.0, 0x0000000000000004",
+             "[N/A], 60, 650.0, 0x0000000000000000", "1830, 5"]
+    got = cli.gpu_summary(lines)
+    assert got == dict(samples=2, sm_clock_mhz_mean=1868, sm_clock_mhz_min=1755, temperature_c_max=61.0,
+                       power_w_mean=495.2, power_w_max=690.0, throttle_reasons=["0x0000000000000004"])
+    assert cli.gpu_summary([]) == {}
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        with cli.GpuMonitor() as gpu:
+            pass
+        assert gpu.summary == {}
