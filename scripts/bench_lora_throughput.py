@@ -85,6 +85,11 @@ def run_labels(names: list[str]) -> list[str]:
     return out
 
 
+def is_base_run(label: str) -> bool:
+    """A run of the base model on --lib-dir's library (base, base#2, ...; not base@cmp)."""
+    return config_of(label) == "base" and "@" not in label
+
+
 def pool_pages(model_cfg: dict, kv_pages: int) -> tuple[int, int]:
     """(pages of the largest adapter set of CONFIGS, compiled --lora-pool-pages = KV + that)."""
     import types  # pylint: disable=import-outside-toplevel
@@ -341,7 +346,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     for r in results:
         print(f"| {r['config']} | {r.get('position', '-')} | {r['adapters']} | {r['requests_per_s']:.2f} | "
               f"{r['output_tokens_per_s']:.1f} | {r['total_tokens_per_s']:.1f} | {r['ratio_vs_base']:.3f} |")
-    if sum(config_of(r["config"]) == "base" and "@" not in r["config"] for r in results) > 1:
+    if sum(is_base_run(r["config"]) for r in results) > 1:
         print("(vs base: against the mean of the base runs)")
     cli.write_results(out, {"model": cfg["model_name"], "model_config": cfg["model_config"], "device": a.device,
                             "requests_file": str(a.requests), "tokenizer": note,
@@ -353,7 +358,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
 
 def with_ratios(results):
     """Each result's req/s over base's (the mean of base's runs where it ran more than once)."""
-    bases = [r["requests_per_s"] for r in results if config_of(r["config"]) == "base" and "@" not in r["config"]]
+    bases = [r["requests_per_s"] for r in results if is_base_run(r["config"])]
     base = sum(bases) / len(bases) if bases else None
     for r in results:
         r["ratio_vs_base"] = r["requests_per_s"] / base if base else float("nan")
