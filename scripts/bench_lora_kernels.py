@@ -380,7 +380,7 @@ def triton_jit(cfg: dict | None):
         slots = len(start) - 1
         sc, sy = ST.constants("shrink", var, p.in_f, (0,), None, p.R, 1, TRITON_SLOTS, 8, c)
         ec, ey = ST.constants("expand", var, p.in_f, (0,), (p.out_f,), p.R, 1, TRITON_SLOTS, 8, c)
-        v = t.empty((p.T, 1, sc["C"], p.R), dtype=t.float32, device=pb.env.device)
+        v = t.empty((p.T, 1, sc["CMAX"], p.R), dtype=t.float32, device=pb.env.device)
         tiles = t.empty((ST.tile_table_len(p.T),), dtype=t.int32, device=pb.env.device)  # once per batch
         ST.lora_tiles_kernel[(ST.tiles_grid(p.T, slots, c["BM"]),)](start, tiles, slots,
                                                                    **ST.tiles_constants(var, TRITON_SLOTS, c))
@@ -396,8 +396,8 @@ def triton_jit(cfg: dict | None):
 
 
 def parse_triton_jit(spec: str) -> dict:
-    """--triton-jit NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK]],... ("model": the model's variants) ->
-    {backend: cfg}."""
+    """--triton-jit NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK[/MIN_STEPS[/GMIN]]]],... ("model": the
+    model's variants) -> {backend: cfg}."""
     out = {}
     for item in filter(None, spec.split(",")):
         name, _, vals = item.partition("=")
@@ -406,12 +406,16 @@ def parse_triton_jit(spec: str) -> dict:
             continue
         try:
             bm, splits, bn, g, warps, stages, *rest = (int(v) for v in vals.split("/"))
-            if len(rest) > 2:
+            if len(rest) > 4:
                 raise ValueError
         except ValueError:
-            raise SystemExit(f"--triton-jit {item!r}: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK]], or model") from None
-        out[f"triton-jit-{name}"] = dict(BM=bm, SPLITS=splits, BN=bn, G=g, num_warps=warps, num_stages=stages,
-                                         RSPLIT=rest[0] if rest else 1, **({"BK": rest[1]} if len(rest) > 1 else {}))
+            raise SystemExit(f"--triton-jit {item!r}: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK[/MIN_STEPS[/GMIN]]]], "
+                             "or model") from None
+        cfg = dict(BM=bm, SPLITS=splits, BN=bn, G=g, num_warps=warps, num_stages=stages, RSPLIT=rest[0] if rest else 1)
+        for key, val in zip(("BK", "MIN_STEPS", "GMIN"), rest[1:]):
+            if val or key == "BK":  # MIN_STEPS / GMIN 0: not set (no more splits / groups of G for few tiles)
+                cfg[key] = val
+        out[f"triton-jit-{name}"] = cfg
     return out
 
 
@@ -955,8 +959,8 @@ def main(argv=None) -> int:
     r.add_argument("--part", help="K/P: the K-th of P parts of the selection, of about equal estimated time")
     r.add_argument("--budget-s", type=float, default=540.0, help="stop after this many seconds (0: never)")
     r.add_argument("--triton-jit", help="also time the Triton stage 3 JIT-compiled here with these tile "
-                   "configurations: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK]],... or `model` (the model's variant for each "
-                   "point's token count); how sgmv_triton.VARIANTS were picked")
+                   "configurations: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK[/MIN_STEPS[/GMIN]]]],... or "
+                   "`model` (the model's variant for each point's token count); how sgmv_triton.VARIANTS were picked")
     lay = cli.add_run(sub, "all seven modules of a Llama-2-7B layer vs its base GEMMs (the GPU machine)",
                       name="layer", log_dir=".")
     device_args(lay)

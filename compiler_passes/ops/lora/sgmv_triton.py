@@ -5,14 +5,17 @@ Tokens are taken in the order the pool sorted them by slot (`lora_token_order`; 
 sorted positions `lora_slot_start[s] .. lora_slot_start[s + 1]`), so one thread block works on
 one slot and up to BM of its tokens with every rank row of the adapter at once (RB = the compiled
 max rank rounded up to a power of two >= 16; rows past the slot's rank are masked, never read).
-The shrink splits the input into C splits of whole BK steps (the grid's second axis, with the
-parts): each block multiplies its x tile by the A rows of its split on tensor cores (`tl.dot`) and
-stores fp32 partial sums; the expand sums the C partials of its tile once and adds h @ B^T into
-G output tiles of BN columns in turn. One shrink and one in-place expand cover every part of a
-fused linear (q|k|v, gate|up).
+The shrink splits the input into splits of whole BK steps: each work item multiplies its x tile by
+the A rows of its split on tensor cores (`tl.dot`) and stores fp32 partial sums; the expand sums
+the partials of its tile once and adds h @ B^T into a group of output tiles of BN columns in turn.
+A batch takes C = num_chunks splits and groups of G output tiles, or, when its tiles are too few to
+fill the GPU, more splits (up to most_chunks) and smaller groups (down to GMIN): both kernels derive
+the batch's split count from the tile table alike (`splits_for`, `groups_for`), so the grid stays
+static. One shrink and one in-place expand cover every part of a fused linear (q|k|v, gate|up).
 
 Semantics (p a sorted position, t = order[p], s its slot, m = mods[part] >= 0, k < rank[s],
-scale[s, m] != 0; CHUNK = chunk_elems(in, variant) input elements per split, C = num_chunks):
+scale[s, m] != 0; C = splits_for(the batch's tiles, ..) splits of CHUNK = ceil(steps / C) x BK
+input elements):
   shrink: v[p, part, c, k] = scale[s, m] * sum_{i in split c} x[t, i] * A[s, m][k, i]
           (A[s, m][k] = arena[base + a_off[s, m, k] : + in]); entries of other positions are
           never read.
@@ -30,10 +33,10 @@ finding it in the slot table with a prefix sum and three reductions over it).
 
 Grid (static for CUDA graphs; a function of the token count and the table sizes only): x =
 ceil(n / BM) + min(n, S, GRID_SLOTS) blocks over the batch's tiles (every slot's tokens in tiles of
-BM; there are at most ceil(n / BM) + min(n, S) of them), each block taking tiles x, x + grid x, ...
-(so a table sized for many slots launches no idle blocks when few are used, and many used slots
-are still all covered), y = splits x parts (shrink) or groups of G output tiles over all parts
-(expand). Three tile variants are built (VARIANTS): BM = 16 with 16 or 8 splits for n <=
+BM; there are at most ceil(n / BM) + min(n, S) of them), y = num_chunks x parts (shrink) or groups
+of G output tiles over all parts (expand); the batch's work items (tile, split) per part, or (tile,
+group), are dealt over the blocks in turn (so a table sized for many slots launches no idle blocks
+when few are used, many used slots are still all covered, and few tiles take more blocks). Three tile variants are built (VARIANTS): BM = 16 with 16 or 8 splits for n <=
 TINY_MAX_TOKENS and n <= SMALL_MAX_TOKENS (decode batches: many slots of few tokens), BM = 64 above
 (prefill); the launch wrapper branches on n.
 """
@@ -63,15 +66,21 @@ TILE_BLOCK = 64  # tiles the tile kernel lays out per block
 # large above): tokens per block, input splits (at most), output columns per tile, output tiles per
 # expand block, warps and pipeline stages of both kernels; RSPLIT (default 1) splits the shrink's
 # rank rows over that many blocks (more blocks without more partial sums for the expand to read);
-# BK (default BK below) the shrink's input elements per dot step.
+# BK (default BK below) the shrink's input elements per dot step; MIN_STEPS and GMIN: below.
 # Picked by measurement against each other and the peers (docs/SGMV.md): few tokens need more
 # splits to spread the A rows over the SMs.
 VARIANTS = {
-    "tiny": dict(BM=16, SPLITS=16, BN=64, G=2, num_warps=4, num_stages=3),
-    "small": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=4, num_stages=3, BK=128),
+    "tiny": dict(BM=16, SPLITS=16, BN=64, G=2, num_warps=4, num_stages=3, MIN_STEPS=8, GMIN=1),
+    "small": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=4, num_stages=3, BK=128, MIN_STEPS=4, GMIN=1),
     "large": dict(BM=64, SPLITS=4, BN=128, G=4, num_warps=4, num_stages=3, BK=128),
 }
 BK = 64  # the shrink's input elements per dot step, where a variant does not set its own
+# A batch of few tiles (few tokens over few adapters) leaves most of the static grid idle: while its
+# work items (tiles x splits x parts of the shrink, tiles x output groups of the expand) number fewer
+# than FILL_BLOCKS, the kernels take more splits (down to MIN_STEPS dot steps each; a variant
+# without MIN_STEPS keeps SPLITS) and smaller output groups (down to GMIN tiles; default G). Both
+# kernels derive the batch's split count from the tile table's total alike (splits_for).
+FILL_BLOCKS = 264  # two blocks on each of the 132 SMs of an H100 / H200
 DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 MAX_RANK, MAX_PARTS = 128, 3
 
@@ -88,9 +97,43 @@ def num_chunks(in_f: int, variant: str, cfg: dict | None = None) -> int:
     return -(-steps // -(-steps // min((cfg or VARIANTS[variant])["SPLITS"], steps)))
 
 
+def _evened(steps: int, want: int) -> int:
+    """The split count of at most `want` (>= 1) splits of whole steps, none empty."""
+    return -(-steps // -(-steps // min(want, steps)))
+
+
+def most_chunks(in_f: int, variant: str, cfg: dict | None = None) -> int:
+    """CMAX: the most splits a batch of few tiles takes in tile variant `variant` (splits of at least
+    MIN_STEPS dot steps, never fewer than num_chunks); the stride of the scratch v's split axis."""
+    cfg = cfg or VARIANTS[variant]
+    steps = -(-in_f // step_elems(variant, cfg))
+    most = steps // cfg["MIN_STEPS"] if cfg.get("MIN_STEPS") else 0
+    return max(num_chunks(in_f, variant, cfg), _evened(steps, max(most, 1)))
+
+
+def splits_for(total: int, in_f: int, variant: str, units: int, cfg: dict | None = None) -> int:
+    """The splits both kernels take for a batch of `total` tiles (the device code's rule,
+    `_splits`): num_chunks, raised while total x splits x units (the shrink's blocks per tile and
+    split: active parts x rank blocks) falls short of FILL_BLOCKS, at most most_chunks, evened."""
+    steps = -(-in_f // step_elems(variant, cfg))
+    c, cmax = num_chunks(in_f, variant, cfg), most_chunks(in_f, variant, cfg)
+    want = min(max(-(-FILL_BLOCKS // (max(total, 1) * units)), c), cmax)
+    return _evened(steps, want)
+
+
+def groups_for(total: int, widths, variant: str, cfg: dict | None = None) -> int:
+    """The output tiles per expand work item for a batch of `total` tiles (the device code's rule):
+    G, halved while total x groups over all parts falls short of FILL_BLOCKS, at least GMIN."""
+    cfg = cfg or VARIANTS[variant]
+    g, bn = cfg["G"], cfg["BN"]
+    while g > cfg.get("GMIN", cfg["G"]) and total * sum(-(-(-(-w // bn)) // g) for w in widths) < FILL_BLOCKS:
+        g //= 2
+    return g
+
+
 def max_chunks(in_f: int) -> int:
     """The splits the scratch v is sized for: the most of any tile variant."""
-    return max(num_chunks(in_f, var) for var in VARIANTS)
+    return max(most_chunks(in_f, var) for var in VARIANTS)
 
 
 def chunk_elems(in_f: int, variant: str, cfg: dict | None = None) -> int:
@@ -212,14 +255,31 @@ if triton is not None:
         """(slot, first sorted position, end position) of tile t of the table."""
         return tl.load(tiles_ptr + 1 + 3 * t), tl.load(tiles_ptr + 2 + 3 * t), tl.load(tiles_ptr + 3 + 3 * t)
 
+    @triton.jit
+    def _splits(total, C: tl.constexpr, CMAX: tl.constexpr, STEPS: tl.constexpr, UNITS: tl.constexpr,
+                FILL: tl.constexpr):
+        """The batch's input splits (splits_for): C, raised while the shrink's work items (total
+        tiles x splits x UNITS) fall short of FILL, at most CMAX, evened so that none is empty."""
+        want = tl.minimum(tl.maximum((FILL + tl.maximum(total, 1) * UNITS - 1) // (tl.maximum(total, 1) * UNITS), C),
+                          CMAX)
+        per = (STEPS + want - 1) // want
+        return (STEPS + per - 1) // per
+
+    @triton.jit
+    def _groups(w0: tl.constexpr, w1: tl.constexpr, w2: tl.constexpr, g, BN: tl.constexpr):
+        """Work items per tile of each part for groups of g output tiles of BN columns."""
+        return ((w0 + BN - 1) // BN + g - 1) // g, ((w1 + BN - 1) // BN + g - 1) // g, ((w2 + BN - 1) // BN + g - 1) // g
+
     @triton.jit(repr=_kernel_name("shrink"))
     def lora_shrink_kernel(x_ptr, arena_ptr, order_ptr, tiles_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr,
                            n, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
-                           C: tl.constexpr, P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr,
-                           BK: tl.constexpr, RB: tl.constexpr, RS: tl.constexpr, ALIGN: tl.constexpr):
-        """Block (tile of BM sorted positions of one slot, rank block rb of RS, split c of the input's
-        BK steps, part): v[tile, part, c, rank rows of rb] = scale * x[tile] @ A[those rows, split].T
-        (RS = 1: every rank row at once)."""
+                           C: tl.constexpr, CMAX: tl.constexpr, UNITS: tl.constexpr, FILL: tl.constexpr,
+                           P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                           RB: tl.constexpr, RS: tl.constexpr, ALIGN: tl.constexpr):
+        """Work item (tile of BM sorted positions of one slot, split c of the input's BK steps) of
+        (part, rank block rb of RS): v[tile, part, c, rank rows of rb] = scale * x[tile] @ A[those
+        rows, split].T (RS = 1: every rank row at once). The batch's splits (_splits) are spread
+        with its tiles over the C x grid-x blocks of each (part, rb)."""
         RBS: tl.constexpr = RB // RS  # rank rows per block: the rank block rb of RS
         rb = tl.program_id(1) % RS
         pid_c = (tl.program_id(1) // RS) % C
@@ -229,11 +289,13 @@ if triton is not None:
             return
         total = tl.load(tiles_ptr)
         steps: tl.constexpr = (K + BK - 1) // BK
-        per: tl.constexpr = (steps + C - 1) // C
-        st0 = pid_c * per
-        st1 = tl.minimum(st0 + per, steps)
+        cd = _splits(total, C, CMAX, steps, UNITS, FILL)
+        per = (steps + cd - 1) // cd
         kk = rb * RBS + tl.arange(0, RBS)
-        for t in range(tl.program_id(0), total, tl.num_programs(0)):
+        gx = tl.num_programs(0)
+        for w in range(pid_c * gx + tl.program_id(0), total * cd, C * gx):
+            t = w % total
+            c = w // total
             s, p0, p1 = _tile_at(tiles_ptr, t)
             sc = tl.load(scale_ptr + s * M + m)
             r_s = tl.load(rank_ptr + s)
@@ -246,7 +308,8 @@ if triton is not None:
                 xp = x_ptr + tok[:, None] * K + tl.arange(0, BK)[None, :]
                 ap = arena_ptr + base + aoff.to(tl.int64)[None, :] + tl.arange(0, BK)[:, None]
                 acc = tl.zeros((BM, RBS), dtype=tl.float32)
-                for st in range(st0, st1):
+                st0 = c * per
+                for st in range(st0, tl.minimum(st0 + per, steps)):
                     i0 = st * BK
                     if K % BK == 0:
                         xt = tl.load(xp + i0, mask=rmask[:, None], other=0.0)
@@ -256,48 +319,56 @@ if triton is not None:
                         xt = tl.load(xp + i0, mask=rmask[:, None] & imask[None, :], other=0.0)
                         at = tl.load(ap + i0, mask=kmask[None, :] & imask[:, None], other=0.0)
                     acc += tl.dot(xt, at)
-                vptr = v_ptr + ((pos[:, None].to(tl.int64) * P + part) * C + pid_c) * R + kk[None, :]
+                vptr = v_ptr + ((pos[:, None].to(tl.int64) * P + part) * CMAX + c) * R + kk[None, :]
                 tl.store(vptr, acc * sc, mask=rmask[:, None] & kmask[None, :])
 
     @triton.jit(repr=_kernel_name("expand"))
     def lora_expand_kernel(v_ptr, arena_ptr, order_ptr, tiles_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr,
-                           n, base, C: tl.constexpr, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
+                           n, base, C: tl.constexpr, CMAX: tl.constexpr, UNITS: tl.constexpr, STEPS: tl.constexpr,
+                           FILL: tl.constexpr, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
                            m2: tl.constexpr, w0: tl.constexpr, w1: tl.constexpr, w2: tl.constexpr, P: tl.constexpr,
                            W: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-                           RB: tl.constexpr, ALIGN: tl.constexpr):
-        """Block (tile of BM sorted positions of one slot, group of G output tiles of BN of a part):
-        h = sum_c v[tile, part, c] once, then y[tile, cols] += h @ B^T[:rank, cols] per output tile."""
-        pid_o = tl.program_id(1)
-        g0: tl.constexpr = ((w0 + BN - 1) // BN + G - 1) // G
-        g1: tl.constexpr = ((w1 + BN - 1) // BN + G - 1) // G
-        part = tl.where(pid_o < g0, 0, tl.where(pid_o < g0 + g1, 1, 2))
-        m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
-        if m < 0:
-            return
+                           GMIN: tl.constexpr, RB: tl.constexpr, ALIGN: tl.constexpr):
+        """Work item (tile of BM sorted positions of one slot, group of gd output tiles of BN of a
+        part): h = sum_c v[tile, part, c] once, then y[tile, cols] += h @ B^T[:rank, cols] per
+        output tile. gd = G, halved down to GMIN while the batch's items (total tiles x groups)
+        fall short of FILL (groups_for); the items are spread over all blocks of the grid."""
         total = tl.load(tiles_ptr)
-        width = tl.where(part == 0, w0, tl.where(part == 1, w1, w2))
-        o_p = tl.where(part == 0, 0, tl.where(part == 1, w0, w0 + w1))
-        grp = pid_o - tl.where(part == 0, 0, tl.where(part == 1, g0, g0 + g1))
+        cd = _splits(total, C, CMAX, STEPS, UNITS, FILL)  # the shrink's splits of this batch
+        gd = G
+        a0, a1, a2 = _groups(w0, w1, w2, gd, BN)
+        while (gd > GMIN) & (total * (a0 + a1 + a2) < FILL):
+            gd = gd // 2
+            a0, a1, a2 = _groups(w0, w1, w2, gd, BN)
+        ng = a0 + a1 + a2
+        gx = tl.num_programs(0)
         kk = tl.arange(0, RB)
-        for t in range(tl.program_id(0), total, tl.num_programs(0)):
+        for w in range(tl.program_id(1) * gx + tl.program_id(0), total * ng, gx * tl.num_programs(1)):
+            t = w % total
+            q = w // total
+            part = tl.where(q < a0, 0, tl.where(q < a0 + a1, 1, 2))
+            m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
             s, p0, p1 = _tile_at(tiles_ptr, t)
-            sc = tl.load(scale_ptr + s * M + m)
-            if sc != 0.0:
+            sc = tl.load(scale_ptr + s * M + tl.maximum(m, 0))
+            if (m >= 0) & (sc != 0.0):
+                width = tl.where(part == 0, w0, tl.where(part == 1, w1, w2))
+                o_p = tl.where(part == 0, 0, tl.where(part == 1, w0, w0 + w1))
+                grp = q - tl.where(part == 0, 0, tl.where(part == 1, a0, a0 + a1))
                 r_s = tl.load(rank_ptr + s)
                 pos = p0 + tl.arange(0, BM)
                 rmask = pos < p1
                 tok = tl.load(order_ptr + pos, mask=rmask, other=0).to(tl.int64)
                 kmask = kk < r_s
-                vptr = v_ptr + (pos[:, None].to(tl.int64) * P + part) * (C * R) + kk[None, :]
+                vptr = v_ptr + (pos[:, None].to(tl.int64) * P + part) * (CMAX * R) + kk[None, :]
                 h = tl.zeros((BM, RB), dtype=tl.float32)
-                for c in tl.static_range(C):
-                    h += tl.load(vptr + c * R, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                for c in tl.static_range(CMAX):  # unrolled: the loads go out together
+                    h += tl.load(vptr + c * R, mask=rmask[:, None] & kmask[None, :] & (c < cd), other=0.0)
                 hh = h.to(arena_ptr.dtype.element_ty)  # rounded once, as PEFT rounds lora_A's output
                 boff = tl.multiple_of(tl.load(boff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
                 bp = arena_ptr + base + boff.to(tl.int64)[:, None]
                 yp = y_ptr + tok[:, None] * W + o_p
-                for g in range(G):
-                    cols = (grp * G + g) * BN + tl.arange(0, BN)
+                for g in range(gd):
+                    cols = (grp * gd + g) * BN + tl.arange(0, BN)
                     cmask = cols < width
                     bt = tl.load(bp + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
                     acc = tl.dot(hh, bt)
@@ -317,11 +388,13 @@ def _signature(kind: str, dtype: str) -> dict:
     if kind == "shrink":
         ptrs = dict(x_ptr=e, arena_ptr=e, order_ptr="*i32", tiles_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32")
-        consts = ["M", "m0", "m1", "m2", "C", "P", "K", "R", "BM", "BK", "RB", "RS", "ALIGN"]
+        consts = ["M", "m0", "m1", "m2", "C", "CMAX", "UNITS", "FILL", "P", "K", "R", "BM", "BK", "RB", "RS",
+                  "ALIGN"]
     else:
         ptrs = dict(v_ptr="*fp32", arena_ptr=e, order_ptr="*i32", tiles_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", boff_ptr="*i32", y_ptr=e)
-        consts = ["C", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R", "BM", "BN", "G", "RB", "ALIGN"]
+        consts = ["C", "CMAX", "UNITS", "STEPS", "FILL", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R",
+                  "BM", "BN", "G", "GMIN", "RB", "ALIGN"]
     sig = dict(ptrs)
     sig.update({"n": "i32", "base": "i64"})
     sig.update({k: "constexpr" for k in consts})
@@ -347,15 +420,18 @@ def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_m
     cfg = cfg or VARIANTS[var]
     M, R, P, RB = num_modules, max_rank, len(mods), rank_block(max_rank)
     m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    c = num_chunks(in_f, var, cfg)
+    c, bk = num_chunks(in_f, var, cfg), step_elems(var, cfg)
+    rs = max(1, min(cfg.get("RSPLIT", 1), RB // 16))  # rank blocks of >= 16 rows (tl.dot), a power of 2
+    rs = 1 << (rs.bit_length() - 1)
+    # what both kernels need to derive the batch's splits alike (splits_for)
+    dyn = dict(C=c, CMAX=most_chunks(in_f, var, cfg), UNITS=rs * max(1, sum(m >= 0 for m in mods)), FILL=FILL_BLOCKS)
     if kind == "shrink":
-        rs = max(1, min(cfg.get("RSPLIT", 1), RB // 16))  # rank blocks of >= 16 rows (tl.dot), a power of 2
-        rs = 1 << (rs.bit_length() - 1)
-        return dict(M=M, m0=m0, m1=m1, m2=m2, C=c, P=P, K=in_f, R=R, BM=cfg["BM"], BK=step_elems(var, cfg), RB=RB, RS=rs,
+        return dict(M=M, m0=m0, m1=m1, m2=m2, **dyn, P=P, K=in_f, R=R, BM=cfg["BM"], BK=bk, RB=RB, RS=rs,
                     ALIGN=align), c * P * rs
     w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
-    consts = dict(C=c, M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths), R=R, BM=cfg["BM"],
-                  BN=cfg["BN"], G=cfg["G"], RB=RB, ALIGN=align)
+    consts = dict(**dyn, STEPS=-(-in_f // bk), M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths),
+                  R=R, BM=cfg["BM"], BN=cfg["BN"], G=cfg["G"], GMIN=min(cfg.get("GMIN", cfg["G"]), cfg["G"]), RB=RB,
+                  ALIGN=align)
     return consts, sum(-(-(-(-w // cfg["BN"])) // cfg["G"]) for w in widths)
 
 
@@ -415,7 +491,7 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
     slot_start (cap + 1,) int32, tiles (>= tile_table_len(n),) int32 (tiles_wrapper's),
     rank (S,), scale (S, M), a_off (S, M, R), layer: int64, v (n, P, C, R) float32 [out]); part p
     is module mods[p] (-1: none), C >= max_chunks(in_f) (each variant uses the first
-    num_chunks(in_f, variant) x R floats of a position's part)."""
+    most_chunks(in_f, variant) x R floats of a position's part)."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     R, M, L, P, SP = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots)

@@ -195,5 +195,9 @@ def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
         "triton-jit-model": None}
     assert bench.parse_triton_jit("b=16/8/128/4/4/3/1/128") == {
         "triton-jit-b": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=4, num_stages=3, RSPLIT=1, BK=128)}
+    assert bench.parse_triton_jit("c=16/8/128/4/4/3/1/128/8/1,d=16/8/128/4/4/3/1/64/0/2") == {
+        "triton-jit-c": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=4, num_stages=3, RSPLIT=1, BK=128, MIN_STEPS=8,
+                             GMIN=1),
+        "triton-jit-d": dict(BM=16, SPLITS=8, BN=128, G=4, num_warps=4, num_stages=3, RSPLIT=1, BK=64, GMIN=2)}
     with pytest.raises(SystemExit, match="RSPLIT"):
-        bench.parse_triton_jit("c=16/8/128/4/4/3/1/128/9")
+        bench.parse_triton_jit("e=16/8/128/4/4/3/1/128/8/1/9")

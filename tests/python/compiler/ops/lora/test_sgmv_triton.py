@@ -41,10 +41,16 @@ def _case(rng, dtype, n, S, K, widths, mods, R, M=4):
 # partial last group and tile (BN 16, G 2 over widths 72 | 24 | 40), an input of whole BK steps
 # (the unmasked loads) over uneven splits, a grid of fewer blocks than tiles (each block takes
 # several, as when more slots are used than GRID_SLOTS), the shrink's rank rows over two blocks, and
-# dot steps of 128 inputs (whole steps, and a masked last one)
+# dot steps of 128 inputs (whole steps, and a masked last one), and a batch of tiles too few for
+# the GPU taking more splits than SPLITS (of MIN_STEPS steps, uneven) with output groups regrouped
+# (G 4 -> GMIN 1), alone, over a grid of one block, with the rank rows over two blocks, and with
+# regrouping off (GMIN = G)
 CONFIGS = {"own": (300, {}), "groups": (300, dict(BN=16, G=2, SPLITS=2)), "even": (320, dict(SPLITS=3, BN=32, G=3)),
            "loop": (300, dict(grid_slots=1)), "ranks": (300, dict(RSPLIT=2, SPLITS=2)),
-           "bk": (512, dict(BK=128, SPLITS=3)), "bk-tail": (300, dict(BK=128, SPLITS=2))}
+           "bk": (512, dict(BK=128, SPLITS=3)), "bk-tail": (300, dict(BK=128, SPLITS=2)),
+           "fill": (700, dict(SPLITS=2, MIN_STEPS=2, BN=16, G=4, GMIN=1)),
+           "fill-loop": (700, dict(SPLITS=2, MIN_STEPS=3, BK=64, BN=16, G=4, GMIN=1, grid_slots=1)),
+           "fill-ranks": (700, dict(SPLITS=2, MIN_STEPS=2, RSPLIT=2, BN=16, G=2, GMIN=2))}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -66,9 +72,15 @@ def test_kernels_match_references(tmp_path, variant, dtype, config):
     # the tile table the kernels read: the reference's, nothing written past it
     want = ST.tiles_ref(start, cfg["BM"])
     assert np.array_equal(tiles[:len(want)], want) and (tiles[len(want):] == -7).all()
-    C = ST.constants("shrink", variant, K, mods, None, R, 4, 9, 8, cfg)[0]["C"]
-    chunk = ST.chunk_elems(K, variant, cfg)
-    assert v.shape[2] == C and C > 1 and chunk % ST.step_elems(variant, cfg) == 0 and (C - 1) * chunk < K <= C * chunk
+    consts = ST.constants("shrink", variant, K, mods, None, R, 4, 9, 8, cfg)[0]
+    C = ST.splits_for(int(tiles[0]), K, variant, consts["UNITS"], cfg)  # this batch's splits, as the kernels chose
+    bk = ST.step_elems(variant, cfg)
+    chunk = -(-(-(-K // bk)) // C) * bk
+    assert v.shape[2] == consts["CMAX"] >= C > 1 and (C - 1) * chunk < K <= C * chunk
+    if config.startswith("fill"):  # few tiles: more splits than SPLITS, output groups of GMIN
+        assert C > ST.num_chunks(K, variant, cfg), (C, ST.num_chunks(K, variant, cfg))
+        assert ST.groups_for(int(tiles[0]), widths, variant, cfg) == cfg["GMIN"] < cfg["G"] or config == "fill-ranks"
+    assert np.isnan(v[:, :, C:]).all()  # splits past the batch's are never written
     v_ref = ST.shrink_ref(x, arena, base, order, start, rank, scale, a_off, mods, R, chunk)
     written = ~np.isnan(v)
     # every entry the expand reads was written, and equals the reference

@@ -152,7 +152,8 @@ def run(inp: dict) -> dict:
     mods, widths = [int(m) for m in inp["mods"]], [int(w) for w in inp["widths"]]
     base, R, cap = int(inp["base"]), int(inp["R"]), len(start) - 1
     n, K = x.shape
-    cfg = dict(ST.VARIANTS[variant], **{k: int(inp[k]) for k in ("BM", "SPLITS", "BN", "G", "RSPLIT", "BK") if k in inp})
+    cfg = dict(ST.VARIANTS[variant], **{k: int(inp[k]) for k in ("BM", "SPLITS", "BN", "G", "RSPLIT", "BK", "MIN_STEPS",
+                                                                 "GMIN") if k in inp})
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     rows = ST.grid_x(n, min(cap, int(inp.get("grid_slots", cap))), cfg["BM"])  # as launch(), or fewer blocks
     sc, sy = ST.constants("shrink", variant, K, mods, None, R, scale.shape[1], cap, 8, cfg)
@@ -160,7 +161,7 @@ def run(inp: dict) -> dict:
     tiles = torch.full((ST.tile_table_len(n),), -7, dtype=torch.int32)
     ST.lora_tiles_kernel[(ST.tiles_grid(n, cap, cfg["BM"]),)](t(start), tiles, cap,
                                                              **ST.tiles_constants(variant, cap, cfg))
-    v = torch.full((n, len(mods), sc["C"], R), float("nan"), dtype=torch.float32)
+    v = torch.full((n, len(mods), sc["CMAX"], R), float("nan"), dtype=torch.float32)
     ST.lora_shrink_kernel[(rows, sy)](t(x), t(arena), t(order), tiles, t(rank), t(scale), t(inp["a_off"]), v,
                                       n, base, **sc)
     y = t(inp["y"].copy())
