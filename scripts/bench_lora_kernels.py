@@ -331,6 +331,12 @@ def _sgmv_cuda(pb: Linear):
     return call
 
 
+def _model_capacity(T: int) -> int:
+    """The slot table's slots a model passes for T tokens: its max batch size in decode's CUDA
+    graphs (T <= SMALL_MAX_TOKENS), the batch's own slots above (prefill; 0 here: N)."""
+    return TRITON_SLOTS if T <= _triton().SMALL_MAX_TOKENS else 0
+
+
 def _sorted_tables(t, slot, n_slots: int, dev, capacity: int = 0):
     """lora_token_order and lora_slot_start of a batch, as the pool builds them (contract.py): the
     tokens sorted by slot, stable, and each slot's first position (every slot here has a token or
@@ -355,7 +361,7 @@ def _sgmv_triton(pb: Linear):
     p, t = pb.p, pb.env.torch
     shrink = _fn(pb.env.lib, fname("tshrink", p.dtype, p.R, p.in_f, p.out_f))
     expand = _fn(pb.env.lib, fname("texpand", p.dtype, p.R, p.in_f, p.out_f))
-    order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, TRITON_SLOTS)
+    order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, _model_capacity(p.T))
     tiles = _tile_table(pb.env, order, start)
     v = t.empty((p.T, 1, _triton().max_chunks(p.in_f), p.R), dtype=t.float32, device=pb.env.device)
 
@@ -374,10 +380,10 @@ def triton_jit(cfg: dict | None):
     def make(pb: Linear):
         ST = _triton()  # pylint: disable=invalid-name
         p, t = pb.p, pb.env.torch
-        var = ST.variant_for(p.T)
-        c = cfg or ST.VARIANTS[var]
-        order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, TRITON_SLOTS)
+        order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, _model_capacity(p.T))
         slots = len(start) - 1
+        var = ST.variant_for(p.T, slots)
+        c = cfg or ST.VARIANTS[var]
         sc, sy = ST.constants("shrink", var, p.in_f, (0,), None, p.R, 1, TRITON_SLOTS, 8, c)
         ec, ey = ST.constants("expand", var, p.in_f, (0,), (p.out_f,), p.R, 1, TRITON_SLOTS, 8, c)
         v = t.empty((p.T, 1, sc["CMAX"], p.R), dtype=t.float32, device=pb.env.device)
@@ -553,7 +559,7 @@ def _layer_triton(lp: Layer):
     """The tensor-core stage 3 (Triton) as the model runs it: per fused linear one shrink and one
     in-place expand over the tokens sorted by slot."""
     t, lib = lp.env.torch, lp.env.lib
-    order, start = _sorted_tables(t, lp.slot, lp.N, lp.env.device, TRITON_SLOTS)
+    order, start = _sorted_tables(t, lp.slot, lp.N, lp.env.device, _model_capacity(lp.T))
     tiles = _tile_table(lp.env, order, start)
     fns = {name: (_fn(lib, lname("tshrink", name, lp.dtype, lp.R)), _fn(lib, lname("texpand", name, lp.dtype, lp.R)),
                   t.empty((lp.T, len(parts), _triton().max_chunks(lp.layer[name][0]), lp.R), dtype=t.float32,

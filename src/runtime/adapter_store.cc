@@ -58,7 +58,8 @@ ffi::Array<Tensor> AdapterStore::graph_tables() const {
   if (tables_.empty()) TVM_FFI_THROW(ValueError) << "no batch: call begin_forward first";
   const int64_t S = g_.max_batch;
   return {tables_[0], tables_[1], View(rank_, 0, {S}, kInt32), View(scale_, 0, {S, M_}, kFloat32),
-          View(a_, 0, {S, M_, R_}, kInt32), View(b_, 0, {S, M_, R_}, kInt32), tables_[6], tables_[7]};
+          View(a_, 0, {S, M_, R_}, kInt32), View(b_, 0, {S, M_, R_}, kInt32), tables_[6],
+          View(start_, 0, {S + 1}, kInt32)};
 }
 
 void AdapterStore::CheckConfigured() const {
@@ -405,7 +406,8 @@ void AdapterStore::Upload(const std::vector<int64_t>& slots, const std::vector<i
              upload(a_, a_off.data(), {S, M_, R_}, kInt32),
              upload(b_, b_off.data(), {S, M_, R_}, kInt32),
              upload(order_, order.data(), {tokens}, kInt32),
-             upload(start_, start.data(), {cap + 1}, kInt32)};
+             // every entry written (graph_tables' view), this batch's slots' here
+             View(upload(start_, start.data(), {cap + 1}, kInt32), 0, {S + 1}, kInt32)};
 }
 
 }  // namespace mlc_lora

@@ -92,13 +92,16 @@ class AdapterStore {
   void BuildTables(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens,
                    int64_t tokens);
   /*! \brief The tables of the last BuildTables, in contract.LORA_TABLE_INPUTS order: [arena,
-   *  token_slot, rank, scale, a_off, b_off, token_order, slot_start]. Those of a batch without
+   *  token_slot, rank, scale, a_off, b_off, token_order, slot_start], the slot tables (slot_start:
+   *  its S + 1 entries) at the batch's S slots (the kernels may pick their tiles by tokens per
+   *  slot where the slot count is the batch's). Those of a batch without
    *  adapters (one inert slot) are built on first use: such batches mostly run the base functions,
    *  which read none, and the uploads are most of a batch's table cost. */
   tvm::ffi::Array<tvm::runtime::Tensor> tables() const;
   /*! \brief The same tables with the slot tables at the maximum slot count: the same device
-   *  addresses at every batch, for a decode captured in CUDA graphs. Rows past the batch's slots
-   *  hold earlier batches' slots (zeros before any), which no token uses. */
+   *  addresses and shapes at every batch, for a decode captured in CUDA graphs. Rows past the
+   *  batch's slots hold earlier batches' slots (zeros before any), which no token uses;
+   *  slot_start's entries past them hold the batch's token count (those slots have none). */
   tvm::ffi::Array<tvm::runtime::Tensor> graph_tables() const;
   /*! \brief Distinct adapters of the last BuildTables (0: every token is on the base model). */
   int64_t num_slots() const { return num_slots_; }

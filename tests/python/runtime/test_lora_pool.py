@@ -55,13 +55,17 @@ def check_tables(pool, slot_adapters, token_slot, L, E):
     arena, slot, rank, scale, a_off, b_off, order, start = [t.numpy() for t in pool.lora_tables()]
     assert pool.lora_num_slots() == len(slot_adapters)
     assert pool.lora_rank_total() == sum(h.rank for _, h in slot_adapters)  # decode_fused's batch test
-    # the tokens sorted by slot (stable, base-model tokens last), every slot of the capacity described
+    # the tokens sorted by slot (stable, base-model tokens last); slot_start describes the batch's
+    # slots here, every slot of the capacity (8: new_pool's) in the graph tables
     token_slot = np.asarray(token_slot)
     key = np.where(token_slot >= 0, token_slot, len(token_slot) + 1)
     np.testing.assert_array_equal(order, np.argsort(key, kind="stable"))
-    counts = [int((token_slot == s).sum()) for s in range(start.size - 1)]
-    np.testing.assert_array_equal(start, np.concatenate([[0], np.cumsum(counts)]))
-    assert start.size == 8 + 1  # new_pool's batch capacity
+    counts = [int((token_slot == s).sum()) for s in range(8)]
+    full = np.concatenate([[0], np.cumsum(counts)])
+    assert start.size == max(1, len(slot_adapters)) + 1
+    np.testing.assert_array_equal(start, full[:start.size])
+    graph_start = pool.lora_graph_tables()[7].numpy()
+    np.testing.assert_array_equal(graph_start, full)
     P = arena.size // (L * E)
     assert arena.shape == (L * P * E,)
     np.testing.assert_array_equal(slot, token_slot)

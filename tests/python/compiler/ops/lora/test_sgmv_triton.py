@@ -126,6 +126,22 @@ def test_kernels_build_to_cubin_for_sm90(cubin_cache):
         assert f"_BM{ST.VARIANTS[var]['BM']}_" in script  # each variant's kernel, by its constants
 
 
+def test_past_256_tokens_the_tiles_follow_the_tokens_per_slot(cubin_cache):
+    """Past SMALL_MAX_TOKENS the 16-row tiles run where the batch's slots average fewer than
+    SMALL_SLOT_TOKENS tokens (the pool's non-graph tables hand slot_start at the batch's slots),
+    and the three wrappers (tile table, shrink, expand) branch on that one condition."""
+    k = ST.SMALL_SLOT_TOKENS
+    assert [ST.variant_for(16, 256), ST.variant_for(200, 1), ST.variant_for(256, 1)] == ["tiny", "small", "small"]
+    assert ST.variant_for(k * 64 - 1, 64) == "small" and ST.variant_for(k * 64, 64) == "large"
+    assert ST.variant_for(4096, 4) == "large" and ST.variant_for(4096) == "small"
+    sh, _ = ST.shrink_wrapper(4096, (0, 1, 2), 2, 16, 7, "float16", 64, 8, "sm_90a")
+    ex, _ = ST.expand_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 64, 8, "sm_90a")
+    ti, _ = ST.tiles_wrapper(64, "sm_90a")
+    want = f"if n <= T.int64({ST.SMALL_MAX_TOKENS}) or n < T.int64({k}) * (cap1 - T.int64(1)):"
+    for f in (sh, ex, ti):
+        assert [ln.strip() for ln in f.script().splitlines() if "T.int64(256)" in ln] == [want]
+
+
 def test_kernels_import_with_the_tvm_runtime_alone():
     """The GPU machine has TVM's runtime only (no relax, no TVMScript): the kernels and their launch
     constants import there (bench_lora_kernels.py --triton-jit runs them). Checked on the module
