@@ -111,12 +111,16 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
         """cuBLAS over W's rows and the rank rows: e = x @ [W; A rows].T."""
         self.torch.matmul(self.x[c], self.w_rows[c].t(), out=self.e)
 
-    def launch_rows(self, c, go):
-        """The rank rows route past FUSED_MAX_TOKENS (`--lora-rank-rows`): the fill, cuBLAS over both,
-        the expand from e into y."""
+    def launch_fill_rows(self, c, go):
+        """The rank rows route's fill alone: the batch's A rows into W's spare rows."""
         self.LT.lora_fill_rows_kernel[go["fill_grid"]](self.arena, self.rank, self.scale, self.a_off[c],
                                                        self.w_rows[c], self.N, 0, **go["fill"],
                                                        num_warps=go["fill_warps"])
+
+    def launch_rows(self, c, go):
+        """The rank rows route past FUSED_MAX_TOKENS (`--lora-rank-rows`): the fill, cuBLAS over both,
+        the expand from e into y."""
+        self.launch_fill_rows(c, go)
         self.launch_gemm_rows(c)
         self.LT.lora_expand_rows_kernel[go["expand_grid"]](self.e, self.arena, self.slot, self.rank, self.scale,
                                                            self.b_off[c], self.y[c % 2], self.T, self.N, 0,
@@ -300,7 +304,8 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     to x), alone and after a copy of x and the shrink (its cost without a kernel written for it);
     the rank rows inside the GEMM (`--lora-rank-rows`): cuBLAS over N + P x RANK_COLUMNS outputs
     (the batch's A rows below W's: the shrink inside the GEMM), alone and with the fill and the
-    expand from its output (the compiled route)."""
+    expand from its output (the compiled route); and the pair's shrink, its expand and the rows
+    route's fill alone (what a route that folds one of them into the GEMM saves or adds)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -342,7 +347,10 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                      "cublas || shrink, expand": overlap,
                      "cublas(K+cols)": gemm_ext, "shrink + copy + cublas(K+cols)": ext,
                      "cublas(N+rows)": pt.launch_gemm_rows,
-                     "fill + cublas(N+rows) + expand": lambda i: pt.launch_rows(i, go_rows)}
+                     "fill + cublas(N+rows) + expand": lambda i: pt.launch_rows(i, go_rows),
+                     # the pair's parts alone: what a route that folds one of them away saves
+                     "shrink": lambda i: pt.launch_shrink(i, go), "expand": lambda i: pt.launch_expand(i, go),
+                     "fill(rows)": lambda i: pt.launch_fill_rows(i, go_rows)}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
             for label in ("cublas + pair", "cublas || shrink, expand", "fill + cublas(N+rows) + expand") + (
