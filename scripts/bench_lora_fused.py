@@ -138,6 +138,22 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
                                                            num_warps=go["expand_warps"])
 
 
+def cols_weight(torch, LT, pt, c):
+    """[W | B_cols] of copy c (harness/route_kernels.py's Semantics): the batch's B rows by rank column
+    (slot s's columns after the ranks of the slots before it) in each part's own column block."""
+    P, r = len(pt.widths), pt.r
+    w = torch.zeros((pt.out_f, pt.in_f + P * LT.RANK_COLUMNS), device="cuda", dtype=pt.w[c].dtype)
+    w[:, :pt.in_f].copy_(pt.w[c])
+    o = 0
+    for p, wp in enumerate(pt.widths):
+        b = pt.mods[p][1][c]  # (N, out, R)
+        for s in range(pt.N):
+            col = pt.in_f + p * LT.RANK_COLUMNS + s * r
+            w[o:o + wp, col:col + r] = b[s, :, :r]
+        o += wp
+    return w
+
+
 def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: disable=too-many-locals
     """us per call of every candidate, and the fused kernel's error, for one linear and batch."""
     pt = Point(torch, LT, name, T, N, r, dtype_name, seed)
@@ -305,7 +321,10 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     the rank rows inside the GEMM (`--lora-rank-rows`): cuBLAS over N + P x RANK_COLUMNS outputs
     (the batch's A rows below W's: the shrink inside the GEMM), alone and with the fill and the
     expand from its output (the compiled route); and the pair's shrink, its expand and the rows
-    route's fill alone (what a route that folds one of them into the GEMM saves or adds)."""
+    route's fill alone (what a route that folds one of them into the GEMM saves or adds); and the
+    producer of x (an RMSNorm before qkv and gate_up, a copy before o and down) alone, before cuBLAS,
+    before cuBLAS + the pair, and with the shrink folded in (harness/route_kernels.py) before cuBLAS over K +
+    P x RANK_COLUMNS inputs: the rank columns route with no separate LoRA launch but the fill."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -322,8 +341,20 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             w_ext = [torch.empty((pt.out_f, k_ext), device="cuda", dtype=pt.w[0].dtype) for _ in range(pt.copies)]
             x_ext = [torch.zeros((T, k_ext), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
             for c in range(pt.copies):
-                w_ext[c][:, :pt.in_f].copy_(pt.w[c])
-                w_ext[c][:, pt.in_f:].normal_()
+                w_ext[c].copy_(cols_weight(torch, LT, pt, c))
+            # the producer of x with the shrink folded in: an RMSNorm for qkv and gate_up, a copy
+            # standing in for the attention / the activation before o and down
+            from harness.route_kernels import producer_shrink_kernel as produce  # pylint: disable=import-outside-toplevel
+            h = [torch.randn((T, pt.in_f), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
+            gain = (torch.rand((pt.in_f,), device="cuda") + 0.5).to(pt.x[0].dtype)
+            m3 = (list(pt.mod_ids) + [-1] * LT.MAX_PARTS)[:LT.MAX_PARTS]
+            kp = dict(K=pt.in_f, M=len(pt.widths), R=pt.r, m0=m3[0], m1=m3[1], m2=m3[2], P=len(pt.widths), BM=16,
+                      BK=64, RS=LT.RANK_COLUMNS, SC=LT.SLOT_COLUMNS, ALIGN=8, NORM=name in ("qkv", "gate_up"))
+
+            def prod(i, shrink=False):
+                xe, ke = (x_ext[i], k_ext) if shrink else (pt.x[i], pt.in_f)
+                produce[(-(-T // kp["BM"]),)](h[i], gain, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe, T,
+                                              pt.N, 0, 1e-5, KE=ke, SHRINK=shrink, **kp, num_warps=4)
 
             def overlap(i):
                 cur = torch.cuda.current_stream()
@@ -350,10 +381,16 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                      "fill + cublas(N+rows) + expand": lambda i: pt.launch_rows(i, go_rows),
                      # the pair's parts alone: what a route that folds one of them away saves
                      "shrink": lambda i: pt.launch_shrink(i, go), "expand": lambda i: pt.launch_expand(i, go),
-                     "fill(rows)": lambda i: pt.launch_fill_rows(i, go_rows)}
+                     "fill(rows)": lambda i: pt.launch_fill_rows(i, go_rows),
+                     "prod": prod, "prod + cublas": lambda i: (prod(i), pt.launch_gemm(i)),
+                     "prod + cublas + pair": lambda i: (prod(i), pt.launch_pair(i, go)),
+                     "prod·shrink": lambda i: prod(i, True),
+                     "prod·shrink + cublas(K+cols)": lambda i: (prod(i, True), gemm_ext(i))}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
-            for label in ("cublas + pair", "cublas || shrink, expand", "fill + cublas(N+rows) + expand") + (
+            prod(0)  # x = the producer's output of h: what every route below reads, and the reference
+            for label in ("cublas + pair", "cublas || shrink, expand", "fill + cublas(N+rows) + expand",
+                          "prod·shrink + cublas(K+cols)") + (
                     ("one-kernel linear",) if T <= LT.FUSED_MAX_TOKENS else ()):
                 cands[label](0)
                 cands[label](0)  # twice: the split tiles' counters were left at zero
@@ -363,7 +400,7 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
             print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
             out.append(dict(linear=name, T=T, us=us))
-            del w_ext, x_ext, pt
+            del w_ext, x_ext, h, pt
             torch.cuda.empty_cache()
     print("\nOne layer (the four linears), us:")
     labels = list(out[0]["us"])
