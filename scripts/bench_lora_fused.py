@@ -138,22 +138,6 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
                                                            num_warps=go["expand_warps"])
 
 
-def cols_weight(torch, LT, pt, c):
-    """[W | B_cols] of copy c (harness/route_kernels.py's Semantics): the batch's B rows by rank column
-    (slot s's columns after the ranks of the slots before it) in each part's own column block."""
-    P, r = len(pt.widths), pt.r
-    w = torch.zeros((pt.out_f, pt.in_f + P * LT.RANK_COLUMNS), device="cuda", dtype=pt.w[c].dtype)
-    w[:, :pt.in_f].copy_(pt.w[c])
-    o = 0
-    for p, wp in enumerate(pt.widths):
-        b = pt.mods[p][1][c]  # (N, out, R)
-        for s in range(pt.N):
-            col = pt.in_f + p * LT.RANK_COLUMNS + s * r
-            w[o:o + wp, col:col + r] = b[s, :, :r]
-        o += wp
-    return w
-
-
 def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: disable=too-many-locals
     """us per call of every candidate, and the fused kernel's error, for one linear and batch."""
     pt = Point(torch, LT, name, T, N, r, dtype_name, seed)
@@ -324,7 +308,8 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     route's fill alone (what a route that folds one of them into the GEMM saves or adds); and the
     producer of x (an RMSNorm before qkv and gate_up, a copy before o and down) alone, before cuBLAS,
     before cuBLAS + the pair, and with the shrink folded in (harness/route_kernels.py) before cuBLAS over K +
-    P x RANK_COLUMNS inputs: the rank columns route with no separate LoRA launch but the fill."""
+    P x RANK_COLUMNS inputs, with and without the fill of the batch's B rows into the weight's spare
+    columns: the rank columns route with no separate LoRA launch but the fill."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -340,16 +325,30 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             k_ext = pt.in_f + len(pt.widths) * LT.RANK_COLUMNS
             w_ext = [torch.empty((pt.out_f, k_ext), device="cuda", dtype=pt.w[0].dtype) for _ in range(pt.copies)]
             x_ext = [torch.zeros((T, k_ext), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
-            for c in range(pt.copies):
-                w_ext[c].copy_(cols_weight(torch, LT, pt, c))
             # the producer of x with the shrink folded in: an RMSNorm for qkv and gate_up, a copy
-            # standing in for the attention / the activation before o and down
-            from harness.route_kernels import producer_shrink_kernel as produce  # pylint: disable=import-outside-toplevel
+            # standing in for the attention / the activation before o and down; the fill of the
+            # batch's B rows into the weight's spare columns
+            from harness.route_kernels import (  # pylint: disable=import-outside-toplevel
+                fill_cols_kernel, producer_shrink_kernel as produce)
             h = [torch.randn((T, pt.in_f), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
             gain = (torch.rand((pt.in_f,), device="cuda") + 0.5).to(pt.x[0].dtype)
             m3 = (list(pt.mod_ids) + [-1] * LT.MAX_PARTS)[:LT.MAX_PARTS]
             kp = dict(K=pt.in_f, M=len(pt.widths), R=pt.r, m0=m3[0], m1=m3[1], m2=m3[2], P=len(pt.widths), BM=16,
                       BK=64, RS=LT.RANK_COLUMNS, SC=LT.SLOT_COLUMNS, ALIGN=8, NORM=name in ("qkv", "gate_up"))
+
+            w3 = (list(pt.widths) + [0] * 2)[:2]
+            bn_fill = next(b for b in (128, 64, 32, 16) if all(w % b == 0 for w in pt.widths))
+
+            def fill_cols(i):
+                fill_cols_kernel[(pt.out_f // bn_fill,)](
+                    pt.arena, pt.rank, pt.scale, pt.b_off[i], w_ext[i], pt.N, 0, K=pt.in_f, KE=k_ext, M=kp["M"],
+                    R=pt.r, m0=m3[0], m1=m3[1], m2=m3[2], W0=w3[0], W1=w3[1], BN=bn_fill, RS=LT.RANK_COLUMNS,
+                    SC=LT.SLOT_COLUMNS, ALIGN=8, num_warps=4)
+
+            for c in range(pt.copies):
+                w_ext[c].zero_()
+                w_ext[c][:, :pt.in_f].copy_(pt.w[c])
+                fill_cols(c)
 
             def prod(i, shrink=False):
                 xe, ke = (x_ext[i], k_ext) if shrink else (pt.x[i], pt.in_f)
@@ -385,12 +384,14 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                      "prod": prod, "prod + cublas": lambda i: (prod(i), pt.launch_gemm(i)),
                      "prod + cublas + pair": lambda i: (prod(i), pt.launch_pair(i, go)),
                      "prod·shrink": lambda i: prod(i, True),
-                     "prod·shrink + cublas(K+cols)": lambda i: (prod(i, True), gemm_ext(i))}
+                     "prod·shrink + cublas(K+cols)": lambda i: (prod(i, True), gemm_ext(i)),
+                     "fill(cols)": fill_cols,
+                     "fill(cols) + prod·shrink + cublas(K+cols)": lambda i: (fill_cols(i), prod(i, True), gemm_ext(i))}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
             prod(0)  # x = the producer's output of h: what every route below reads, and the reference
             for label in ("cublas + pair", "cublas || shrink, expand", "fill + cublas(N+rows) + expand",
-                          "prod·shrink + cublas(K+cols)") + (
+                          "fill(cols) + prod·shrink + cublas(K+cols)") + (
                     ("one-kernel linear",) if T <= LT.FUSED_MAX_TOKENS else ()):
                 cands[label](0)
                 cands[label](0)  # twice: the split tiles' counters were left at zero

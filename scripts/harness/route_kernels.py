@@ -1,7 +1,9 @@
 """Kernels of routes that `bench_lora_fused.py routes` times and the compiler does not build
 (experiments; a route that is kept moves into compiler_passes/ops/ with its tests).
 
-`producer_shrink_kernel`: the producer of a linear's input with the LoRA shrink folded in.
+`producer_shrink_kernel`: the producer of a linear's input with the LoRA shrink folded in;
+`fill_cols_kernel`: the batch's B rows into the weight's spare columns, which the GEMM over
+[x | shrink] then multiplies (the expand inside the GEMM).
 
 Semantics (h (n, K); g (K,); the tables as compiler_passes/ops/lora/linear_triton.py's; xe
 (n, K + P x RS), RS = RANK_COLUMNS):
@@ -11,10 +13,11 @@ Semantics (h (n, K); g (K,); the tables as compiler_passes/ops/lora/linear_trito
   xe[t, K + p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p))) where rank column c
          is token t's slot's (s = slot[t] >= 0) and live, else 0
 so that xe @ [W | B_cols].T = x @ W.T + the LoRA delta, B_cols (N, P x RS) holding part p's B row of
-column c in column p x RS + c over part p's outputs and zeros elsewhere (`cols_weight` in
-bench_lora_fused.py). One block per BM tokens: with NORM a first pass over h for the mean square,
-then one pass that writes x and multiplies it by the A rows of the rank columns on the tensor cores.
-Reference: the route's output is checked against float64 in `routes`, as every route's.
+column c in column p x RS + c over part p's outputs and zeros elsewhere (`fill_cols_kernel`). The
+producer: one block per BM tokens, with NORM a first pass over h for the mean square, then one pass
+that writes x and multiplies it by the A rows of the rank columns on the tensor cores.
+Reference: tests/python/scripts/test_route_kernels.py (float64, under Triton's interpreter); on the
+GPU `routes` checks the route's output against float64, as every route's.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mlc_lora.compiler_passes.ops.lora.linear_triton import (  # noqa: F401  (the kernel's callees)
-    _a_rows, _module_columns, _rank_columns)
+from mlc_lora.compiler_passes.ops.lora.linear_triton import (  # noqa: F401  (the kernels' callees)
+    _a_rows, _module_columns, _part, _rank_columns)
 
 
 @triton.jit
@@ -85,3 +88,22 @@ def producer_shrink_kernel(h_ptr, g_ptr, arena_ptr, slot_ptr, rank_ptr, scale_pt
         if P > 2:
             tl.store(out + 2 * RS, _own(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
                      mask=rmask[:, None])
+
+
+@triton.jit
+def fill_cols_kernel(arena_ptr, rank_ptr, scale_ptr, boff_ptr, w_ptr, S, base, K: tl.constexpr, KE: tl.constexpr,
+                     M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
+                     W0: tl.constexpr, W1: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
+                     ALIGN: tl.constexpr):
+    """Grid (N / BN,): the batch's B rows into [W | B_cols]'s spare columns (w (N, KE), KE = K + P x RS):
+    w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the outputs o of part p where rank
+    column c is live (a slot's, below its rank, a module it adapts), else 0; the other parts'
+    columns of these outputs are left alone (zeros from the start)."""
+    p, m, o_p = _part(tl.program_id(0) * BN, m0, m1, m2, W0, W1)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+    _, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
+    b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
+    bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=valid[:, None], other=0.0)  # (RS, BN)
+    c = tl.arange(0, RS)
+    tl.store(w_ptr + cols[None, :].to(tl.int64) * KE + K + p * RS + c[:, None], bt)
