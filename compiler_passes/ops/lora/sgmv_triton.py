@@ -95,16 +95,20 @@ def step_elems(variant: str, cfg: dict | None = None) -> int:
     return (cfg or VARIANTS[variant]).get("BK", BK)
 
 
-def num_chunks(in_f: int, variant: str, cfg: dict | None = None) -> int:
-    """C: the input's splits (of whole dot steps, none empty) in tile variant `variant` (cfg: its
-    VARIANTS entry, or another configuration)."""
-    steps = -(-in_f // step_elems(variant, cfg))
-    return -(-steps // -(-steps // min((cfg or VARIANTS[variant])["SPLITS"], steps)))
-
-
 def _evened(steps: int, want: int) -> int:
     """The split count of at most `want` (>= 1) splits of whole steps, none empty."""
     return -(-steps // -(-steps // min(want, steps)))
+
+
+def num_chunks(in_f: int, variant: str, cfg: dict | None = None) -> int:
+    """C: the input's splits (of whole dot steps, none empty) in tile variant `variant` (cfg: its
+    VARIANTS entry, or another configuration)."""
+    return _evened(-(-in_f // step_elems(variant, cfg)), (cfg or VARIANTS[variant])["SPLITS"])
+
+
+def _groups_per_tile(widths, bn: int, g: int) -> int:
+    """The expand's work items per tile over all parts: groups of g output tiles of bn columns."""
+    return sum(-(-(-(-w // bn)) // g) for w in widths)
 
 
 def most_chunks(in_f: int, variant: str, cfg: dict | None = None) -> int:
@@ -131,7 +135,7 @@ def groups_for(total: int, widths, variant: str, cfg: dict | None = None) -> int
     G, halved while total x groups over all parts falls short of FILL_BLOCKS, at least GMIN."""
     cfg = cfg or VARIANTS[variant]
     g, bn = cfg["G"], cfg["BN"]
-    while g > cfg.get("GMIN", cfg["G"]) and total * sum(-(-(-(-w // bn)) // g) for w in widths) < FILL_BLOCKS:
+    while g > cfg.get("GMIN", cfg["G"]) and total * _groups_per_tile(widths, bn, g) < FILL_BLOCKS:
         g //= 2
     return g
 
@@ -437,7 +441,7 @@ def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_m
     consts = dict(**dyn, STEPS=-(-in_f // bk), M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths),
                   R=R, BM=cfg["BM"], BN=cfg["BN"], G=cfg["G"], GMIN=min(cfg.get("GMIN", cfg["G"]), cfg["G"]), RB=RB,
                   ALIGN=align)
-    return consts, sum(-(-(-(-w // cfg["BN"])) // cfg["G"]) for w in widths)
+    return consts, _groups_per_tile(widths, cfg["BN"], cfg["G"])
 
 
 def variant_kernel(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_modules: int, dtype: str,
@@ -471,12 +475,12 @@ def variant_for(n: int, slots: int | None = None) -> str:
     (the batch's own outside CUDA graphs; None: as many as tokens)."""
     if n <= TINY_MAX_TOKENS:
         return "tiny"
-    return "small" if n <= SMALL_MAX_TOKENS or n < SMALL_SLOT_TOKENS * (n if slots is None else slots) else "large"
+    return "small" if n <= SMALL_MAX_TOKENS or _small_past(n, (n if slots is None else slots) + 1) else "large"
 
 
 def _small_past(n, cap1):
-    """TIR: the condition under which variant_for picks `small` past SMALL_MAX_TOKENS (cap1: the
-    slot table's entries, its slots + 1); one statement for the three wrappers."""
+    """The condition under which `small` runs past SMALL_MAX_TOKENS (cap1: the slot table's entries,
+    its slots + 1), for Python ints (variant_for) and TIR expressions (the three wrappers) alike."""
     return n < SMALL_SLOT_TOKENS * (cap1 - 1)
 
 
