@@ -44,8 +44,10 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         self.allocator = allocator or default_allocator(device)
         if self.allocator not in ALLOCATORS:
             raise MLCLoraError(f"unknown allocator {self.allocator!r}; use one of {', '.join(ALLOCATORS)}")
-        if self.allocator == "naive" and self._device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type():
-            hand_back_freed_buffers()  # each step's activations go back to the system when freed
+        # Freed host blocks go back to the system: the CPU's naive allocator frees each step's
+        # activations, and on any device the host's per-step tables would otherwise leave glibc's
+        # heap holding their free space (device.py, MALLOC_MMAP_THRESHOLD).
+        hand_back_freed_buffers()
         self._vm = tvm.runtime.vm.VirtualMachine(lib, self._device, memory_cfg=self.allocator)
         # The pooled allocator keeps every buffer it freed, by size, and a prefill of a token count
         # not seen before leaves buffers of new sizes: after this many new counts the cached
