@@ -128,7 +128,8 @@ POOLED_PREFILL_SIZES = 8
 # MiB, the trim threshold to twice that): from then on blocks that size come from the heap, which
 # keeps its free space (malloc_trim(0) after every soak round returned next to none of it). The naive
 # allocator frees a forward's activations every step, and under prompts of varied lengths resident
-# memory grew in steps for an hour without levelling off (+76 MB; docs/BENCHMARKS.md, "Soak").
+# memory grew in steps for an hour without levelling off (+76 MB; docs/BENCHMARKS.md, "Soak"); a
+# CUDA runner's host side did the same (+377 MB in ~24 MB steps, +22 MB pinned, at no cost measured).
 # Pinned at these values (mallopt, which also ends the raising), large buffers go back on free.
 MALLOC_MMAP_THRESHOLD = 128 << 10
 _MALLOPT_DONE = False
