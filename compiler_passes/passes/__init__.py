@@ -6,7 +6,8 @@ from .dispatch_attention import DispatchAttention
 from .dispatch_cublas import DispatchCublas
 from .dispatch_kv_cache import DispatchKVCache
 from .lora_rewrite import LoraRewrite
+from .reserve_rank_columns import ReserveRankColumns
 from .reserve_rank_rows import ReserveRankRows
 
 __all__ = ["AttachSampler", "DispatchActivation", "DispatchAttention", "DispatchCublas", "DispatchKVCache",
-           "LoraRewrite", "ReserveRankRows"]
+           "LoraRewrite", "ReserveRankColumns", "ReserveRankRows"]

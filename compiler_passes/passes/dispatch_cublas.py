@@ -21,8 +21,9 @@ GEMV_MAX_ROWS = 1
 @tvm.transform.module_pass(opt_level=0, name="DispatchCublas")
 class DispatchCublas:  # pylint: disable=too-few-public-methods
     """Rewrite matmul(x, permute_dims(W)) with a 2-D weight W into our GEMM (gemv / cuBLAS). W may
-    be a view of a weight's first rows (ReserveRankRows): the GEMM then takes the whole weight and
-    reads the rows its output needs (no view made per call)."""
+    be a view of a weight's first rows (ReserveRankRows) or a slice of its first columns
+    (ReserveRankColumns): the GEMM then takes the whole weight and reads the rows and columns its
+    output and input need, with the weight's row stride (no view or copy made per call)."""
 
     def __init__(self, cpu: bool = False, arch: str | None = None, gemv_max_rows: int = GEMV_MAX_ROWS):
         # CPU: float32 only, and single rows too (TVM's CPU matmul is an unscheduled scalar loop).
@@ -70,7 +71,7 @@ class _Rewriter(PyExprMutator):
         if weight is None:
             return call
         x_ty, w_ty = x.ty, weight.ty
-        weight, w_rows = self._first_rows_of(weight)
+        weight, w_rows, w_cols = self._own_part_of(weight)
         if not isinstance(x_ty, relax.TensorType) or x_ty.shape is None or x_ty.ndim < 1:
             return call
         out_dtype = call.attrs.out_dtype
@@ -84,19 +85,24 @@ class _Rewriter(PyExprMutator):
         if self._gemv_arch and isinstance(n, tvm.tirx.IntImm) and isinstance(k, tvm.tirx.IntImm) and (
             gemv_cuda.supported(str(x_ty.dtype), int(k), x_ty.ndim) is None
         ):
-            wrapper = self._gemv_wrapper(int(n), int(k), str(x_ty.dtype), x_ty.ndim, w_rows)
+            wrapper = self._gemv_wrapper(int(n), int(k), str(x_ty.dtype), x_ty.ndim, w_rows, w_cols)
             return relax.call_tir(wrapper, [x, weight], out_ty)
-        if not self._cpu and _is_static_one(rows) and w_rows is None:
+        if not self._cpu and _is_static_one(rows) and w_rows is None and w_cols is None:
             # One static row: dlight's GEMV beats cuBLAS there (measured 0.8x of its time).
             return call
         return relax.call_dps_packed(relax.ExternFunc(CUBLAS_GEMM), [x, weight], out_ty)
 
-    def _first_rows_of(self, w: relax.Expr) -> tuple[relax.Expr, int | None]:
-        """(the weight, its rows) where `w` is a view of a weight's first rows (same dtype and row
-        length, no offset), else (w, None)."""
+    def _own_part_of(self, w: relax.Expr) -> tuple[relax.Expr, int | None, int | None]:
+        """(the weight, its rows, its columns) where `w` is a view of a weight's first rows (same
+        dtype and row length, no offset: rows reserved below) or a strided_slice of its first
+        columns (columns reserved beside), else (w, None, None): the GEMMs read the whole weight's
+        first rows and columns with its row stride."""
         bound = self.lookup_binding(w) if isinstance(w, relax.Var) else None
+        full = _first_columns_of(bound)
+        if full is not None and _is_weight(full, self):
+            return full, None, int(full.ty.shape.values[1])
         if not (isinstance(bound, relax.Call) and bound.op == self._view):
-            return w, None
+            return w, None, None
         full, offset = bound.args[0], bound.args[3]
         f_ty, v_ty = full.ty, w.ty
         if not (isinstance(offset, relax.Tuple) and len(offset.fields) == 0 and isinstance(f_ty, relax.TensorType)
@@ -104,15 +110,17 @@ class _Rewriter(PyExprMutator):
                 and all(isinstance(d, tvm.tirx.IntImm) for d in (*f_ty.shape.values, *v_ty.shape.values))
                 and int(f_ty.shape.values[1]) == int(v_ty.shape.values[1])
                 and int(f_ty.shape.values[0]) >= int(v_ty.shape.values[0]) and _is_weight(full, self)):
-            return w, None
-        return full, int(f_ty.shape.values[0])
+            return w, None, None
+        return full, int(f_ty.shape.values[0]), None
 
-    def _gemv_wrapper(self, n: int, k: int, dtype: str, ndim: int, w_rows: int | None = None) -> relax.GlobalVar:
-        key = (n, k, dtype, ndim, w_rows)
+    def _gemv_wrapper(self, n: int, k: int, dtype: str, ndim: int, w_rows: int | None = None,
+                      w_cols: int | None = None) -> relax.GlobalVar:
+        key = (n, k, dtype, ndim, w_rows, w_cols)
         if key not in self._wrappers:
             rows = f"_of{w_rows}" if w_rows is not None else ""
-            name = f"mlc_lora_linear_{gemv_cuda.DTYPES[dtype]}_{n}{rows}x{k}_{ndim}d"
-            func = gemv_cuda.wrapper(n, k, dtype, ndim, self._gemv_max_rows, w_rows=w_rows)
+            cols = f"_of{w_cols}" if w_cols is not None else ""
+            name = f"mlc_lora_linear_{gemv_cuda.DTYPES[dtype]}_{n}{rows}x{k}{cols}_{ndim}d"
+            func = gemv_cuda.wrapper(n, k, dtype, ndim, self._gemv_max_rows, w_rows=w_rows, w_cols=w_cols)
             self._wrappers[key] = self.builder_.add_func(func.with_attr("global_symbol", name), name)
             self.gemv_dtypes.add(dtype)
         return self._wrappers[key]
@@ -135,14 +143,39 @@ class _Rewriter(PyExprMutator):
         return w if _is_weight(w, self) else None
 
 
+def _first_columns_of(bound) -> relax.Expr | None:
+    """The 2-D tensor of which `bound` (an expression bound to a var) is strided_slice(w,
+    axes=[1], begin=[0], end=[k]) with unit strides and k <= its columns (ReserveRankColumns),
+    else None."""
+    if not (isinstance(bound, relax.Call) and bound.op == _STRIDED_SLICE):
+        return None
+    full, axes, begin, end = bound.args[:4]
+    strides = bound.args[4] if len(bound.args) > 4 else None
+    f_ty = full.ty
+    if not (isinstance(f_ty, relax.TensorType) and f_ty.ndim == 2 and f_ty.shape is not None
+            and all(isinstance(d, tvm.tirx.IntImm) for d in f_ty.shape.values)):
+        return None
+    ints = lambda t: [int(v.value) for v in t.fields] if isinstance(t, relax.Tuple) else None  # noqa: E731
+    if ints(axes) != [1] or ints(begin) != [0] or strides is not None and ints(strides) not in ([1], []):
+        return None
+    e = ints(end)
+    return full if e is not None and len(e) == 1 and 0 < e[0] <= int(f_ty.shape.values[1]) else None
+
+
+_STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
+
+
 def _is_weight(w: relax.Expr, rewriter: PyExprMutator) -> bool:
     """A model weight: a function parameter, or TupleGetItem of the packed parameter tuple, or a
-    view of the first rows of one (ReserveRankRows)."""
+    view of the first rows of one (ReserveRankRows) or a slice of its first columns
+    (ReserveRankColumns)."""
     if isinstance(w, relax.Var):
         bound = rewriter.lookup_binding(w)
         if bound is None:
             return True  # a function parameter ("plain" param mode)
         if isinstance(bound, relax.Call) and bound.op == tvm.ir.Op.get("relax.memory.view"):
+            return _is_weight(bound.args[0], rewriter)
+        if _first_columns_of(bound) is not None:
             return _is_weight(bound.args[0], rewriter)
         w = bound
     return isinstance(w, relax.TupleGetItem) and isinstance(w.tuple_value, relax.Var) and (

@@ -22,6 +22,7 @@ from ..ops.lora.linear_triton import FUSED
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 _VIEW = tvm.ir.Op.get("relax.memory.view")
+_STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
 
 
 def linear_weight_re(linears: dict[str, Sequence[tuple[str, int, int]]]) -> re.Pattern:
@@ -166,7 +167,8 @@ class _Rewriter(relax.PyExprMutator):
 
     def _weight(self, rhs: relax.Expr) -> tuple[str | None, relax.Expr | None]:
         """(name, W) of a linear's `permute_dims(W)` operand; (None, None) if it is not one. Where
-        W is a view of a weight's first rows (ReserveRankRows), the whole weight."""
+        W is a view of a weight's first rows (ReserveRankRows) or a slice of its first columns
+        (ReserveRankColumns), the whole weight."""
         if not isinstance(rhs, relax.Var):
             return None, None
         perm = self.lookup_binding(rhs)
@@ -178,7 +180,8 @@ class _Rewriter(relax.PyExprMutator):
         w = perm.args[0]
         if isinstance(w, relax.Var):
             bound = self.lookup_binding(w)
-            if isinstance(bound, relax.Call) and bound.op == _VIEW and isinstance(bound.args[0], relax.Var):
+            if isinstance(bound, relax.Call) and bound.op in (_VIEW, _STRIDED_SLICE) and isinstance(
+                    bound.args[0], relax.Var):  # (the view or first-columns slice of a reserved weight)
                 w = bound.args[0]
                 bound = self.lookup_binding(w)
             if isinstance(bound, relax.TupleGetItem) and bound.tuple_value.same_as(self.packed):

@@ -44,11 +44,19 @@ class ReserveRankRows:  # pylint: disable=too-few-public-methods
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if not self.rows:
             raise ValueError("ReserveRankRows found no LoRA-targeted weight among the params")
-        rewriter = _Rewriter(mod, self.rows)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function) and _packed_param(func) is not None:
-                rewriter.builder_.update_func(gv, rewriter.widen(func))
-        return rewriter.builder_.get()
+        return widen_weights(mod, self.rows, axis=0)
+
+
+def widen_weights(mod: tvm.IRModule, extra: dict[int, int], axis: int) -> tvm.IRModule:
+    """Every function's packed param i of `extra` widened by extra[i] rows (axis 0, below its own)
+    or columns (axis 1, beside them); each use reads the weight's own part: a view of its first
+    rows, or a strided_slice of its first columns (which DispatchCublas and LoraRewrite take as
+    the whole weight read with its row stride)."""
+    rewriter = _Rewriter(mod, extra, axis)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and _packed_param(func) is not None:
+            rewriter.builder_.update_func(gv, rewriter.widen(func))
+    return rewriter.builder_.get()
 
 
 def _packed_param(func: relax.Function) -> relax.Var | None:
@@ -61,20 +69,21 @@ def _packed_param(func: relax.Function) -> relax.Var | None:
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, rows: dict[int, int]):
+    def __init__(self, mod: tvm.IRModule, extra: dict[int, int], axis: int):
         super().__init__(mod)
-        self.rows = rows
+        self.extra, self.axis = extra, axis
         self.old: relax.Var | None = None
         self.new: relax.Var | None = None
 
     def widen(self, func: relax.Function) -> relax.Function:
         old = _packed_param(func)
         fields = list(old.ty.fields)
-        for i, r in self.rows.items():
+        for i, r in self.extra.items():
             if i >= len(fields):
                 raise ValueError(f"param {i} of {len(fields)}: the module's params are not the ones named")
-            shape, dtype = fields[i].shape.values, fields[i].dtype
-            fields[i] = relax.TensorType([shape[0] + r, *shape[1:]], dtype)
+            shape, dtype = list(fields[i].shape.values), fields[i].dtype
+            shape[self.axis] = shape[self.axis] + r
+            fields[i] = relax.TensorType(shape, dtype)
         self.old, self.new = old, relax.Var(old.name, relax.TupleType(fields))
         func = relax.Function(list(func.params[:-1]) + [self.new], func.body, func.ret_ty, func.is_pure, func.attrs,
                               func.span)
@@ -86,14 +95,18 @@ class _Rewriter(relax.PyExprMutator):
         value = binding.value
         if isinstance(value, relax.TupleGetItem) and value.tuple_value.same_as(self.old):
             full = self.builder_.emit(relax.TupleGetItem(self.new, value.index), name_hint=binding.var.name)
-            if value.index in self.rows:  # the weight's own rows, as before
+            if value.index in self.extra and self.axis == 0:  # the weight's own rows, as before
                 full = self.builder_.emit(relax.op.memory.view(full, binding.var.ty.shape),
                                           name_hint=binding.var.name + "_rows")
+            elif value.index in self.extra:  # its own columns
+                k = binding.var.ty.shape.values[1]
+                full = self.builder_.emit(relax.op.strided_slice(full, axes=[1], begin=[0], end=[k]),
+                                          name_hint=binding.var.name + "_cols")
             self.set_var_remap(binding.var, full)
             return
         super().visit_var_binding_(binding)
 
     def visit_var_(self, var: relax.Var) -> relax.Expr:  # pylint: disable=arguments-renamed
         if self.old is not None and var.same_as(self.old):
-            raise ValueError("ReserveRankRows: the packed params are used other than by index")
+            raise ValueError("reserving rank rows or columns: the packed params are used other than by index")
         return super().visit_var_(var)

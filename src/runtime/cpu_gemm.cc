@@ -42,17 +42,18 @@ inline __attribute__((always_inline)) float Sum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-/*! \brief out[i, j] for MR rows of x and NR rows of w (row strides k and ldo). */
+/*! \brief out[i, j] for MR rows of x and NR rows of w (row strides k, ldw and ldo). */
 template <int MR, int NR>
 inline __attribute__((always_inline)) void Tile(const float* __restrict x, const float* __restrict w,
-                                                float* __restrict out, int64_t k, int64_t ldo) {
+                                                float* __restrict out, int64_t k, int64_t ldw,
+                                                int64_t ldo) {
   v8 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = v8{};
   int64_t l = 0;
   for (; l + 8 <= k; l += 8) {
     v8 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = Load8(w + j * k + l);
+    for (int j = 0; j < NR; ++j) wv[j] = Load8(w + j * ldw + l);
     for (int i = 0; i < MR; ++i) {
       v8 xv = Load8(x + i * k + l);
       for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
@@ -61,7 +62,7 @@ inline __attribute__((always_inline)) void Tile(const float* __restrict x, const
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = Sum8(acc[i][j]);
-      for (int64_t t = l; t < k; ++t) s += x[i * k + t] * w[j * k + t];
+      for (int64_t t = l; t < k; ++t) s += x[i * k + t] * w[j * ldw + t];
       out[i * ldo + j] = s;
     }
   }
@@ -69,20 +70,20 @@ inline __attribute__((always_inline)) void Tile(const float* __restrict x, const
 
 /*! \brief Rows [0, m) of x against w rows [n0, n1): 4x3 tiles (12 accumulators fit 16 registers). */
 inline __attribute__((always_inline)) void Panel(const float* x, const float* w, float* out,
-                                                 int64_t m, int64_t n, int64_t k, int64_t n0,
-                                                 int64_t n1) {
+                                                 int64_t m, int64_t n, int64_t k, int64_t ldw,
+                                                 int64_t n0, int64_t n1) {
   constexpr int MR = 4, NR = 3;
   int64_t i = 0;
   for (; i + MR <= m; i += MR) {
     int64_t j = n0;
-    for (; j + NR <= n1; j += NR) Tile<MR, NR>(x + i * k, w + j * k, out + i * n + j, k, n);
-    for (; j < n1; ++j) Tile<MR, 1>(x + i * k, w + j * k, out + i * n + j, k, n);
+    for (; j + NR <= n1; j += NR) Tile<MR, NR>(x + i * k, w + j * ldw, out + i * n + j, k, ldw, n);
+    for (; j < n1; ++j) Tile<MR, 1>(x + i * k, w + j * ldw, out + i * n + j, k, ldw, n);
   }
   for (; i < m; ++i) {
     // Leftover rows (all of decode): one x row against 4 w rows at a time.
     int64_t j = n0;
-    for (; j + 4 <= n1; j += 4) Tile<1, 4>(x + i * k, w + j * k, out + i * n + j, k, n);
-    for (; j < n1; ++j) Tile<1, 1>(x + i * k, w + j * k, out + i * n + j, k, n);
+    for (; j + 4 <= n1; j += 4) Tile<1, 4>(x + i * k, w + j * ldw, out + i * n + j, k, ldw, n);
+    for (; j < n1; ++j) Tile<1, 1>(x + i * k, w + j * ldw, out + i * n + j, k, ldw, n);
   }
 }
 
@@ -91,32 +92,32 @@ inline __attribute__((always_inline)) void Panel(const float* x, const float* w,
  * of w rows at a time, so neither streams from memory once per tile.
  */
 inline __attribute__((always_inline)) void Block(const float* x, const float* w, float* out,
-                                                 int64_t m, int64_t n, int64_t k, int64_t n0,
-                                                 int64_t n1) {
+                                                 int64_t m, int64_t n, int64_t k, int64_t ldw,
+                                                 int64_t n0, int64_t n1) {
   const int64_t mc = std::max<int64_t>(4, (128 * 1024 / (4 * k)) / 4 * 4);
   const int64_t nc = std::max<int64_t>(12, (96 * 1024 / (4 * k)) / 12 * 12);
   for (int64_t i = 0; i < m; i += mc) {
     for (int64_t j = n0; j < n1; j += nc) {
-      Panel(x + i * k, w, out + i * n, std::min(mc, m - i), n, k, j, std::min(n1, j + nc));
+      Panel(x + i * k, w, out + i * n, std::min(mc, m - i), n, k, ldw, j, std::min(n1, j + nc));
     }
   }
 }
 
 void BlockGeneric(const float* x, const float* w, float* out, int64_t m, int64_t n, int64_t k,
-                  int64_t n0, int64_t n1) {
-  Block(x, w, out, m, n, k, n0, n1);
+                  int64_t ldw, int64_t n0, int64_t n1) {
+  Block(x, w, out, m, n, k, ldw, n0, n1);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx2,fma"))) void BlockAvx2(const float* x, const float* w, float* out,
-                                                   int64_t m, int64_t n, int64_t k, int64_t n0,
-                                                   int64_t n1) {
-  Block(x, w, out, m, n, k, n0, n1);
+                                                   int64_t m, int64_t n, int64_t k, int64_t ldw,
+                                                   int64_t n0, int64_t n1) {
+  Block(x, w, out, m, n, k, ldw, n0, n1);
 }
 #endif
 
 using BlockFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
-                         int64_t);
+                         int64_t, int64_t);
 
 BlockFn PickBlock() {
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -213,7 +214,8 @@ ThreadPool& Pool() {
 
 }  // namespace
 
-void CpuGemmF32(const float* x, const float* w, float* out, int64_t m, int64_t n, int64_t k) {
+void CpuGemmF32(const float* x, const float* w, float* out, int64_t m, int64_t n, int64_t k,
+                int64_t ldw) {
   static const BlockFn block = PickBlock();
   ThreadPool& pool = Pool();
   // Waking the workers costs tens of microseconds (much more on a loaded host): below ~2M
@@ -225,7 +227,7 @@ void CpuGemmF32(const float* x, const float* w, float* out, int64_t m, int64_t n
   nb = std::min<int64_t>(192, std::max<int64_t>(12, (nb + 11) / 12 * 12));
   const int64_t blocks = (n + nb - 1) / nb;
   std::function<void(int64_t)> fn = [&](int64_t b) {
-    block(x, w, out, m, n, k, b * nb, std::min(n, (b + 1) * nb));
+    block(x, w, out, m, n, k, ldw, b * nb, std::min(n, (b + 1) * nb));
   };
   if (serial) {
     for (int64_t b = 0; b < blocks; ++b) fn(b);

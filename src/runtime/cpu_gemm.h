@@ -10,11 +10,12 @@
 namespace mlc_lora {
 
 /*!
- * Semantics: out[i, j] = sum_l x[i, l] * w[j, l] for x (m, k), w (n, k), out (m, n), all row-major
- * and contiguous, float32 accumulation. Runs on a persistent pool of MLC_LORA_NUM_THREADS threads
- * (default: the hardware concurrency).
+ * Semantics: out[i, j] = sum_{l < k} x[i, l] * w[j, l] for x (m, k), w (n, ldw >= k), out (m, n),
+ * all row-major (row strides k, ldw and n), float32 accumulation. Runs on a persistent pool of
+ * MLC_LORA_NUM_THREADS threads (default: the hardware concurrency).
  */
-void CpuGemmF32(const float* x, const float* w, float* out, int64_t m, int64_t n, int64_t k);
+void CpuGemmF32(const float* x, const float* w, float* out, int64_t m, int64_t n, int64_t k,
+                int64_t ldw);
 
 }  // namespace mlc_lora
 

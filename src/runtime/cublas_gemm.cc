@@ -163,22 +163,26 @@ char* DataOf(const ffi::TensorView& t) {
 }
 
 void CpuGemm(const ffi::TensorView& x, const ffi::TensorView& w, const ffi::TensorView& out,
-             int64_t m, int64_t n, int64_t k) {
+             int64_t m, int64_t n, int64_t k, int64_t ldw) {
   if (x.dtype().code != kDLFloat || x.dtype().bits != 32 || x.dtype().lanes != 1) {
     TVM_FFI_THROW(TypeError) << "cublas_gemm on CPU tensors supports float32 only";
   }
   CpuGemmF32(reinterpret_cast<const float*>(DataOf(x)), reinterpret_cast<const float*>(DataOf(w)),
-             reinterpret_cast<float*>(DataOf(out)), m, n, k);
+             reinterpret_cast<float*>(DataOf(out)), m, n, k, ldw);
 }
 
-/*! \brief out (..., N) = x (..., K) @ w[:N] (N' >= N, K)^T; destination-passing (out is written). */
+/*!
+ * \brief out (..., N) = x (..., K) @ w[:N, :K]^T for w (N' >= N, K' >= K): the weight's first N
+ * rows and first K columns, its rows K' apart (a weight stored with spare rows below or spare
+ * columns beside its own); destination-passing (out is written).
+ */
 void CublasGemm(ffi::TensorView x, ffi::TensorView w, ffi::TensorView out) {
   if (w.ndim() != 2 || x.ndim() < 1 || out.ndim() != x.ndim()) {
     TVM_FFI_THROW(ValueError) << "cublas_gemm expects x (..., K), w (N, K), out (..., N); got ranks "
                               << x.ndim() << ", " << w.ndim() << ", " << out.ndim();
   }
-  const int64_t k = w.size(1), n = out.size(-1);
-  if (x.size(-1) != k || w.size(0) < n) {
+  const int64_t k = x.size(-1), ldw = w.size(1), n = out.size(-1);
+  if (ldw < k || w.size(0) < n) {
     TVM_FFI_THROW(ValueError) << "cublas_gemm shape mismatch: x[..., " << x.size(-1) << "], w ["
                               << w.size(0) << ", " << k << "], out[..., " << n << "]";
   }
@@ -196,11 +200,11 @@ void CublasGemm(ffi::TensorView x, ffi::TensorView w, ffi::TensorView out) {
     }
   }
   if (m == 0 || n == 0) return;
-  if (x.device().device_type == kDLCPU) return CpuGemm(x, w, out, m, n, k);
+  if (x.device().device_type == kDLCPU) return CpuGemm(x, w, out, m, n, k, ldw);
   if (x.device().device_type != kDLCUDA) {
     TVM_FFI_THROW(ValueError) << "cublas_gemm runs on CUDA (or float32 CPU) tensors only";
   }
-  if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
+  if (m > INT32_MAX || n > INT32_MAX || ldw > INT32_MAX) {
     TVM_FFI_THROW(ValueError) << "cublas_gemm: a dimension exceeds 2^31-1";
   }
   const int dev = x.device().device_id;
@@ -219,7 +223,7 @@ void CublasGemm(ffi::TensorView x, ffi::TensorView w, ffi::TensorView out) {
   // Row-major out (m x n) = x (m x k) . w^T is column-major out^T (n x m) = w (k x n)^T . x^T:
   // the "TN" GEMM with both operands read along K, cuBLAS's fastest layout.
   MLC_CUBLAS_CHECK(Cublas().GemmEx(s.handle, kOpT, kOpN, static_cast<int>(n), static_cast<int>(m),
-                                   static_cast<int>(k), &alpha, DataOf(w), dt, static_cast<int>(k),
+                                   static_cast<int>(k), &alpha, DataOf(w), dt, static_cast<int>(ldw),
                                    DataOf(x), dt, static_cast<int>(k), &beta, DataOf(out), dt,
                                    static_cast<int>(n), kComputeF32, kGemmDefault));
 }

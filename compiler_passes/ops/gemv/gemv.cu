@@ -1,13 +1,13 @@
-// Small-batch linear for decode: y (n, N) = x (n, K) @ W (N, K)^T for n <= NT tokens, fp32
-// accumulation (gemv_cuda.py holds the semantics and the TIR wrapper, reference.py the numpy reference).
+// Small-batch linear for decode: y (n, N) = x (n, K) @ W[:, :K]^T for n <= NT tokens, W's rows LDW
+// >= K elements apart (a weight stored with spare columns), fp32 accumulation (gemv_cuda.py holds the semantics and the TIR wrapper, reference.py the numpy reference).
 //
 // Why: at a few tokens a linear is a stream over W. cuBLAS splits K there and adds a reduce
 // kernel, and reaches 2.6-3.3 TB/s on the H200 (docs/GPU.md); this kernel only has to keep enough
 // 16-byte loads of W in flight. A block owns ROWS rows of W and splits K over its threads (each
 // thread reads 16 contiguous bytes per row per step, a warp 512), then reduces over the block.
 //
-// Launch: grid (ceil(N / ROWS)), block (32 * w) with w <= MAX_WARPS. K % 8 == 0 and 16-byte
-// aligned rows (the wrapper checks K; TVM's buffers are aligned).
+// Launch: grid (ceil(N / ROWS)), block (32 * w) with w <= MAX_WARPS. K % 8 == 0, LDW % 8 == 0 and
+// 16-byte aligned rows (the wrapper checks K and LDW; TVM's buffers are aligned).
 #include "dtype.cuh"
 
 #ifndef MLC_SUFFIX
@@ -55,7 +55,7 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 
 template <int NT>
 __device__ __forceinline__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                                     int n, int K, int N) {
+                                     int n, int K, int N, int LDW) {
   const int chunks = K / 8;  // 16-byte steps along K
   const int row0 = blockIdx.x * ROWS;
   const int nthreads = blockDim.x;
@@ -64,7 +64,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const T* __restric
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     // rows past N read row N-1 (in bounds) and are not written
-    wr[r] = reinterpret_cast<const uint4*>(w) + static_cast<int64_t>(min(row0 + r, N - 1)) * chunks;
+    wr[r] = reinterpret_cast<const uint4*>(w) + static_cast<int64_t>(min(row0 + r, N - 1)) * (LDW / 8);
   }
   float acc[NT][ROWS];
 #pragma unroll
@@ -120,8 +120,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const T* __restric
   extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32)                                       \
       MLC_CAT(MLC_CAT(mlc_lora_gemv_, MLC_SUFFIX), _t##NT)(const T* __restrict__ x,                  \
                                                            const T* __restrict__ w, T* __restrict__ y, \
-                                                           int n, int K, int N) {                    \
-    gemv<NT>(x, w, y, n, K, N);                                                                      \
+                                                           int n, int K, int N, int LDW) {           \
+    gemv<NT>(x, w, y, n, K, N, LDW);                                                                 \
   }
 
 MLC_GEMV(1)

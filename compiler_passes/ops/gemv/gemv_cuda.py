@@ -1,7 +1,8 @@
 """The base linear on CUDA with a measured choice by token count: our small-batch kernel
 (gemv.cu beside this file) for n <= max_rows tokens, cuBLAS (mlc_lora.runtime.cublas_gemm) above.
 
-Semantics: y[i] = x[i] @ W.T for every row i of x (..., K); W (N, K); fp32 accumulation
+Semantics: y[i] = x[i] @ W[:N, :K].T for every row i of x (..., K); W (N' >= N, K' >= K): a
+weight may be stored with spare rows below or spare columns beside its own; fp32 accumulation
 (reference: reference.gemv_ref).
 
 Why two kernels: at a handful of tokens a linear only streams W, and cuBLAS splits K there and
@@ -50,7 +51,7 @@ def build_module(dtype: str, arch: str):
     if dtype == "bfloat16":
         defines["MLC_BF16"] = None
     cubin = cuda_build.build_cubin(SOURCE, arch, defines)
-    args = ["handle"] * 3 + ["int32"] * 3
+    args = ["handle"] * 3 + ["int32"] * 4  # x, w, y; n, K, N, W's row stride
     return cuda_build.cuda_module(cubin, {kernel_name(dtype, t): args for t in TOKENS})
 
 
@@ -60,13 +61,18 @@ def launch_threads(k: int) -> int:
     return 32 * max(1, min(MAX_WARPS, -(-steps // (32 * UNROLL))))
 
 
-def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int, w_rows: int | None = None):
-    """Signature: (x (..., k), w (w_rows or n_out, k), y (..., n_out) [out]); our kernels for
-    rows <= max_rows (rounded down to a bound in TOKENS), cuBLAS above; both read w's first n_out
-    rows (w_rows > n_out: a weight with rows reserved below its own, passes/reserve_rank_rows.py)."""
+def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int, w_rows: int | None = None,
+            w_cols: int | None = None):
+    """Signature: (x (..., k), w (w_rows or n_out, w_cols or k), y (..., n_out) [out]); our
+    kernels for rows <= max_rows (rounded down to a bound in TOKENS), cuBLAS above; both read w's
+    first n_out rows and first k columns (w_rows > n_out: rows reserved below the weight's own,
+    passes/reserve_rank_rows.py; w_cols > k: columns reserved beside them)."""
     why = supported(dtype, k, ndim)
     if why is not None:
         raise ValueError(f"no gemv kernels for {why}")
+    wc = k if w_cols is None else w_cols
+    if wc < k or wc % 8:
+        raise ValueError(f"a weight of {wc} columns for {k} inputs (at least k, a multiple of 8)")
     # n <= lim[t] runs kernel t; a bound above max_rows gets lim 0 (never taken: n >= 1 there)
     l1, l2, l4, l8 = (t if t <= max_rows else 0 for t in TOKENS)
     k1, k2, k4, k8 = (kernel_name(dtype, t) for t in TOKENS)
@@ -82,17 +88,17 @@ def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int, w_rows: in
             T.func_attr(kernel_attrs(True))
             n = T.int64()
             x = T.match_buffer(x_h, (n, k), dtype)
-            w = T.match_buffer(w_h, (wr, k), dtype)
+            w = T.match_buffer(w_h, (wr, wc), dtype)
             y = T.match_buffer(y_h, (n, n_out), dtype)
             if n > 0:
                 if n <= l1:
-                    T.call_packed(k1, x.data, w.data, y.data, T.Cast("int32", n), k, n_out, grid, 1, 1, threads)
+                    T.call_packed(k1, x.data, w.data, y.data, T.Cast("int32", n), k, n_out, wc, grid, 1, 1, threads)
                 elif n <= l2:
-                    T.call_packed(k2, x.data, w.data, y.data, T.Cast("int32", n), k, n_out, grid, 1, 1, threads)
+                    T.call_packed(k2, x.data, w.data, y.data, T.Cast("int32", n), k, n_out, wc, grid, 1, 1, threads)
                 elif n <= l4:
-                    T.call_packed(k4, x.data, w.data, y.data, T.Cast("int32", n), k, n_out, grid, 1, 1, threads)
+                    T.call_packed(k4, x.data, w.data, y.data, T.Cast("int32", n), k, n_out, wc, grid, 1, 1, threads)
                 elif n <= l8:
-                    T.call_packed(k8, x.data, w.data, y.data, T.Cast("int32", n), k, n_out, grid, 1, 1, threads)
+                    T.call_packed(k8, x.data, w.data, y.data, T.Cast("int32", n), k, n_out, wc, grid, 1, 1, threads)
                 else:
                     T.call_packed(CUBLAS_GEMM, x, w, y)
     else:
@@ -101,17 +107,17 @@ def wrapper(n_out: int, k: int, dtype: str, ndim: int, max_rows: int, w_rows: in
             T.func_attr(kernel_attrs(True))
             b, s = T.int64(), T.int64()
             x = T.match_buffer(x_h, (b, s, k), dtype)
-            w = T.match_buffer(w_h, (wr, k), dtype)
+            w = T.match_buffer(w_h, (wr, wc), dtype)
             y = T.match_buffer(y_h, (b, s, n_out), dtype)
             if b * s > 0:
                 if b * s <= l1:
-                    T.call_packed(k1, x.data, w.data, y.data, T.Cast("int32", b * s), k, n_out, grid, 1, 1, threads)
+                    T.call_packed(k1, x.data, w.data, y.data, T.Cast("int32", b * s), k, n_out, wc, grid, 1, 1, threads)
                 elif b * s <= l2:
-                    T.call_packed(k2, x.data, w.data, y.data, T.Cast("int32", b * s), k, n_out, grid, 1, 1, threads)
+                    T.call_packed(k2, x.data, w.data, y.data, T.Cast("int32", b * s), k, n_out, wc, grid, 1, 1, threads)
                 elif b * s <= l4:
-                    T.call_packed(k4, x.data, w.data, y.data, T.Cast("int32", b * s), k, n_out, grid, 1, 1, threads)
+                    T.call_packed(k4, x.data, w.data, y.data, T.Cast("int32", b * s), k, n_out, wc, grid, 1, 1, threads)
                 elif b * s <= l8:
-                    T.call_packed(k8, x.data, w.data, y.data, T.Cast("int32", b * s), k, n_out, grid, 1, 1, threads)
+                    T.call_packed(k8, x.data, w.data, y.data, T.Cast("int32", b * s), k, n_out, wc, grid, 1, 1, threads)
                 else:
                     T.call_packed(CUBLAS_GEMM, x, w, y)
     return linear

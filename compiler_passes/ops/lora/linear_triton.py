@@ -16,8 +16,9 @@ LoraRewrite builds the wrapper into `prefill_fused` and `decode_fused` (contract
 which the runner picks for a batch whose adapters' ranks sum to at most RANK_COLUMNS over at most
 SLOT_COLUMNS slots; other batches run `prefill`/`decode` (cuBLAS + the sgmv stage).
 
-Semantics (x (n, K); W (N, K) as the model stores it; parts p of widths w_p are modules m_p of the
-tables, -1 none; token t has slot s = slot[t], -1 = base model; o_p = the widths before p):
+Semantics (x (n, K); W (N, K) as the model stores it, its rows KW >= K apart (a weight stored with
+columns beside its own); parts p of widths w_p are modules m_p of the tables, -1 none; token t
+has slot s = slot[t], -1 = base model; o_p = the widths before p):
   y[t, o] = sum_i x[t, i] W[o, i]
           + [s >= 0, m = m_p(o) >= 0, scale[s, m] != 0]
             scale[s, m] * sum_{k < rank[s]} (sum_i x[t, i] A[s, m][k, i]) * B^T[s, m][k, o - o_p]
@@ -170,15 +171,16 @@ if triton is not None:
 
     @triton.jit
     def _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo, k_hi, K: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr, STAGES: tl.constexpr,
-                SWAP: tl.constexpr):
-        """(x @ W.T, x @ A_cat.T) over inputs [k_lo, k_hi): (BM x BN, BM x RS) fp32. SWAP: the
+                KW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr,
+                STAGES: tl.constexpr, SWAP: tl.constexpr):
+        """(x @ W.T, x @ A_cat.T) over inputs [k_lo, k_hi), W's rows KW apart: (BM x BN, BM x RS)
+        fp32. SWAP: the
         products taken transposed (W @ x.T: the outputs are the MMA's rows, the tokens its columns,
         so a block of few tokens still fills Hopper's 64-row warpgroup MMA), then transposed back."""
         kk = tl.arange(0, BK)
         if SWAP:
             x_ptrs = x_ptr + rows[None, :].to(tl.int64) * K + kk[:, None]  # (BK, BM)
-            w_ptrs = w_ptr + cols[:, None].to(tl.int64) * K + kk[None, :]  # (BN, BK)
+            w_ptrs = w_ptr + cols[:, None].to(tl.int64) * KW + kk[None, :]  # (BN, BK)
             a_ptrs = arena_ptr + a_row[:, None] + kk[None, :]  # (RS, BK)
             acc_t = tl.zeros((BN, BM), dtype=tl.float32)
             xa_t = tl.zeros((RS, BM), dtype=tl.float32)
@@ -188,7 +190,7 @@ if triton is not None:
                 xa_t = tl.dot(tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0), xt, xa_t)
             return tl.trans(acc_t), tl.trans(xa_t)
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
-        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * K + kk[:, None]
+        w_ptrs = w_ptr + cols[None, :].to(tl.int64) * KW + kk[:, None]
         a_ptrs = arena_ptr + a_row[None, :] + kk[:, None]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         xa = tl.zeros((BM, RS), dtype=tl.float32)
@@ -201,7 +203,8 @@ if triton is not None:
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_linear", "x_ptr"))
     def lora_linear_kernel(x_ptr, w_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, boff_ptr, y_ptr,
                            ws_ptr, cnt_ptr, n, S, base,
-                           K: tl.constexpr, N: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
+                           K: tl.constexpr, KW: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
+                           R: tl.constexpr,
                            m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr,
                            W1: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
@@ -222,8 +225,8 @@ if triton is not None:
         scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
         a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
         if SPLIT == 1:
-            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, 0, K, K, BM, BN, BK, RS,
-                              STAGES, SWAP)
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, 0, K, K, KW, BM, BN, BK,
+                              RS, STAGES, SWAP)
             delta, _ = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
                               o_p, x_ptr.dtype.element_ty, ALIGN)
             tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
@@ -233,7 +236,7 @@ if triton is not None:
             k_lo = tl.multiple_of(pid_k * PER, BK)
             # no mask along the inputs (a varying one makes scalar loads): the last split ends at K
             acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo,
-                              tl.minimum(K, k_lo + PER), K, BM, BN, BK, RS, STAGES, SWAP)
+                              tl.minimum(K, k_lo + PER), K, KW, BM, BN, BK, RS, STAGES, SWAP)
             TILE: tl.constexpr = BM * (BN + RS)
             tile = pid_m * (N // BN) + pid_n
             r = tl.arange(0, BM)
@@ -378,18 +381,19 @@ def _signature(dtype: str) -> dict:
     sig = dict(x_ptr=e, w_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32",
                aoff_ptr="*i32", boff_ptr="*i32", y_ptr=e, ws_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32",
                base="i64")
-    sig.update({k: "constexpr" for k in ("K", "N", "M", "R", "m0", "m1", "m2", "W0", "W1", "BM", "BN", "BK",
+    sig.update({k: "constexpr" for k in ("K", "KW", "N", "M", "R", "m0", "m1", "m2", "W0", "W1", "BM", "BN", "BK",
                                           "RS", "SC", "STAGES", "ALIGN", "SPLIT", "SWAP")})
     return sig
 
 
 def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
-              bm: int, align: int) -> tuple[dict, int]:
-    """(compile-time constants, num_warps) of the kernel for one linear and block height."""
+              bm: int, align: int, w_cols: int | None = None) -> tuple[dict, int]:
+    """(compile-time constants, num_warps) of the kernel for one linear and block height; `w_cols`:
+    the weight's row length where it holds columns beside its own in_f (its first in_f are read)."""
     cfg = tile_config(in_f, widths, bm)
     m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     w = (list(widths) + [0] * MAX_PARTS)[:2]
-    consts = dict(K=in_f, N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
+    consts = dict(K=in_f, KW=in_f if w_cols is None else w_cols, N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
                   BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
                   STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"])
     return consts, cfg["num_warps"]
@@ -508,8 +512,9 @@ def scratch_elems(n, widths: Sequence[int]):
 
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
-                   align: int, arch: str, rows: bool = False):
-    """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), w (W, in_f), arena (size,), slot (n,),
+                   align: int, arch: str, rows: bool = False, w_cols: int | None = None):
+    """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), w (W, w_cols or in_f: a weight's
+    columns beside its own are not read), arena (size,), slot (n,),
     rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R), layer: int64, y (n, W) [out],
     v (scratch_elems,) float32 [out, scratch]). Up to FUSED_MAX_TOKENS tokens the fused kernel;
     above, cuBLAS for x @ W.T, then the shrink into v and the in-place expand. `rows` (the rank
@@ -522,9 +527,13 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     from ..kernel_attrs import kernel_attrs  # pylint: disable=import-outside-toplevel
 
     R, M, L, W, P = max_rank, num_modules, num_layers, sum(widths), len(widths)
+    KW = in_f if w_cols is None else w_cols
+    if KW < in_f or (rows and KW != in_f):
+        raise ValueError(f"a weight of {KW} columns for {in_f} inputs" + (" (the rank rows route fills rows of "
+                                                                         "in_f)" if rows else ""))
     built, mods_out = {}, []
     for bm in (16, 64):
-        consts, warps = constants(in_f, widths, mods, M, R, bm, align)
+        consts, warps = constants(in_f, widths, mods, M, R, bm, align, KW)
         name, threads, shared, mod = triton_build.cuda_module(lora_linear_kernel, _signature(dtype), consts, warps,
                                                               arch, Path(__file__))
         built[bm] = (name, threads, shared, W // consts["BN"], consts["SPLIT"])
@@ -634,7 +643,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         T.func_attr(kernel_attrs(True))
         n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
         x = T.match_buffer(x_h, (n, in_f), dtype)
-        w = T.match_buffer(w_h, (W, in_f), dtype)
+        w = T.match_buffer(w_h, (W, KW), dtype)
         arena = T.match_buffer(arena_h, (size,), dtype)
         slot = T.match_buffer(slot_h, (n,), "int32")
         rank = T.match_buffer(rank_h, (S,), "int32")
@@ -683,22 +692,22 @@ class FusedLinear:
         mods = tuple(p.module for p in parts)
         widths = tuple(p.width for p in parts)
         align = ctx.row_align if all(v % ctx.row_align == 0 for v in (in_f, *widths)) else 1
-        w_rows, W = int(w.ty.shape.values[0]), sum(widths)
+        w_rows, w_cols, W = int(w.ty.shape.values[0]), int(w.ty.shape.values[1]), sum(widths)
         if w_rows not in (W, W + rank_rows(len(widths))):
             raise ValueError(f"weight of {w_rows} rows for a linear of {W} outputs (or {W} + "
                              f"{rank_rows(len(widths))} reserved rank rows)")
         rows = w_rows != W
-        key = ("linear_triton", in_f, mods, widths, dtype, rows)
+        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
 
         def make():
             func, mods_ = linear_wrapper(in_f, widths, mods, ctx.num_layers, ctx.max_rank, ctx.num_modules, dtype,
-                                         align, str(ctx.target.arch), rows=rows)
+                                         align, str(ctx.target.arch), rows=rows, w_cols=w_cols)
             for i, mod in enumerate(mods_):
                 ctx.external(key + ("module", i), lambda mod=mod: mod)
             return func
 
-        name = f"lora_linear_{'rows' if rows else 'triton'}_m{tag}_{in_f}x{W}"
+        name = f"lora_linear_{'rows' if rows else 'triton'}_m{tag}_{in_f}x{W}" + (f"_of{w_cols}" if w_cols != in_f else "")
         fn = ctx.kernel(key, name, make)
         outs = [relax.TensorType([n, W], dtype)]
         if rows:  # no shrink partials; e = x @ [W; rank rows].T

@@ -130,6 +130,42 @@ class ExpectedRows:
         return y
 
 
+@tvm.script.ir_module
+class BeforeCols:
+    @R.function
+    def packed(x: R.Tensor(("n", 64), "float16"),
+               params: R.Tuple(R.Tensor((16, 64 + 32), "float16"), R.Tensor((64,), "float16"))):
+        n = T.int64()
+        with R.dataflow():
+            w_all = params[0]
+            w = R.strided_slice(w_all, axes=[1], begin=[0], end=[64])
+            y = R.matmul(x, R.permute_dims(w, axes=[1, 0]))
+            R.output(y)
+        return y
+
+
+def test_a_slice_of_a_weights_first_columns_passes_the_weight():
+    """ReserveRankColumns's slices (a weight's first columns): cuBLAS gets the whole weight (no
+    slice copied per call) and reads its first columns with its row stride."""
+    after = DispatchCublas()(BeforeCols)
+    relax.analysis.well_formed(after)
+    text = after["packed"].script()
+    assert "strided_slice" not in text and "cublas_gemm\", (x, w_all)" in text, text
+
+
+@needs_nvcc
+def test_gemv_gets_the_whole_weight_of_a_first_columns_slice():
+    from mlc_lora.compile import prepare_cuda_build
+
+    prepare_cuda_build()
+    after = DispatchCublas(arch="sm_90a")(BeforeCols)
+    relax.analysis.well_formed(after)
+    assert "strided_slice" not in after["packed"].script()
+    name = "mlc_lora_linear_f16_16x64_of96_2d"
+    want = G.wrapper(16, 64, "float16", 2, GEMV_MAX_ROWS, w_cols=96).with_attr("global_symbol", name)
+    tvm.ir.assert_structural_equal(after[name], want, map_free_vars=True)
+
+
 def test_a_view_of_a_weights_first_rows_passes_the_weight():
     """ReserveRankRows's views (a weight's first rows): the GEMM gets the whole weight and reads the
     rows its output has; the view goes (no view made per call)."""
@@ -148,6 +184,23 @@ def test_extern_reads_the_first_rows_of_a_taller_weight(cublas_gemm):
     np.testing.assert_allclose(out, x @ w[:24].T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="shape mismatch"):  # fewer rows than outputs
         cublas_gemm(x, w[:20].copy(), out)
+
+
+def test_extern_reads_the_first_columns_of_a_wider_weight(cublas_gemm):
+    """A weight stored with spare columns beside its own (rows K' > K apart, the rank columns
+    route): the GEMM reads each row's first K inputs, at every tile shape of the CPU kernels
+    (4 x 3, 1 x 4 and their leftovers) and an input count off the 8-wide vector step."""
+    rng = np.random.default_rng(6)
+    for m, n, k, extra in ((5, 24, 40, 32), (1, 7, 45, 3), (9, 13, 16, 96)):
+        x = rng.standard_normal((m, k)).astype("float32")
+        w = rng.standard_normal((n + 4, k + extra)).astype("float32")
+        w[:, k:] = np.nan  # the spare columns: never read
+        w[n:] = np.nan  # and spare rows
+        out = np.full((m, n), np.nan, dtype="float32")
+        cublas_gemm(x, w, out)
+        np.testing.assert_allclose(out, x @ w[:n, :k].T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="shape mismatch"):  # fewer columns than inputs
+        cublas_gemm(x, w[:, : k - 8].copy(), out)
 
 
 def _tiny_llama(target, dtype="float32"):

@@ -26,25 +26,28 @@ def gemv_emu(tmp_path_factory):
 
 
 @needs_cxx
-@pytest.mark.parametrize("dtype,bound,n,k,n_out", [
-    ("float16", 1, 1, 4096, 7),     # K in one unrolled step per thread (256 threads); a partial row tile
-    ("bfloat16", 4, 3, 11008, 6),   # three steps, the last partial; fewer tokens than the bound
-    ("float16", 8, 8, 1096, 5),     # 96 threads, a partial step; the full bound
-    ("bfloat16", 2, 2, 576, 9),     # SmolLM2's hidden size: 64 threads
+@pytest.mark.parametrize("dtype,bound,n,k,n_out,extra", [
+    ("float16", 1, 1, 4096, 7, 0),     # K in one unrolled step per thread (256 threads); a partial row tile
+    ("bfloat16", 4, 3, 11008, 6, 0),   # three steps, the last partial; fewer tokens than the bound
+    ("float16", 8, 8, 1096, 5, 0),     # 96 threads, a partial step; the full bound
+    ("bfloat16", 2, 2, 576, 9, 0),     # SmolLM2's hidden size: 64 threads
+    ("float16", 2, 2, 1096, 6, 96),    # a weight stored with 96 spare columns beside its own
+    ("bfloat16", 1, 1, 4096, 5, 32),
 ])
-def test_gemv_cu_on_cpu_emulation(gemv_emu, tmp_path, dtype, bound, n, k, n_out):
+def test_gemv_cu_on_cpu_emulation(gemv_emu, tmp_path, dtype, bound, n, k, n_out, extra):
     import ml_dtypes
 
     np_dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
     rng = np.random.default_rng(k + n)
     x = rng.standard_normal((n, k)).astype(np_dt)
-    w = (rng.standard_normal((n_out, k)) * k ** -0.5).astype(np_dt)
+    w = (rng.standard_normal((n_out, k + extra)) * k ** -0.5).astype(np_dt)
+    w[:, k:] = np.nan  # spare columns: never read
     x.tofile(tmp_path / "x")
     w.tofile(tmp_path / "w")
-    subprocess.run([str(gemv_emu(dtype)), str(tmp_path), *map(str, (bound, n, k, n_out, G.launch_threads(k)))],
-                   check=True, timeout=300)
+    subprocess.run([str(gemv_emu(dtype)), str(tmp_path),
+                    *map(str, (bound, n, k, n_out, G.launch_threads(k), k + extra))], check=True, timeout=300)
     y = np.fromfile(tmp_path / "y", np_dt).reshape(n, n_out).astype(np.float32)
-    ref = gemv_ref(x, w)
+    ref = gemv_ref(x, w[:, :k])
     # Output rounding alone: ~2^-12 (fp16) / 2^-9 (bf16) relative.
     tol = 1e-3 if dtype == "float16" else 5e-3
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol
@@ -111,15 +114,18 @@ def _launches(func):
 
 
 def test_launch_arguments_follow_the_kernel_signature():
-    """Each kernel launch passes gemv.cu's 6 arguments, then grid x, y, z and block x (the CUDA
-    module's launch tags); the grid covers N in ROWS-row tiles."""
-    launches = _launches(G.wrapper(1000, 4096, "float16", 3, 8))
-    kernels = [(n, a) for n, a in launches if n != CUBLAS_GEMM]
-    assert len(kernels) == len(G.TOKENS) and len(launches) == len(G.TOKENS) + 1
-    for _, args in kernels:
-        assert len(args) == 6 + len(cuda_build.LAUNCH_TAGS)
-        assert [int(a) for a in args[4:]] == [4096, 1000, 250, 1, 1, 256]
-    assert len(dict(launches)[CUBLAS_GEMM]) == 3  # x, w, y as DLTensors
+    """Each kernel launch passes gemv.cu's 7 arguments (the last W's row stride), then grid x, y, z
+    and block x (the CUDA module's launch tags); the grid covers N in ROWS-row tiles."""
+    for w_cols, stride in ((None, 4096), (4096 + 96, 4192)):
+        launches = _launches(G.wrapper(1000, 4096, "float16", 3, 8, w_cols=w_cols))
+        kernels = [(n, a) for n, a in launches if n != CUBLAS_GEMM]
+        assert len(kernels) == len(G.TOKENS) and len(launches) == len(G.TOKENS) + 1
+        for _, args in kernels:
+            assert len(args) == 7 + len(cuda_build.LAUNCH_TAGS)
+            assert [int(a) for a in args[4:]] == [4096, 1000, stride, 250, 1, 1, 256]
+        assert len(dict(launches)[CUBLAS_GEMM]) == 3  # x, w, y as DLTensors
+    with pytest.raises(ValueError, match="columns"):
+        G.wrapper(1000, 4096, "float16", 2, 8, w_cols=4100)  # not a multiple of 8
 
 
 def test_supported():

@@ -36,13 +36,15 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
     return dict(x=x, w=w, arena=arena, base=base, slot=slot, rank=rank, scale=scale, a_off=a_off, b_off=b_off)
 
 
-@pytest.mark.parametrize("bm,n,split,swap", [(16, 21, 1, 0), (64, 70, 1, 0), (16, 21, 2, 0), (64, 70, 3, 0),
-                                              (16, 21, 1, 1), (16, 21, 3, 1), ("small", 70, 1, 0),
-                                              ("large", 70, 1, 0), ("rows", 70, 1, 0)])
+@pytest.mark.parametrize("bm,n,split,swap,cols", [
+    (16, 21, 1, 0, 0), (64, 70, 1, 0, 0), (16, 21, 2, 0, 0), (64, 70, 3, 0, 0), (16, 21, 1, 1, 0), (16, 21, 3, 1, 0),
+    ("small", 70, 1, 0, 0), ("large", 70, 1, 0, 0), ("rows", 70, 1, 0, 0),
+    (16, 21, 3, 0, 96), (64, 70, 1, 0, 96), (16, 21, 3, 1, 32), ("small", 70, 1, 0, 96)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_kernel_matches_reference(tmp_path, bm, n, split, swap, dtype):
+def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
     """bm 16/64: the fused kernel's block heights, its K loop in `split` blocks per tile (3: one
-    input step each, 2: two and one), its products taken transposed (`swap`); "small"/"large":
+    input step each, 2: two and one), its products taken transposed (`swap`); `cols`: the weight
+    stored with that many columns beside its own (NaN: never read); "small"/"large":
     cuBLAS's product, then the shrink variant and the in-place expand (the batches past
     FUSED_MAX_TOKENS); "rows": the batch's A rows filled below W (over NaN), cuBLAS over both,
     the expand from its extra columns (the rank rows route past FUSED_MAX_TOKENS)."""
@@ -62,7 +64,8 @@ def test_kernel_matches_reference(tmp_path, bm, n, split, swap, dtype):
     c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
     assert not (c["slot"] == stale).any()
     kw = dict(bm=bm, split=split, swap=swap) if isinstance(bm, int) else dict(bm=64, variant=bm)
-    out = interpret(tmp_path, **c, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
+    wide = np.concatenate([c["w"], np.full((c["w"].shape[0], cols), np.nan, c["w"].dtype)], axis=1)
+    out = interpret(tmp_path, **{**c, "w": wide}, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)
     if bm == "rows":  # the filled rows: the batch's A rows (the stale slot's among them), zeros past them

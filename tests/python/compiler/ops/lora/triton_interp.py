@@ -33,7 +33,7 @@ def run_linear(inp: dict) -> dict:
     mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
     n, K = x.shape
     scale = inp["scale"]
-    consts, warps = LT.constants(K, widths, mods, scale.shape[1], int(inp["R"]), int(inp["bm"]), 8)
+    consts, warps = LT.constants(K, widths, mods, scale.shape[1], int(inp["R"]), int(inp["bm"]), 8, w.shape[1])
     if "variant" in inp:
         return run_cols(inp) if str(inp["variant"]) != "rows" else run_rows(inp)
     if "split" in inp:
@@ -64,7 +64,7 @@ def run_cols(inp: dict) -> dict:
     mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
     n, K = x.shape
     go = LT.cols_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, str(inp["variant"]))
-    y = t((x.astype(np.float32) @ w.astype(np.float32).T).astype(x.dtype))
+    y = t((x.astype(np.float32) @ w[:, :K].astype(np.float32).T).astype(x.dtype))  # its first K columns
     v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
     S, base = len(inp["rank"]), int(inp["base"])
     LT.lora_shrink_cols_kernel[go["shrink_grid"]](
