@@ -6,19 +6,21 @@ import tvm
 from tvm import relax
 
 from .passes import (AttachSampler, DispatchActivation, DispatchAttention, DispatchCublas, DispatchKVCache,
-                     LoraRewrite, ReserveRankRows)
+                     LoraRewrite, ReserveRankColumns, ReserveRankRows)
 from .passes.dispatch_cublas import GEMV_MAX_ROWS
 
 GEMM_BACKENDS = ("cublas", "tvm")
 
 
 def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
-                 lora: dict | None = None, rank_rows: bool = False, stock_kv_cache: bool = False,
+                 lora: dict | None = None, rank_rows: bool = False, spare_columns: bool = False,
+                 stock_kv_cache: bool = False,
                  gemm: str = "cublas", attention: str = "flash",
                  gemv_max_rows: int = GEMV_MAX_ROWS) -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
-    `lora` (LoraRewrite's keyword arguments; `rank_rows`: ReserveRankRows before it) and
+    `lora` (LoraRewrite's keyword arguments; `rank_rows` / `spare_columns`: ReserveRankRows /
+    ReserveRankColumns before it) and
     `extra_passes` run first, on the exported module,
     while linears are still `permute_dims(W)` + `matmul` (the LoRA rewrite matches that shape).
     `stock_kv_cache` keeps TVM's own paged KV cache (tests compare the two). `gemm` picks who runs
@@ -32,10 +34,13 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, not {gemm!r}")
     passes = []
     if lora is not None:
+        reserve = {"param_names": lora["param_names"], "modules": lora["modules"], "linears": lora["linears"]}
         if rank_rows:
             # Rows below each targeted weight for the batch's A rows (the fused linears' rank rows route).
-            passes.append(ReserveRankRows(param_names=lora["param_names"], modules=lora["modules"],
-                                          linears=lora["linears"]))
+            passes.append(ReserveRankRows(**reserve))
+        if spare_columns:
+            # Columns beside each targeted weight for the batch's B rows (the rank columns route).
+            passes.append(ReserveRankColumns(**reserve))
         # Paged-adapter tables on prefill/decode, base + delta on every target linear.
         passes.append(LoraRewrite(target=target, **lora))
     passes += list(extra_passes or [])

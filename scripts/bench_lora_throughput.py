@@ -60,6 +60,10 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # shrink inside cuBLAS's GEMM; and with no adapter (its base functions read views of the weights)
     "lora4-rows": ("lora-rows", [(8, 4)]),
     "lora0-rows": ("lora-rows", []),
+    # the library whose targeted weights carry the rank columns route's spare columns: every GEMM
+    # over them reads their first columns with the wider row stride
+    "lora4-cols": ("lora-cols", [(8, 4)]),
+    "lora64-cols": ("lora-cols", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     # the same 64 mixed with the engine's max_loras (as vLLM's --max-loras): the running requests
     # span at most that many adapters, so a step reads fewer adapters' rows (MAX_LORAS below)
     "lora64-max16": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
@@ -120,11 +124,12 @@ def compile_libs(a) -> int:
             "lora-triton": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="triton"),
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir"),
-            "lora-rows": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_rank_rows=True)}
+            "lora-rows": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_rank_rows=True),
+            "lora-cols": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_spare_columns=True)}
     # by default every library the target can build (the CUDA C++ and Triton stage 3 and the rank
-    # rows route are CUDA only)
+    # rows and columns routes are CUDA only)
     names = a.libs.split(",") if a.libs else [n for n, o in libs.items() if a.target == "cuda" or (
-        o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows)]
+        o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows and not o.lora_spare_columns)]
     for name in names:
         if name not in libs:
             raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")

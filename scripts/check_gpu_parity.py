@@ -305,12 +305,12 @@ def convert_source(weights: str, lib_dir: Path, cfg: dict) -> None:
     from safetensors.numpy import save_file
 
     from mlc_lora.loader import resolve_model
-    from mlc_lora.models import loader_module, pad_rows
+    from mlc_lora.models import loader_module, pad_weight
 
     source = resolve_model(weights)
     mc = SimpleNamespace(**cfg["model_config"])
-    extra = cfg.get("param_extra_rows") or {}  # a library with rank rows: zero rows below some weights
-    out = {n: pad_rows(a, extra.get(n, 0))
+    reserved = cfg.get("param_reserved") or {}  # reserved rank rows or columns: zeros beside some weights
+    out = {n: pad_weight(a, *reserved.get(n, (0, 0)))
            for n, a in loader_module(cfg["architecture"]).convert_hf_weights(mc, source.weights(), cfg["dtype"])}
     save_file(out, str(lib_dir / cfg["params_file"]))
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from .contract import CONFIG_FILE, PARAMS_FILE, TOKENIZER_FILE, cache_dir, cache_lock, compiled_contract, write_cached
 from .errors import CompileError, ModelConfigError
 from .loader import ModelSource, resolve_model
-from .models import ARCHITECTURES, loader_module, model_module, pad_rows
+from .models import ARCHITECTURES, loader_module, model_module, pad_weight
 
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("flash", "tir")
@@ -58,6 +58,10 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # targeted weight stored with 32 spare rows per part for the batch's A rows, so that cuBLAS's GEMM
     # computes the shrink too; passes/reserve_rank_rows.py) instead of cuBLAS + a shrink/expand pair
     lora_rank_rows: bool = False
+    # with lora_fused: each targeted weight stored with 32 spare columns per part beside its own, for
+    # the rank columns route (passes/reserve_rank_columns.py: the batch's B rows beside W, each token's
+    # shrink beside x, one cuBLAS GEMM over both); every GEMM over the weight reads its first columns
+    lora_spare_columns: bool = False
     # Megatron-style tensor parallelism over this many GPUs (docs/TP.md).
     tensor_parallel_shards: int = 1
 
@@ -118,9 +122,9 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
     # Weights first: a wrong-shaped or missing tensor (the user's input) fails in seconds, not
     # after the library build.
     steps.set_postfix_str("converting weights")
-    extra_rows = weight_extra_rows(lora, model_module(arch), cfg)
+    reserved = weight_reserved(lora, model_module(arch), cfg)
     padded = convert_weights(source, loader_module(arch), cfg, dtype, output / PARAMS_FILE, progress=progress,
-                             extra_rows=extra_rows)
+                             reserved=reserved)
     steps.update()
 
     steps.set_postfix_str(f"building library ({options.target})")
@@ -140,9 +144,9 @@ def compile_model(model: str | Path, output: str | Path, options: CompileOptions
         "library": lib_name,
         "params_file": PARAMS_FILE,
         "param_names": param_names,
-        # zero rows the library expects below these weights (the rank rows route), for a runtime
-        # that converts the weights itself
-        "param_extra_rows": padded,
+        # zero rows below / columns beside these weights that the library expects (the rank rows or
+        # rank columns route), name -> [rows, cols], for a runtime that converts the weights itself
+        "param_reserved": padded,
         "tokenizer": tokenizer,
         "compile_options": dataclasses.asdict(options),
         "lora": lora.to_json() if lora is not None else None,
@@ -208,11 +212,18 @@ def lora_spec(cfg, options: CompileOptions):
         if linear_triton.triton is not None:
             spec = dataclasses.replace(spec, fused={
                 "rank_columns": linear_triton.RANK_COLUMNS, "slot_columns": linear_triton.SLOT_COLUMNS,
-                **({"rank_rows": True} if options.lora_rank_rows else {})})
-    if options.lora_rank_rows and spec.fused is None:
-        raise CompileError("--lora-rank-rows is a route of the fused functions, which this compile does not "
-                           "build (they need --target cuda, --lora-kernel sgmv, float16/bfloat16, one shard, "
-                           "Triton installed and no --no-lora-fused)")
+                **({"rank_rows": True} if options.lora_rank_rows else {}),
+                **({"spare_columns": True} if options.lora_spare_columns else {})})
+    for on, what in ((options.lora_rank_rows, "--lora-rank-rows"), (options.lora_spare_columns, "spare columns")):
+        if on and spec.fused is None:
+            raise CompileError(f"{what} is a route of the fused functions, which this compile does not build "
+                               "(they need --target cuda, --lora-kernel sgmv, float16/bfloat16, one shard, "
+                               "Triton installed and no --no-lora-fused)")
+    if options.lora_rank_rows and options.lora_spare_columns:
+        raise CompileError("the rank rows and the spare columns routes are alternatives: choose one")
+    if options.lora_spare_columns and options.gemm != "cublas":
+        raise CompileError("spare columns need --gemm cublas (its GEMMs read a weight's first columns with "
+                           "the weight's row stride)")
     return spec
 
 
@@ -259,7 +270,9 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)
     rank_rows = bool(lora is not None and lora.fused and lora.fused.get("rank_rows"))
-    pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, rank_rows=rank_rows, gemm=options.gemm,
+    spare_columns = bool(lora is not None and lora.fused and lora.fused.get("spare_columns"))
+    pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, rank_rows=rank_rows,
+                            spare_columns=spare_columns, gemm=options.gemm,
                             attention=options.attention, gemv_max_rows=options.gemv_max_rows)
     with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": use_graph}):
         ex = tvm.compile(mod, target, relax_pipeline=pipeline)
@@ -280,33 +293,40 @@ def _decode_graph_attrs(mod, max_batch_size: int):
     return mod
 
 
-def weight_extra_rows(lora, arch_module, cfg):
-    """name -> the zero rows the compiled library expects below that weight (the rank rows route's,
-    passes/reserve_rank_rows.py), 0 for the others."""
-    if lora is None or not (lora.fused and lora.fused.get("rank_rows")):
-        return lambda name: 0
+def weight_reserved(lora, arch_module, cfg):
+    """name -> (rows, cols): the zero rows below and columns beside that weight the compiled library
+    expects (the rank rows route's, passes/reserve_rank_rows.py; the rank columns route's,
+    passes/reserve_rank_columns.py), (0, 0) for the others."""
+    f = (lora.fused or {}) if lora is not None else {}
+    axis = 0 if f.get("rank_rows") else 1 if f.get("spare_columns") else None
+    if axis is None:
+        return lambda name: (0, 0)
     from .compiler_passes.passes.reserve_rank_rows import extra_rows  # pylint: disable=import-outside-toplevel
 
     names, linears = lora.module_names, arch_module.fused_linear_parts(cfg)
-    return lambda name: extra_rows(name, names, linears)
+
+    def reserved(name):
+        n = extra_rows(name, names, linears)
+        return (n, 0) if axis == 0 else (0, n)
+    return reserved
 
 
 def convert_weights(source: ModelSource, weight_map, cfg, dtype: str, path: Path,
-                    progress: bool = True, extra_rows=lambda name: 0) -> dict[str, int]:
+                    progress: bool = True, reserved=lambda name: (0, 0)) -> dict[str, list[int]]:
     """The model's weights in the library's names, dtype and shapes, into one safetensors file;
-    `extra_rows(name)` zero rows appended below a weight (weight_extra_rows). Returns those rows
-    by name (the padded weights only)."""
+    `reserved(name)`: (rows, cols) of zeros appended below / beside a weight (weight_reserved).
+    Returns those by name (the padded weights only)."""
     from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
 
     out: dict[str, np.ndarray] = {}
-    padded: dict[str, int] = {}
+    padded: dict[str, list[int]] = {}
     it = tqdm(source.weights(), total=source.num_weights, desc="weights", unit="tensor",
               disable=not progress, leave=False)
     for name, arr in weight_map.convert_hf_weights(cfg, it, dtype):
-        rows = extra_rows(name)
-        if rows:
-            padded[name] = rows
-        out[name] = pad_rows(arr, rows)
+        rows, cols = reserved(name)
+        if rows or cols:
+            padded[name] = [rows, cols]
+        out[name] = pad_weight(arr, rows, cols)
     save_file(out, str(path), metadata={"dtype": dtype})
     return padded
 

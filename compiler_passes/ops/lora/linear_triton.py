@@ -375,6 +375,111 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                  (yb.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=rmask[:, None])
 
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_fill_cols", "w_ptr"))
+    def lora_fill_cols_kernel(arena_ptr, rank_ptr, scale_ptr, boff_ptr, slot_ptr, w_ptr, n, S, base,
+                              K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
+                              m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr,
+                              W1: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, RS: tl.constexpr,
+                              SC: tl.constexpr, ALIGN: tl.constexpr):
+        """Grid (N / BN,): the batch's B rows into the spare columns beside W (w (N, KE), KE = K + P
+        x RS): w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the outputs o of part p
+        where rank column c is live and its slot is one a token of the batch uses (a captured
+        graph's tables keep stale slots past the batch's, whose rows may point at anything), else
+        0. The other parts' columns of these outputs are never written (zeros from the compile)."""
+        p, m, o_p = _part(tl.program_id(0) * BN, m0, m1, m2, W0, W1)
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        _, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
+        used = tl.zeros((RS,), dtype=tl.int32)
+        for t0 in range(0, n, BT):  # the slots the batch's tokens use
+            tt = t0 + tl.arange(0, BT)
+            ts = tl.load(slot_ptr + tt, mask=tt < n, other=-1)
+            used |= tl.max((ts[:, None] == jc[None, :]).to(tl.int32), axis=0)
+        live = valid & (used > 0)
+        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=live, other=0).to(tl.int64) + base, ALIGN)
+        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=live[:, None], other=0.0)  # (RS, BN)
+        c = tl.arange(0, RS)
+        tl.store(w_ptr + cols[None, :].to(tl.int64) * KE + K + p * RS + c[:, None], bt)
+
+    @triton.jit
+    def _own_columns(acc, m, ts, jc, kc, js, scale_ptr, M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr):
+        """Of acc (BM x RS, fp32) each token's own slot's live columns, scaled; zeros elsewhere."""
+        scale_c, valid, _ = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
+        keep = (ts[:, None] == jc[None, :]) & valid[None, :]
+        return tl.where(keep, acc * scale_c[None, :], 0.0)
+
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "x_ptr"))
+    def lora_shrink_xs_kernel(x_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr,
+                              n, S, base, chunk, split, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr,
+                              R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
+                              P: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr,
+                              SC: tl.constexpr, SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr,
+                              ALIGN: tl.constexpr):
+        """Grid (token tiles, split): xe (n, KE) = [x | s], s[t, p x RS + c] = round(scale[s, m_p] *
+        (x[t] . A(column c of part p))) for token t's own slot's live columns, else 0. Split k copies
+        its `chunk` inputs of x into xe and sums its part of the products into v; with split > 1
+        the block of a tile that counts last in cnt[tile] sums the splits in order (the same bits
+        whichever block is last), writes s and sets cnt[tile] back to 0."""
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        rmask = rows < n
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        a0, v0 = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        a1, v1 = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK
+        kk = k_start + tl.arange(0, BK)
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
+        xe_rows = xe_ptr + rows[:, None].to(tl.int64) * KE
+        acc0 = tl.zeros((BM, RS), dtype=tl.float32)
+        acc1 = tl.zeros((BM, RS), dtype=tl.float32)
+        acc2 = tl.zeros((BM, RS), dtype=tl.float32)
+        for k0 in tl.range(0, tl.minimum(chunk, K - k_start), BK, num_stages=STAGES):
+            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
+            tl.store(xe_rows + (kk + k0)[None, :], xt, mask=rmask[:, None])
+            ka = (kk + k0)[:, None]
+            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
+            if P > 1:
+                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
+            if P > 2:
+                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
+        c = tl.arange(0, RS)
+        last = split == 1
+        if split > 1:
+            mine = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
+            tl.store(mine, acc0, mask=rmask[:, None])
+            if P > 1:
+                tl.store(mine + RS, acc1, mask=rmask[:, None])
+            if P > 2:
+                tl.store(mine + 2 * RS, acc2, mask=rmask[:, None])
+            tl.debug_barrier()  # every thread's partial stored before the count (released by it)
+            last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu") == split - 1
+            if last:
+                acc0 = tl.zeros((BM, RS), dtype=tl.float32)
+                acc1 = tl.zeros((BM, RS), dtype=tl.float32)
+                acc2 = tl.zeros((BM, RS), dtype=tl.float32)
+                for k in tl.static_range(SPLIT_MAX):
+                    part = v_ptr + ((k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
+                    on = rmask[:, None] & (k < split)
+                    acc0 += tl.load(part, mask=on, other=0.0, cache_modifier=".cg")
+                    if P > 1:
+                        acc1 += tl.load(part + RS, mask=on, other=0.0, cache_modifier=".cg")
+                    if P > 2:
+                        acc2 += tl.load(part + 2 * RS, mask=on, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + pid_m, 0)
+        if last:
+            ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
+            out = xe_rows + K + c[None, :]
+            dt = xe_ptr.dtype.element_ty
+            tl.store(out, _own_columns(acc0, m0, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt), mask=rmask[:, None])
+            if P > 1:
+                tl.store(out + RS, _own_columns(acc1, m1, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
+                         mask=rmask[:, None])
+            if P > 2:
+                tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
+                         mask=rmask[:, None])
+
 
 def _signature(dtype: str) -> dict:
     e = triton_build.PTR[dtype]
@@ -506,6 +611,37 @@ def rows_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], n
                 expand_grid=(-(-n // EXPAND_BM), N // bn), expand_warps=EXPAND_WARPS, rows=N + rank_rows(P))
 
 
+def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
+    e = triton_build.PTR[dtype]
+    fill = dict(arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32", slot_ptr="*i32", w_ptr=e,
+                n="i32", S="i32", base="i64")
+    fill.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "W0", "W1", "BN", "BT", "RS", "SC",
+                                           "ALIGN")})
+    shrink = dict(x_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32",
+                  xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32", split="i32")
+    shrink.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "RS", "SC",
+                                             "SPLIT_MAX", "STAGES", "ALIGN")})
+    return fill, shrink
+
+
+def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
+              align: int, variant: str | None = None) -> dict:
+    """How the TIR wrapper launches the rank columns route for n tokens (the fill of the spare
+    columns, the shrink into [x | s], cuBLAS over K + P * RANK_COLUMNS inputs): constants, split,
+    grids, warps. The shrink's blocks and splits are the pair's (cols_launch)."""
+    go = cols_launch(n, in_f, widths, mods, num_modules, max_rank, align, variant)
+    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
+    w = (list(widths) + [0] * MAX_PARTS)[:2]
+    P = len(widths)
+    ke = in_f + rank_rows(P)
+    bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
+    fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
+                BT=64, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
+    shrink = dict(go["shrink"], KE=ke, SPLIT_MAX=SPLIT_MAX)
+    return dict(fill=fill, shrink=shrink, split=go["split"], chunk=go["chunk"], fill_grid=(sum(widths) // bn,),
+                shrink_grid=go["shrink_grid"], fill_warps=4, shrink_warps=go["shrink_warps"], cols=ke)
+
+
 def scratch_elems(n, widths: Sequence[int]):
     """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes)."""
     return SPLIT_MAX * n * len(widths) * RANK_COLUMNS
@@ -528,9 +664,10 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
 
     R, M, L, W, P = max_rank, num_modules, num_layers, sum(widths), len(widths)
     KW = in_f if w_cols is None else w_cols
-    if KW < in_f or (rows and KW != in_f):
-        raise ValueError(f"a weight of {KW} columns for {in_f} inputs" + (" (the rank rows route fills rows of "
-                                                                         "in_f)" if rows else ""))
+    if KW not in (in_f, in_f + rank_rows(P)) or (rows and KW != in_f):
+        raise ValueError(f"a weight of {KW} columns for {in_f} inputs (in_f, or in_f + {rank_rows(P)} spare columns "
+                         "for the rank columns route; not with the rank rows route)")
+    cols = KW != in_f  # the rank columns route past FUSED_MAX_TOKENS
     built, mods_out = {}, []
     for bm in (16, 64):
         consts, warps = constants(in_f, widths, mods, M, R, bm, align, KW)
@@ -548,6 +685,24 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                                                       go["expand_warps"], arch, Path(__file__))
         mods_out += [fmod, xmod]
         f_grid, x_nt = go["fill_grid"], go["expand_grid"][1]
+    elif cols:  # past FUSED_MAX_TOKENS: the fill of the spare columns, the shrink into [x | s], cuBLAS
+        sig_f, sig_s = _cols_route_signatures(dtype)
+        go = xs_launch(1, in_f, widths, mods, M, R, align)
+        fn_, fth, fsh, fmod = triton_build.cuda_module(lora_fill_cols_kernel, sig_f, go["fill"], go["fill_warps"],
+                                                       arch, Path(__file__))
+        mods_out.append(fmod)
+        f_grid = go["fill_grid"]
+        shrinks = {}
+        for variant in SHRINK_BM:
+            gv = xs_launch(1, in_f, widths, mods, M, R, align, variant)
+            name, threads, shared, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
+                                                                  gv["shrink_warps"], arch, Path(__file__))
+            shrinks[variant] = (name, threads, shared, gv["shrink"]["BM"])
+            mods_out.append(mod)
+        bk = go["shrink"]["BK"]
+        steps = in_f // bk
+        qn, qth, qsh, q_bm = shrinks["small"]
+        gn, gth, gsh, g_bm = shrinks["large"]
     else:  # past FUSED_MAX_TOKENS: cuBLAS, then the shrink (two variants) and the in-place expand
         sig_s, sig_e = _cols_signatures(dtype)
         shrinks = {}
@@ -588,6 +743,16 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
                       T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), T.int64(0), T.int64(0),
                       T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
+
+    @T.macro
+    def shrink_xs(name, bm, threads, shared, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v, cnt):
+        """The shrink variant `name` (blocks of bm tokens) into xe = [x | s]."""
+        T.call_packed(name, x.data, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data, v.data,
+                      cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[1] * bk),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), T.int64(0), T.int64(0),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[0]),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), threads, shared)
 
     @T.macro
     def fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):
@@ -635,6 +800,44 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                                   T.int64(0), T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), x_nt, xth, xsh)
 
         return lora_linear_rows, mods_out
+
+    if cols:
+        KE = KW
+
+        @T.prim_func(s_tir=True)
+        def lora_linear_cols(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
+                             scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, cnt_h: T.handle,
+                             y_h: T.handle, v_h: T.handle, xe_h: T.handle):
+            T.func_attr(kernel_attrs(True))
+            n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
+            x = T.match_buffer(x_h, (n, in_f), dtype)
+            w = T.match_buffer(w_h, (W, KE), dtype)
+            arena = T.match_buffer(arena_h, (size,), dtype)
+            slot = T.match_buffer(slot_h, (n,), "int32")
+            rank = T.match_buffer(rank_h, (S,), "int32")
+            scale = T.match_buffer(scale_h, (S, M), "float32")
+            a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
+            b_off = T.match_buffer(boff_h, (S, M, R), "int32")
+            cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
+            y = T.match_buffer(y_h, (n, W), dtype)
+            v = T.match_buffer(v_h, (nv,), "float32")
+            xe = T.match_buffer(xe_h, (n, KE), dtype)
+            if n > 0:
+                if n <= FUSED_MAX_TOKENS:
+                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+                else:
+                    T.call_packed(fn_, arena.data, rank.data, scale.data, b_off.data, slot.data, w.data,
+                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), T.int64(0), T.int64(0),
+                                  f_grid[0], 1, fth, fsh)
+                    if n <= SHRINK_SMALL_MAX_TOKENS:
+                        shrink_xs(qn, q_bm, qth, qsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v,
+                                  cnt)
+                    else:
+                        shrink_xs(gn, g_bm, gth, gsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v,
+                                  cnt)
+                    T.call_packed(CUBLAS_GEMM, xe, w, y)
+
+        return lora_linear_cols, mods_out
 
     @T.prim_func(s_tir=True)
     def lora_linear_triton(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
@@ -696,7 +899,7 @@ class FusedLinear:
         if w_rows not in (W, W + rank_rows(len(widths))):
             raise ValueError(f"weight of {w_rows} rows for a linear of {W} outputs (or {W} + "
                              f"{rank_rows(len(widths))} reserved rank rows)")
-        rows = w_rows != W
+        rows, cols = w_rows != W, w_cols != in_f
         key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
 
@@ -707,12 +910,16 @@ class FusedLinear:
                 ctx.external(key + ("module", i), lambda mod=mod: mod)
             return func
 
-        name = f"lora_linear_{'rows' if rows else 'triton'}_m{tag}_{in_f}x{W}" + (f"_of{w_cols}" if w_cols != in_f else "")
+        name = f"lora_linear_{'rows' if rows else 'cols' if cols else 'triton'}_m{tag}_{in_f}x{W}" + (
+            f"_of{w_cols}" if cols else "")
         fn = ctx.kernel(key, name, make)
         outs = [relax.TensorType([n, W], dtype)]
         if rows:  # no shrink partials; e = x @ [W; rank rows].T
             outs += [relax.TensorType([max(1, split_scratch_elems(in_f, widths))], "float32"),
                      relax.TensorType([n, w_rows], dtype)]
+        elif cols:  # the shrink's partial sums; xe = [x | s]
+            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32"),
+                     relax.TensorType([n, w_cols], dtype)]
         else:
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
         out = bb.emit(relax.call_tir(fn, [x, w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"], t["lora_scale"],

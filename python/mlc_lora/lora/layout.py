@@ -45,7 +45,8 @@ class LoraSpec:
     tensor_parallel_shards: int = 1
     # The limits of the _fused functions (contract.FUSED_FUNCTION_SUFFIX) where the library has them: a
     # batch over <= slot_columns adapters whose ranks sum to <= rank_columns runs them; rank_rows: the
-    # targeted weights hold the rank rows route's reserved rows (passes/reserve_rank_rows.py). None: none built.
+    # targeted weights hold the rank rows route's reserved rows (passes/reserve_rank_rows.py);
+    # spare_columns: the rank columns route's reserved columns (passes/reserve_rank_columns.py). None: none built.
     fused: dict[str, int] | None = None
 
     def fused_fits(self, num_slots: int, rank_total: int) -> bool:
@@ -89,7 +90,8 @@ def _fused_limits(d: dict[str, Any]) -> dict[str, int] | None:
     if f is None:
         return None
     return {"rank_columns": f["rank_columns"], "slot_columns": f["slot_columns"],
-            **({"rank_rows": True} if f.get("rank_rows") else {})}
+            **({"rank_rows": True} if f.get("rank_rows") else {}),
+            **({"spare_columns": True} if f.get("spare_columns") else {})}
 
 
 def _shards(cfg) -> int:

@@ -17,9 +17,14 @@ def loader_module(arch: str):
     return importlib.import_module(f"{__name__}.{ARCHITECTURES[arch]}_loader")
 
 
-def pad_rows(arr, rows: int):
-    """`arr` (numpy) with `rows` zero rows below it: a weight as a library with rank rows stores it
-    (the compiled config's `param_extra_rows`)."""
+def pad_weight(arr, rows: int = 0, cols: int = 0):
+    """`arr` (numpy, 2-D where padded) with `rows` zero rows below it and `cols` zero columns beside
+    it: a weight as a library with reserved rank rows or columns stores it (the compiled config's
+    `param_reserved`: name -> [rows, cols])."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
-    return np.concatenate([arr, np.zeros((rows, *arr.shape[1:]), arr.dtype)]) if rows else arr
+    if not rows and not cols:
+        return arr
+    out = np.zeros((arr.shape[0] + rows, arr.shape[1] + cols), arr.dtype)
+    out[:arr.shape[0], :arr.shape[1]] = arr
+    return out

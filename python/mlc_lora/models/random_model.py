@@ -42,8 +42,8 @@ def build(out: Path, model_cfg: dict, opts, name: str = "llama-random") -> float
     t0 = time.time()
     names = C.build_library(llama, cfg, opts.resolved_dtype(), opts, out / lib, lora=lora)
     shapes = llama_loader.param_shapes(cfg)
-    extra = C.weight_extra_rows(lora, llama, cfg)
-    shapes = {n: (s[0] + extra(n), *s[1:]) for n, s in shapes.items()}
+    reserved = C.weight_reserved(lora, llama, cfg)
+    shapes = {n: (s[0] + reserved(n)[0], s[1] + reserved(n)[1]) if len(s) == 2 else s for n, s in shapes.items()}
     (out / CONFIG_FILE).write_text(json.dumps({
         "model_name": name, "architecture": "LlamaForCausalLM",
         "model_config": dataclasses.asdict(cfg), "dtype": opts.resolved_dtype(),
@@ -58,13 +58,13 @@ def build(out: Path, model_cfg: dict, opts, name: str = "llama-random") -> float
 
 def make_params(cfg_json: dict, torch, device: str = "cuda", seed: int = 0, others=()) -> dict:
     """Seeded random weights on `device`, by name, in the model's dtype; with `others` (the configs
-    of other libraries of the same model) each at the largest shape any of them asks (a library
-    with rank rows stores its targeted weights taller), so one set serves them all (`lib_params`)."""
+    of other libraries of the same model) each as tall as any of them asks (a library with rank
+    rows stores its targeted weights taller), so one set serves them all (`lib_params`)."""
     shapes = dict(cfg_json["param_shapes"])
     for other in others:
         if other["param_names"] != cfg_json["param_names"]:
             raise ValueError(f"{other.get('model_name')} and {cfg_json.get('model_name')}: different models")
-        shapes.update({n: s for n, s in other["param_shapes"].items() if s[0] > shapes[n][0]})
+        shapes.update({n: [s[0], *shapes[n][1:]] for n, s in other["param_shapes"].items() if s[0] > shapes[n][0]})
     dtype = getattr(torch, cfg_json["dtype"])
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
@@ -79,10 +79,21 @@ def make_params(cfg_json: dict, torch, device: str = "cuda", seed: int = 0, othe
 
 def lib_params(weights: dict, cfg_json: dict) -> list:
     """The params of the library with config `cfg_json` from `make_params`'s weights: each a view
-    (no copy) of the first rows its library expects."""
+    (no copy) of the first rows its library expects; where the library stores a weight with another
+    row length (spare columns beside it), a copy with the weight's values in its first columns and
+    zeros in the others."""
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
-    return [tvm_ffi.from_dlpack(weights[n][:cfg_json["param_shapes"][n][0]]) for n in cfg_json["param_names"]]
+    out = []
+    for n in cfg_json["param_names"]:
+        shape, w = cfg_json["param_shapes"][n], weights[n]
+        if len(shape) == 2 and shape[1] != w.shape[1]:
+            wide = w.new_zeros(shape)
+            k = min(shape[1], w.shape[1])
+            wide[:min(shape[0], w.shape[0]), :k] = w[:shape[0], :k]
+            w = wide
+        out.append(tvm_ffi.from_dlpack(w[:shape[0]]))
+    return out
 
 
 def random_adapter(name: str, model_config: dict, modules, rank: int, torch, device: str = "cuda",

@@ -25,7 +25,7 @@ pytestmark = needs_nvcc  # the CUDA sgmv and gemv kernels are built at compile t
 TABLES = LORA_TABLE_INPUTS
 
 
-def _lowered(layers=2, fused=False, rank_rows=False):
+def _lowered(layers=2, fused=False, rank_rows=False, spare_columns=False):
     prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -34,11 +34,12 @@ def _lowered(layers=2, fused=False, rank_rows=False):
     mod, names = export_model(llama, cfg, "float16", cuda)
     spec = make_spec(cfg, 8, 64, None, "sgmv")
     if fused:
-        spec = dataclasses.replace(spec, fused={"rank_columns": 32, "slot_columns": 16, "rank_rows": rank_rows})
+        spec = dataclasses.replace(spec, fused={"rank_columns": 32, "slot_columns": 16, "rank_rows": rank_rows,
+                                                "spare_columns": spare_columns})
     lora = lora_pass_options(spec, cfg, llama, names)
     mod = _decode_graph_attrs(mod, 4)
     with cuda, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
-        return cfg, get_pipeline(cuda, lora=lora, rank_rows=rank_rows)(mod)
+        return cfg, get_pipeline(cuda, lora=lora, rank_rows=rank_rows, spare_columns=spare_columns)(mod)
 
 
 def _calls(func, prefix):
@@ -195,4 +196,35 @@ def test_rank_rows_library_widens_the_weights_and_fuses_past_the_small_kernel():
     base = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_base_cuda_graph_capture")]
     wrappers = {c for f in base for c in _calls(f, "mlc_lora_linear_")}
     assert wrappers == {f"mlc_lora_linear_f16_{n}_of{n + r}x{k}_3d" for n, k, r in (
+        (qkv, h, 96), (h, h, 32), (2 * inter, h, 64), (h, inter, 32))} | {f"mlc_lora_linear_f16_{cfg.vocab_size}x{h}_3d"}
+
+
+def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_first_columns():
+    """Spare columns (the rank columns route): every targeted weight of every function has 32
+    columns per part beside its own; the fused functions' linears (the rank columns wrapper, inside
+    decode_fused's graphs and in prefill_fused) take the whole weight, every other GEMM (gemv /
+    cuBLAS wrappers) too, with its row stride: no slice is copied per call and no linear falls back
+    to TVM's matmul; lm_head is untouched."""
+    pytest.importorskip("triton")
+    cfg, lowered = _lowered(fused=True, spare_columns=True)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    fused = "decode" + FUSED_FUNCTION_SUFFIX
+    captures = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith(fused + "_cuda_graph_capture")]
+    linears = [c for f in captures for c in _calls(f, "lora_linear_cols_")]
+    assert len(linears) == 4 * cfg.num_hidden_layers and all("_of" in c for c in linears), linears
+    assert not [c for f in captures for c in _calls(f, "lora_linear_triton_")]
+    assert len(_calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "lora_linear_cols_")) == 4 * cfg.num_hidden_layers
+    want = {(qkv, h + 96), (h, h + 32), (2 * inter, h + 64), (h, inter + 32)}
+    for name in ("decode", "prefill", "decode" + BASE_FUNCTION_SUFFIX, fused, "prefill" + FUSED_FUNCTION_SUFFIX):
+        shapes = [tuple(int(v) for v in f.shape.values) for f in lowered[name].params[-1].ty.fields]
+        assert want <= set(shapes), name
+        assert (cfg.vocab_size, h) in shapes  # lm_head
+    for gv, f in lowered.functions_items():
+        if isinstance(f, relax.Function):
+            text = f.script()
+            assert "strided_slice" not in text and "NT_matmul" not in text, gv.name_hint
+    base = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_base_cuda_graph_capture")]
+    wrappers = {c for f in base for c in _calls(f, "mlc_lora_linear_")}
+    assert wrappers == {f"mlc_lora_linear_f16_{n}x{k}_of{k + r}_3d" for n, k, r in (
         (qkv, h, 96), (h, h, 32), (2 * inter, h, 64), (h, inter, 32))} | {f"mlc_lora_linear_f16_{cfg.vocab_size}x{h}_3d"}

@@ -39,9 +39,10 @@ def test_lora_options_checked():
 def test_rank_rows_flag_and_spec(monkeypatch, tmp_path):
     """--lora-rank-rows reaches CompileOptions; a CUDA sgmv fp16 spec then records it in its fused
     limits (the config's lora.fused.rank_rows), which LoraSpec reads back; the weights to widen
-    are the targeted linears' (compile.weight_extra_rows, 32 rows per part)."""
+    are the targeted linears' (compile.weight_reserved, 32 rows per part); the spare columns
+    alike, beside the weights."""
     pytest.importorskip("triton")
-    from mlc_lora.compile import weight_extra_rows
+    from mlc_lora.compile import weight_reserved
     from mlc_lora.lora.layout import LoraSpec
     from mlc_lora.models import llama
 
@@ -54,12 +55,21 @@ def test_rank_rows_flag_and_spec(monkeypatch, tmp_path):
     cfg = LlamaConfig(**TINY_CONFIGS["gqa"])
     spec = lora_spec(cfg, opts)
     assert spec.fused["rank_rows"] is True and LoraSpec.from_json(spec.to_json()) == spec
-    rows = weight_extra_rows(spec, llama, cfg)
-    assert rows("model.layers.1.self_attn.qkv_proj.weight") == 96 and rows("model.layers.0.mlp.down_proj.weight") == 32
-    assert rows("lm_head.weight") == 0 and rows("model.embed_tokens.weight") == 0
+    rows = weight_reserved(spec, llama, cfg)
+    assert rows("model.layers.1.self_attn.qkv_proj.weight") == (96, 0)
+    assert rows("model.layers.0.mlp.down_proj.weight") == (32, 0)
+    assert rows("lm_head.weight") == (0, 0) and rows("model.embed_tokens.weight") == (0, 0)
     plain = lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False}))
-    assert "rank_rows" not in plain.fused and weight_extra_rows(plain, llama, cfg)(
-        "model.layers.1.self_attn.qkv_proj.weight") == 0
+    assert "rank_rows" not in plain.fused and weight_reserved(plain, llama, cfg)(
+        "model.layers.1.self_attn.qkv_proj.weight") == (0, 0)
+    cols = lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False, "lora_spare_columns": True}))
+    assert cols.fused["spare_columns"] is True and LoraSpec.from_json(cols.to_json()) == cols
+    assert weight_reserved(cols, llama, cfg)("model.layers.1.self_attn.qkv_proj.weight") == (0, 96)
+    for bad, why in (({"lora_rank_rows": True, "lora_spare_columns": True}, "alternatives"),
+                     ({"lora_spare_columns": True, "gemm": "tvm"}, "--gemm cublas"),
+                     ({"lora_spare_columns": True, "lora_fused": False}, "route of the fused functions")):
+        with pytest.raises(CompileError, match=why):
+            lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False, **bad}))
 
 
 def test_without_lora_flags_the_model_has_no_lora_inputs(tiny_models):

@@ -275,8 +275,9 @@ def test_rank_rows_library_matches_peft(lora_setup, tmp_path, monkeypatch):
             arr[n:] = np.nan
     assert extra == {"qkv_proj": 96, "o_proj": 32, "gate_up_proj": 64, "down_proj": 32}
     # the config records them, for a runtime that converts the weights itself (check_gpu_parity.py)
-    recorded = json.loads((out / "mlc-lora-config.json").read_text())["param_extra_rows"]
-    assert recorded == {k: a.shape[0] - plain[k].shape[0] for k, a in params.items() if a.shape[0] > plain[k].shape[0]}
+    recorded = json.loads((out / "mlc-lora-config.json").read_text())["param_reserved"]
+    assert recorded == {k: [a.shape[0] - plain[k].shape[0], 0] for k, a in params.items()
+                        if a.shape[0] > plain[k].shape[0]}
     import check_gpu_parity  # (scripts/ is on the tests' path)
 
     cfg_json = json.loads((out / "mlc-lora-config.json").read_text())

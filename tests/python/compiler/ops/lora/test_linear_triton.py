@@ -39,7 +39,8 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
 @pytest.mark.parametrize("bm,n,split,swap,cols", [
     (16, 21, 1, 0, 0), (64, 70, 1, 0, 0), (16, 21, 2, 0, 0), (64, 70, 3, 0, 0), (16, 21, 1, 1, 0), (16, 21, 3, 1, 0),
     ("small", 70, 1, 0, 0), ("large", 70, 1, 0, 0), ("rows", 70, 1, 0, 0),
-    (16, 21, 3, 0, 96), (64, 70, 1, 0, 96), (16, 21, 3, 1, 32), ("small", 70, 1, 0, 96)])
+    (16, 21, 3, 0, 96), (64, 70, 1, 0, 96), (16, 21, 3, 1, 32), ("small", 70, 1, 0, 96),
+    ("xs-small", 70, 1, 0, 0), ("xs-large", 70, 1, 0, 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
     """bm 16/64: the fused kernel's block heights, its K loop in `split` blocks per tile (3: one
@@ -51,8 +52,8 @@ def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
     rng = np.random.default_rng(3)
     widths, mods, R = (64, 32, 32), (0, -1, 2), 16  # q|k|v with k untargeted
     K = 192 if isinstance(bm, int) else 576  # the shrink splits 576 inputs in two (5 + 4 steps of 64)
-    if bm in ("small", "large"):
-        assert LT.cols_launch(n, K, widths, mods, 4, R, 8, bm)["split"] == 2
+    if bm in ("small", "large", "xs-small", "xs-large"):
+        assert LT.cols_launch(n, K, widths, mods, 4, R, 8, bm.replace("xs-", ""))["split"] == 2
     c = _case(rng, dtype, n, K, widths, [8, 16, 0, 4], R)  # ranks sum to 28 <= RANK_COLUMNS
     # a stale slot past the batch's (as a captured graph's fixed tables keep): no token uses it, its
     # rows point at NaN; it must not reach any output
@@ -68,6 +69,12 @@ def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
     out = interpret(tmp_path, **{**c, "w": wide}, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)
+    if isinstance(bm, str) and bm.startswith("xs-"):
+        # [x | s]: x itself in the first K columns; the filled columns hold no NaN (the stale slot's
+        # rows point at NaN, and no token uses it) and zeros past the live columns
+        np.testing.assert_array_equal(out["xe"][:, :K], c["x"])
+        assert np.isfinite(out["cols"]).all() and np.isfinite(out["xe"]).all()
+        assert (out["cols"][:64, 28:32] == 0).all()  # q's columns past the ranks' 28
     if bm == "rows":  # the filled rows: the batch's A rows (the stale slot's among them), zeros past them
         rows = LT.fill_rows_ref(c["arena"], c["base"], c["rank"], c["scale"], c["a_off"], mods, K)
         np.testing.assert_array_equal(out["rows"], rows)
@@ -179,3 +186,21 @@ def test_rank_rows_wrapper_builds_to_cubin_for_sm90(cubin_cache):
     assert "T.Buffer((6240, 4096)" in script and "T.Buffer((n, 6240)" in script  # w and e: 6144 + 96 rows
     # the reserved rows of a linear are 32 per part, one definition
     assert LT.rank_rows(3) == 96 and LT.rows_launch(100, 4096, (4096, 1024, 1024), (0, 1, 2), 7, 16, 8)["rows"] == 6240
+
+
+def test_rank_columns_wrapper_builds_to_cubin_for_sm90(cubin_cache):
+    """The rank columns route's wrapper (a weight with 3 x 32 spare columns): the one-kernel linear's
+    two block heights (reading W's first columns with its row stride), the fill of the spare columns
+    and the two shrink variants into [x | s]; past the fused kernel's tokens it fills, shrinks and
+    calls cuBLAS once over [x | s] and the whole weight (no expand)."""
+    fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a",
+                                 w_cols=4096 + 96)
+    assert len(mods) == 5 and len(list(cubin_cache.glob("*.cubin"))) == 5
+    script = fn.script()
+    assert "mlc_lora_triton_fill_cols_fp16" in script and script.count("mlc_lora_triton_shrink_xs_fp16") == 2
+    assert "expand" not in script and "shrink_cols" not in script
+    assert script.count("mlc_lora.runtime.cublas_gemm") == 1
+    assert "T.Buffer((6144, 4192)" in script and "T.Buffer((n, 4192)" in script  # w and xe: 4096 + 96 columns
+    assert LT.xs_launch(100, 4096, (4096, 1024, 1024), (0, 1, 2), 7, 16, 8)["cols"] == 4192
+    with pytest.raises(ValueError, match="spare columns"):  # neither the weight's own nor + 32 per part
+        LT.linear_wrapper(4096, (4096,), (0,), 2, 16, 7, "float16", 8, "sm_90a", w_cols=4096 + 96)

@@ -35,7 +35,8 @@ def run_linear(inp: dict) -> dict:
     scale = inp["scale"]
     consts, warps = LT.constants(K, widths, mods, scale.shape[1], int(inp["R"]), int(inp["bm"]), 8, w.shape[1])
     if "variant" in inp:
-        return run_cols(inp) if str(inp["variant"]) != "rows" else run_rows(inp)
+        v = str(inp["variant"])
+        return run_rows(inp) if v == "rows" else run_xs(inp) if v.startswith("xs-") else run_cols(inp)
     if "split" in inp:
         consts["SPLIT"] = int(inp["split"])
     if "swap" in inp:
@@ -101,6 +102,41 @@ def run_rows(inp: dict) -> dict:
         e, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["b_off"]), y, n, S, base, **go["expand"],
         num_warps=go["expand_warps"])
     return {"y": y.numpy(), "rows": w_ext[sum(widths):].numpy()}
+
+
+def run_xs(inp: dict) -> dict:
+    """The rank columns route: the fill of the spare columns beside W (part p's own columns holding
+    NaN before, as the previous batch's B rows; the other parts' zeros, as compiled), the shrink
+    into [x | s] (xe and the partial sums NaN before, the counters zeros), then [x | s] @ [W | B
+    cols].T (as cuBLAS: fp32 sums, rounded to the dtype), launched as the TIR wrapper does."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
+
+    _interpreter_scalars()
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    x, w, scale = inp["x"], inp["w"], inp["scale"]
+    mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
+    n, K = x.shape
+    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, str(inp["variant"])[3:])
+    w_ext = torch.zeros((sum(widths), go["cols"]), dtype=t(x).dtype)
+    w_ext[:, :K] = t(w)
+    o = 0
+    for p, wp in enumerate(widths):
+        w_ext[o:o + wp, K + p * LT.RANK_COLUMNS:K + (p + 1) * LT.RANK_COLUMNS] = float("nan")
+        o += wp
+    S, base = len(inp["rank"]), int(inp["base"])
+    LT.lora_fill_cols_kernel[go["fill_grid"]](t(inp["arena"]), t(inp["rank"]), t(scale), t(inp["b_off"]),
+                                              t(inp["slot"]), w_ext, n, S, base, **go["fill"],
+                                              num_warps=go["fill_warps"])
+    xe = torch.full((n, go["cols"]), float("nan"), dtype=w_ext.dtype)
+    v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
+    cnt = torch.zeros((LT.COUNTER_SLOTS,), dtype=torch.int32)
+    LT.lora_shrink_xs_kernel[go["shrink_grid"]](
+        t(x), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt, n, S, base,
+        go["chunk"], go["split"], **go["shrink"], num_warps=go["shrink_warps"])
+    y = (xe.numpy().astype(np.float32) @ w_ext.numpy().astype(np.float32).T).astype(x.dtype)
+    return {"y": y, "cnt": cnt.numpy(), "cols": w_ext[:, K:].numpy(), "xe": xe.numpy()}
 
 
 def run_silu_mul(inp: dict) -> dict:
