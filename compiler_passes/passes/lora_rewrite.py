@@ -12,12 +12,13 @@ from typing import Sequence
 import tvm
 from tvm import relax
 
-from mlc_lora.contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
+from mlc_lora.contract import BASE_FUNCTION_SUFFIX, FILL_COLUMNS_FUNCTION, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 
 from ..ops import cuda_build
 from ..ops import lora as lora_stages
 from ..ops.lora import LoraContext, Part
 from ..ops.lora.linear_triton import FUSED
+from ..ops.lora.stage import layer_arg
 
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
@@ -103,6 +104,10 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
                     rewriter.rewrite(gv)
                     rewriter.fused = False
                 rewriter.rewrite(mod.get_global_var(name))
+        if rewriter.fills:
+            fused = next(f for gv, f in rewriter.builder_.get().functions.items()
+                         if gv.name_hint.endswith(FUSED_FUNCTION_SUFFIX) and isinstance(f, relax.Function))
+            rewriter.add_fill_function(fused.params[-1].ty)
         out = rewriter.builder_.get()
         for gv, func in list(out.functions.items()):
             if gv.name_hint.endswith(FUSED_FUNCTION_SUFFIX) and isinstance(func, relax.Function):
@@ -126,6 +131,7 @@ class _Rewriter(relax.PyExprMutator):
         self.n_tok = None
         self.rewritten = 0
         self.fused = False  # rewriting a _fused copy: linears the fused kernel supports become one call
+        self.fills: dict[int, tuple] = {}  # packed param index -> (layer, its fill's PrimFunc, dtype)
 
     def rewrite(self, gv: relax.GlobalVar) -> None:
         func = self.builder_.get()[gv]  # as the builder holds it (a _fused copy: just added)
@@ -133,19 +139,7 @@ class _Rewriter(relax.PyExprMutator):
         params = list(func.params)
         x_shape = params[0].ty.shape.values
         n_tok = tvm.sym.Analyzer().simplify(_prod(x_shape[:-1]))
-        slots = tvm.tirx.Var("lora_slots", "int64")
-        cap1 = tvm.tirx.Var("lora_slot_capacity_plus_one", "int64")
-        size = self.opts.arena_elems if self.opts.arena_elems is not None else tvm.tirx.Var(
-            "lora_arena_elems", "int64")
-        M, R = self.opts.num_modules, self.opts.max_rank
-        dtype = params[0].ty.dtype
-        shapes = {
-            "lora_arena": ([size], dtype), "lora_token_slot": ([n_tok], "int32"),
-            "lora_rank": ([slots], "int32"), "lora_scale": ([slots, M], "float32"),
-            "lora_a_off": ([slots, M, R], "int32"), "lora_b_off": ([slots, M, R], "int32"),
-            "lora_token_order": ([n_tok], "int32"), "lora_slot_start": ([cap1], "int32"),
-        }
-        self.inputs = {k: relax.Var(k, relax.TensorType(*shapes[k])) for k in LORA_TABLE_INPUTS}
+        self.inputs = self.table_vars(n_tok, params[0].ty.dtype)
         self.packed = params[-1] if num_input < len(params) else None
         self.n_tok, self.rewritten = n_tok, 0
         self.ctx.begin_function()
@@ -162,6 +156,39 @@ class _Rewriter(relax.PyExprMutator):
             raise ValueError(f"LoraRewrite found no target linear in {gv.name_hint}: it must run "
                              "before FuseTransposeMatmul on permute_dims(W) + matmul")
         self.builder_.update_func(gv, new)
+
+    def table_vars(self, n_tok, dtype: str) -> dict[str, relax.Var]:
+        """The LoRA table inputs (LORA_TABLE_INPUTS) of a function over n_tok tokens."""
+        slots = tvm.tirx.Var("lora_slots", "int64")
+        cap1 = tvm.tirx.Var("lora_slot_capacity_plus_one", "int64")
+        size = self.opts.arena_elems if self.opts.arena_elems is not None else tvm.tirx.Var(
+            "lora_arena_elems", "int64")
+        M, R = self.opts.num_modules, self.opts.max_rank
+        shapes = {
+            "lora_arena": ([size], dtype), "lora_token_slot": ([n_tok], "int32"),
+            "lora_rank": ([slots], "int32"), "lora_scale": ([slots, M], "float32"),
+            "lora_a_off": ([slots, M, R], "int32"), "lora_b_off": ([slots, M, R], "int32"),
+            "lora_token_order": ([n_tok], "int32"), "lora_slot_start": ([cap1], "int32"),
+        }
+        return {k: relax.Var(k, relax.TensorType(*shapes[k])) for k in LORA_TABLE_INPUTS}
+
+    def add_fill_function(self, packed_ty) -> None:
+        """`lora_fill_columns` (contract.FILL_COLUMNS_FUNCTION): (the LoRA tables, the packed params)
+        -> the weights with spare columns, each filled in place with the B rows of the tables'
+        slots (the pool's kept adapters) over its layer; the runner calls it when the kept columns
+        change (the rank columns route)."""
+        bb = self.builder_
+        first = next(iter(self.fills.values()))
+        t = self.table_vars(tvm.tirx.Var("n", "int64"), first[2])
+        params = relax.Var("params", packed_ty)
+        with bb.function(FILL_COLUMNS_FUNCTION, [*(t[k] for k in LORA_TABLE_INPUTS), params],
+                         attrs={"num_input": len(LORA_TABLE_INPUTS)}, pure=False):
+            outs = []
+            for idx, (layer, gv, _) in sorted(self.fills.items()):
+                w = bb.emit(relax.TupleGetItem(params, idx))
+                args = [t["lora_arena"], t["lora_rank"], t["lora_scale"], t["lora_b_off"], layer_arg(layer), w]
+                outs.append(bb.emit(relax.call_tir_inplace(gv, args, [5], w.ty)))
+            bb.emit_func_output(relax.Tuple(outs))
 
     # --- matching ---------------------------------------------------------------------------
 
@@ -202,11 +229,11 @@ class _Rewriter(relax.PyExprMutator):
         parts = self.opts.linears[kind]
         if not any(p[0] in self.opts.module_index for p in parts):
             return call
-        return self._add_delta(call, layer, parts, w)
+        return self._add_delta(call, layer, parts, w, name)
 
     # --- emission: the registered implementation of the stage ---------------------------------
 
-    def _add_delta(self, call: relax.Call, layer: int, parts, w: relax.Expr) -> relax.Expr:
+    def _add_delta(self, call: relax.Call, layer: int, parts, w: relax.Expr, name: str) -> relax.Expr:
         bb, o = self.builder_, self.opts
         x = call.args[0]
         in_f = int(x.ty.shape.values[-1])
@@ -216,6 +243,9 @@ class _Rewriter(relax.PyExprMutator):
             x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
             self.rewritten += 1
             counters = self.ctx.per_function(("fused counters",), lambda: bb.emit(FUSED.counters()))
+            fill = FUSED.fill(self.ctx, parts, in_f, w.ty, str(w.ty.dtype))
+            if fill is not None and self.packed is not None:  # (its spare columns: filled by lora_fill_columns)
+                self.fills[o.param_names.index(name)] = (layer, fill, str(w.ty.dtype))
             return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, counters, call.ty.shape)
         y = bb.emit(call)
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))

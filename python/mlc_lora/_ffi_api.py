@@ -6,6 +6,9 @@ nccl_ccl.cc their own.
 The unified pool (KV cache + adapter pages):
 create_paged_kv_cache(...)                 same arguments as vm.builtin.paged_attention_kv_cache_create
 pool_configure_lora(kv, M, R)              once, before loading adapters
+pool_keep_lora_columns(kv, RS, SC)         batches within RS rank columns over SC adapters keep their
+                                           slots in a fixed column order (the rank columns route)
+pool_lora_columns_generation(kv)           counts the changes of those kept columns
 pool_load_adapter(kv, id, pages[L,n,E], a_off[M,R], b_off[M,R], rank, scale[M], pin)
                                            -> resident now (else paged in when a batch needs it)
 pool_unload_adapter(kv, id)                deferred while sequences use it

@@ -47,6 +47,10 @@ BASE_FUNCTION_SUFFIX = "_base"
 # (ops/lora/linear_triton.py) under this name: batches within their limits (the config's lora
 # "fused") run them.
 FUSED_FUNCTION_SUFFIX = "_fused"
+# ... and where their weights hold spare columns (the rank columns route: the config's lora "fused"
+# has "spare_columns"), this function (the LoRA tables, the params) fills those columns with the
+# B rows of the tables' slots; the runner calls it when the pool's kept columns change.
+FILL_COLUMNS_FUNCTION = "lora_fill_columns"
 # Kernel stages: "single" (one adapter per batch), "gather" (per token), "sgmv" (token tiles).
 LORA_KERNELS = ("single", "gather", "sgmv")
 
@@ -112,6 +116,7 @@ def compiled_contract() -> dict:
         "lora_table_inputs": list(LORA_TABLE_INPUTS),
         "base_function_suffix": BASE_FUNCTION_SUFFIX,
         "fused_function_suffix": FUSED_FUNCTION_SUFFIX,
+        "fill_columns_function": FILL_COLUMNS_FUNCTION,
         "lora_kernels": list(LORA_KERNELS),
         "sampler_functions": list(SAMPLER_FUNCTIONS),
         "top_logprobs_max": TOP_LOGPROBS_MAX,

@@ -156,6 +156,7 @@ void AdapterStore::CheckHost(int64_t id, const char* what) const {
 
 void AdapterStore::Unload(int64_t id) {
   CheckConfigured();
+  ForgetColumns(id);
   Guard([&] { pool_->RemoveAdapter(id); });
   DropUnloaded();
 }
@@ -333,20 +334,75 @@ void AdapterStore::DropUnloaded() {
   }
 }
 
+void AdapterStore::KeepColumns(int64_t rank_columns, int64_t slot_columns) {
+  if (rank_columns < 0 || slot_columns < 0 || (rank_columns == 0) != (slot_columns == 0)) {
+    TVM_FFI_THROW(ValueError) << "pool_keep_lora_columns: rank and slot columns both > 0 (or both 0: off), got "
+                              << rank_columns << ", " << slot_columns;
+  }
+  keep_rank_columns_ = rank_columns;
+  keep_slot_columns_ = slot_columns;
+  kept_.clear();
+  ++columns_generation_;
+}
+
+void AdapterStore::ForgetColumns(int64_t id) {
+  auto it = std::find(kept_.begin(), kept_.end(), id);
+  if (it == kept_.end()) return;
+  kept_.erase(it);
+  ++columns_generation_;
+}
+
+const std::vector<int64_t>& AdapterStore::KeptColumns(const std::vector<int64_t>& used) {
+  auto rank_of = [&](const std::vector<int64_t>& ids) {
+    int64_t r = 0;
+    for (int64_t a : ids) r += host_.at(a).rank;
+    return r;
+  };
+  auto kept = [&](int64_t a) { return std::find(kept_.begin(), kept_.end(), a) != kept_.end(); };
+  std::vector<int64_t> next;  // the kept adapters still resident, in order, then the batch's new ones
+  for (int64_t a : kept_) {
+    if (pool_->HasAdapter(a) && pool_->AdapterResident(a)) next.push_back(a);
+  }
+  for (int64_t a : used) {
+    if (!kept(a)) next.push_back(a);
+  }
+  if (static_cast<int64_t>(next.size()) > keep_slot_columns_ || rank_of(next) > keep_rank_columns_) {
+    next.clear();  // no room: the batch's own, the kept ones first (in order)
+    for (int64_t a : kept_) {
+      if (std::find(used.begin(), used.end(), a) != used.end()) next.push_back(a);
+    }
+    for (int64_t a : used) {
+      if (std::find(next.begin(), next.end(), a) == next.end()) next.push_back(a);
+    }
+  }
+  if (next != kept_) {  // (appended ones leave the others' columns where they were; all are filled again)
+    kept_ = std::move(next);
+    ++columns_generation_;
+  }
+  return kept_;
+}
+
 void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vector<int64_t>& lens,
                                int64_t tokens) {
   const int64_t b = static_cast<int64_t>(seqs.size());
-  std::vector<int64_t> slots;  // adapter id of each slot, in order of first use
+  std::vector<int64_t> used;  // the batch's adapters, in order of first use
+  std::vector<int64_t> adapter(b);
+  for (int64_t i = 0; i < b; ++i) {
+    adapter[i] = pool_->SequenceAdapter(seqs[i]);
+    if (adapter[i] >= 0 && std::find(used.begin(), used.end(), adapter[i]) == used.end()) {
+      used.push_back(adapter[i]);
+    }
+  }
+  int64_t used_rank = 0;
+  for (int64_t a : used) used_rank += host_.at(a).rank;
+  const bool keep = keep_rank_columns_ > 0 && !used.empty() &&
+                    static_cast<int64_t>(used.size()) <= keep_slot_columns_ && used_rank <= keep_rank_columns_;
+  const std::vector<int64_t> slots = keep ? KeptColumns(used) : used;  // adapter id of each slot
   std::vector<int32_t> token_slot;
   token_slot.reserve(tokens);
   for (int64_t i = 0; i < b; ++i) {
-    int64_t a = pool_->SequenceAdapter(seqs[i]);
     int32_t s = -1;
-    if (a >= 0) {
-      auto it = std::find(slots.begin(), slots.end(), a);
-      s = static_cast<int32_t>(it - slots.begin());
-      if (it == slots.end()) slots.push_back(a);
-    }
+    if (adapter[i] >= 0) s = static_cast<int32_t>(std::find(slots.begin(), slots.end(), adapter[i]) - slots.begin());
     token_slot.insert(token_slot.end(), lens[i], s);
   }
   num_slots_ = static_cast<int64_t>(slots.size());

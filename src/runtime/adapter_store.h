@@ -51,6 +51,21 @@ class AdapterStore {
 
   /*! \brief Once, before any adapter: M modules, compiled maximum rank R (table shapes). */
   void Configure(int64_t num_modules, int64_t max_rank);
+  /*!
+   * \brief Keep the slots of batches that fit `rank_columns` over `slot_columns` adapters in a fixed
+   *  column order (a library whose weights hold the batch's B rows in spare columns: the rank
+   *  columns route). Such a batch's slots are the kept adapters, in the order they were first
+   *  kept, absent ones included: an adapter's rank columns stay where they are while it stays
+   *  resident, so the columns need filling again only when the kept set changes
+   *  (columns_generation()). Adapters come in at the end while their ranks fit; else the kept
+   *  set becomes the batch's (the kept ones it uses, in order, then the others). Adapters that
+   *  stop being resident, or are unloaded or loaded again, leave it. 0, 0: off (slots in order
+   *  of first use by the batch's sequences).
+   */
+  void KeepColumns(int64_t rank_columns, int64_t slot_columns);
+  /*! \brief Counts the changes of the kept columns (KeepColumns): the spare columns hold the
+   *  B rows of the kept adapters as of the generation they were last filled for. */
+  int64_t columns_generation() const { return columns_generation_; }
   bool configured() const { return configured_; }
   /*! \brief Throws unless Configure was called. */
   void CheckConfigured() const;
@@ -125,6 +140,11 @@ class AdapterStore {
     std::vector<float> scale;           // [M]
   };
 
+  /*! \brief The slots of a batch using adapters `used` (in order of first use) that fits the
+   *  kept columns' limits: the kept adapters, updated (KeepColumns). */
+  const std::vector<int64_t>& KeptColumns(const std::vector<int64_t>& used);
+  /*! \brief Adapter `id` leaves the kept columns (its rows changed or went away). */
+  void ForgetColumns(int64_t id);
   /*! \brief Write the batch's tables (slot i: adapter slots[i]) to the device: tables_. */
   void Upload(const std::vector<int64_t>& slots, const std::vector<int32_t>& token_slot,
               int64_t tokens) const;
@@ -147,6 +167,9 @@ class AdapterStore {
   // slot_start always has every entry (slots past the batch's own no tokens).
   tvm::runtime::Tensor slot_, rank_, scale_, a_, b_, order_, start_;
   int64_t num_slots_ = 0, rank_total_ = 0;
+  int64_t keep_rank_columns_ = 0, keep_slot_columns_ = 0;  // KeepColumns' limits (0: off)
+  std::vector<int64_t> kept_;                              // the kept adapters, in column order
+  int64_t columns_generation_ = 0;
   mutable tvm::ffi::Array<tvm::runtime::Tensor> tables_;
   mutable int64_t inert_tokens_ = -1;  // >= 0: the tokens of a batch without adapters, tables not built
   std::unordered_map<int64_t, HostAdapter> host_;

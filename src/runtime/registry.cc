@@ -225,6 +225,13 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def_packed("mlc_lora.runtime.create_paged_kv_cache", CreateUnifiedKVCache)
       .def("mlc_lora.runtime.pool_configure_lora",
            [](Ref kv, int64_t m, int64_t r) { Pool(kv)->adapters().Configure(m, r); })
+      .def("mlc_lora.runtime.pool_keep_lora_columns",
+           [](Ref kv, int64_t rank_columns, int64_t slot_columns) {
+             Pool(kv)->adapters().CheckConfigured();
+             Pool(kv)->adapters().KeepColumns(rank_columns, slot_columns);
+           })
+      .def("mlc_lora.runtime.pool_lora_columns_generation",
+           [](Ref kv) { return Pool(kv)->adapters().columns_generation(); })
       .def("mlc_lora.runtime.pool_load_adapter",
            [](Ref kv, int64_t id, ffi::TensorView pages, ffi::TensorView a_off,
               ffi::TensorView b_off, int64_t rank, ffi::TensorView scale, bool pin) {

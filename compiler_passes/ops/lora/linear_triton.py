@@ -376,28 +376,23 @@ if triton is not None:
                  (yb.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=rmask[:, None])
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_fill_cols", "w_ptr"))
-    def lora_fill_cols_kernel(arena_ptr, rank_ptr, scale_ptr, boff_ptr, slot_ptr, w_ptr, n, S, base,
+    def lora_fill_cols_kernel(arena_ptr, rank_ptr, scale_ptr, boff_ptr, w_ptr, S, base,
                               K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
                               m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr,
-                              W1: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, RS: tl.constexpr,
-                              SC: tl.constexpr, ALIGN: tl.constexpr):
-        """Grid (N / BN,): the batch's B rows into the spare columns beside W (w (N, KE), KE = K + P
+                              W1: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
+                              ALIGN: tl.constexpr):
+        """Grid (N / BN,): the slots' B rows into the spare columns beside W (w (N, KE), KE = K + P
         x RS): w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the outputs o of part p
-        where rank column c is live and its slot is one a token of the batch uses (a captured
-        graph's tables keep stale slots past the batch's, whose rows may point at anything), else
-        0. The other parts' columns of these outputs are never written (zeros from the compile)."""
+        where rank column c is live, else 0. The slots are the pool's kept adapters (every one
+        resident: its rows are its own), S of them exactly (not a captured graph's tables, whose
+        rows past the batch's may point at anything). The other parts' columns of these outputs
+        are never written (zeros from the compile)."""
         p, m, o_p = _part(tl.program_id(0) * BN, m0, m1, m2, W0, W1)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
         _, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
-        used = tl.zeros((RS,), dtype=tl.int32)
-        for t0 in range(0, n, BT):  # the slots the batch's tokens use
-            tt = t0 + tl.arange(0, BT)
-            ts = tl.load(slot_ptr + tt, mask=tt < n, other=-1)
-            used |= tl.max((ts[:, None] == jc[None, :]).to(tl.int32), axis=0)
-        live = valid & (used > 0)
-        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=live, other=0).to(tl.int64) + base, ALIGN)
-        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=live[:, None], other=0.0)  # (RS, BN)
+        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
+        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=valid[:, None], other=0.0)  # (RS, BN)
         c = tl.arange(0, RS)
         tl.store(w_ptr + cols[None, :].to(tl.int64) * KE + K + p * RS + c[:, None], bt)
 
@@ -613,9 +608,8 @@ def rows_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], n
 
 def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
     e = triton_build.PTR[dtype]
-    fill = dict(arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32", slot_ptr="*i32", w_ptr=e,
-                n="i32", S="i32", base="i64")
-    fill.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "W0", "W1", "BN", "BT", "RS", "SC",
+    fill = dict(arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32", w_ptr=e, S="i32", base="i64")
+    fill.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "W0", "W1", "BN", "RS", "SC",
                                            "ALIGN")})
     shrink = dict(x_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32",
                   xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32", split="i32")
@@ -626,9 +620,10 @@ def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
 
 def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
               align: int, variant: str | None = None) -> dict:
-    """How the TIR wrapper launches the rank columns route for n tokens (the fill of the spare
-    columns, the shrink into [x | s], cuBLAS over K + P * RANK_COLUMNS inputs): constants, split,
-    grids, warps. The shrink's blocks and splits are the pair's (cols_launch)."""
+    """How the rank columns route launches for n tokens (the fill of the spare columns, by
+    fill_wrapper when the kept columns change; the shrink into [x | s] and cuBLAS over K + P *
+    RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids, warps. The shrink's
+    blocks and splits are the pair's (cols_launch)."""
     go = cols_launch(n, in_f, widths, mods, num_modules, max_rank, align, variant)
     m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     w = (list(widths) + [0] * MAX_PARTS)[:2]
@@ -636,7 +631,7 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     ke = in_f + rank_rows(P)
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
-                BT=64, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
+                RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
     shrink = dict(go["shrink"], KE=ke, SPLIT_MAX=SPLIT_MAX)
     return dict(fill=fill, shrink=shrink, split=go["split"], chunk=go["chunk"], fill_grid=(sum(widths) // bn,),
                 shrink_grid=go["shrink_grid"], fill_warps=4, shrink_warps=go["shrink_warps"], cols=ke)
@@ -685,13 +680,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                                                       go["expand_warps"], arch, Path(__file__))
         mods_out += [fmod, xmod]
         f_grid, x_nt = go["fill_grid"], go["expand_grid"][1]
-    elif cols:  # past FUSED_MAX_TOKENS: the fill of the spare columns, the shrink into [x | s], cuBLAS
-        sig_f, sig_s = _cols_route_signatures(dtype)
+    elif cols:  # past FUSED_MAX_TOKENS: the shrink into [x | s], cuBLAS over [x | s] and [W | B columns]
+        _, sig_s = _cols_route_signatures(dtype)
         go = xs_launch(1, in_f, widths, mods, M, R, align)
-        fn_, fth, fsh, fmod = triton_build.cuda_module(lora_fill_cols_kernel, sig_f, go["fill"], go["fill_warps"],
-                                                       arch, Path(__file__))
-        mods_out.append(fmod)
-        f_grid = go["fill_grid"]
         shrinks = {}
         for variant in SHRINK_BM:
             gv = xs_launch(1, in_f, widths, mods, M, R, align, variant)
@@ -825,10 +816,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             if n > 0:
                 if n <= FUSED_MAX_TOKENS:
                     fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-                else:
-                    T.call_packed(fn_, arena.data, rank.data, scale.data, b_off.data, slot.data, w.data,
-                                  T.Cast("int32", n), T.Cast("int32", S), layer * (size // L), T.int64(0), T.int64(0),
-                                  f_grid[0], 1, fth, fsh)
+                else:  # (the spare columns hold the kept adapters' B rows: fill_wrapper)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
                         shrink_xs(qn, q_bm, qth, qsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v,
                                   cnt)
@@ -869,6 +857,40 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                                   y, v)
 
     return lora_linear_triton, mods_out
+
+
+def fill_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str, align: int,
+                 arch: str):
+    """(TIR wrapper, CUDA modules) of the fill of a weight's spare columns (the rank columns route).
+    Signature: (arena (size,), rank (S,), scale (S, M), b_off (S, M, R), layer: int64, w (W, in_f +
+    rank_rows(P)) [in place]): the kept adapters' B rows (the pool's tables of a batch within the
+    kept columns) into w's spare columns, `lora_fill_cols_kernel` over layer `layer`'s arena region."""
+    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
+
+    from ..kernel_attrs import kernel_attrs  # pylint: disable=import-outside-toplevel
+
+    R, M, L, W = max_rank, num_modules, num_layers, sum(widths)
+    go = xs_launch(1, in_f, widths, mods, M, R, align)
+    KE = go["cols"]
+    sig_f, _ = _cols_route_signatures(dtype)
+    fn_, fth, fsh, fmod = triton_build.cuda_module(lora_fill_cols_kernel, sig_f, go["fill"], go["fill_warps"], arch,
+                                                   Path(__file__))
+    grid = go["fill_grid"][0]
+
+    @T.prim_func(s_tir=True)
+    def lora_fill_columns(arena_h: T.handle, rank_h: T.handle, scale_h: T.handle, boff_h: T.handle, layer: T.int64,
+                          w_h: T.handle):
+        T.func_attr(kernel_attrs(True))
+        S, size = T.int64(), T.int64()
+        arena = T.match_buffer(arena_h, (size,), dtype)
+        rank = T.match_buffer(rank_h, (S,), "int32")
+        scale = T.match_buffer(scale_h, (S, M), "float32")
+        b_off = T.match_buffer(boff_h, (S, M, R), "int32")
+        w = T.match_buffer(w_h, (W, KE), dtype)
+        T.call_packed(fn_, arena.data, rank.data, scale.data, b_off.data, w.data, T.Cast("int32", S),
+                      layer * (size // L), T.int64(0), T.int64(0), grid, 1, fth, fsh)
+
+    return lora_fill_columns, [fmod]
 
 
 class FusedLinear:
@@ -926,6 +948,26 @@ class FusedLinear:
                                           t["lora_a_off"], t["lora_b_off"], layer_arg(layer), counters], outs))
         y = bb.emit(relax.TupleGetItem(out, 0))
         return relax.op.reshape(y, out_shape)
+
+    def fill(self, ctx, parts: Sequence, in_f: int, w_ty, dtype: str):
+        """The fill of the spare columns of a weight of type `w_ty` (the GlobalVar of its PrimFunc,
+        for the module's `lora_fill_columns`: LoraRewrite), or None where the weight has none."""
+        mods = tuple(p.module for p in parts)
+        widths = tuple(p.width for p in parts)
+        if int(w_ty.shape.values[1]) == in_f:
+            return None
+        align = ctx.row_align if all(v % ctx.row_align == 0 for v in (in_f, *widths)) else 1
+        key = ("fill_columns", in_f, mods, widths, dtype)
+        tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
+
+        def make():
+            func, mods_ = fill_wrapper(in_f, widths, mods, ctx.num_layers, ctx.max_rank, ctx.num_modules, dtype,
+                                       align, str(ctx.target.arch))
+            for i, mod in enumerate(mods_):
+                ctx.external(key + ("module", i), lambda mod=mod: mod)
+            return func
+
+        return ctx.kernel(key, f"lora_fill_columns_m{tag}_{in_f}x{sum(widths)}", make)
 
     @staticmethod
     def counters():

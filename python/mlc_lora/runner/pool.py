@@ -35,6 +35,8 @@ KV_AVAILABLE_PAGES = "vm.builtin.attention_kv_cache_get_num_available_pages"
 KV_SEQUENCE_LENGTH = "vm.builtin.attention_kv_cache_get_sequence_length"
 # mlc-lora's pool (mlc_lora.runtime.*, listed in mlc_lora/_ffi_api.py).
 POOL_CONFIGURE_LORA = "mlc_lora.runtime.pool_configure_lora"
+POOL_KEEP_LORA_COLUMNS = "mlc_lora.runtime.pool_keep_lora_columns"
+POOL_LORA_COLUMNS_GENERATION = "mlc_lora.runtime.pool_lora_columns_generation"
 POOL_LOAD_ADAPTER = "mlc_lora.runtime.pool_load_adapter"
 POOL_UNLOAD_ADAPTER = "mlc_lora.runtime.pool_unload_adapter"
 POOL_PIN_ADAPTER = "mlc_lora.runtime.pool_pin_adapter"
@@ -260,6 +262,15 @@ class Pool(abc.ABC):
         LoRA modules and rank (create_pool does it for LoRA models)."""
         self._run(POOL_CONFIGURE_LORA, len(self.lora.modules) if num_modules is None else num_modules,
                   self.lora.max_rank if max_rank is None else max_rank)
+
+    def keep_lora_columns(self, rank_columns: int, slot_columns: int) -> None:
+        """Batches within `rank_columns` over `slot_columns` adapters keep their slots in a fixed
+        column order (a library with spare columns: the rank columns route); 0, 0: off."""
+        self._run(POOL_KEEP_LORA_COLUMNS, rank_columns, slot_columns)
+
+    def lora_columns_generation(self) -> int:
+        """Counts the changes of the kept columns (keep_lora_columns)."""
+        return int(self._value(POOL_LORA_COLUMNS_GENERATION))
 
     def load_adapter(self, slot: int, adapter: str | Path | LoraAdapter, pin: bool = False,
                      name: Optional[str] = None) -> AdapterPlan:

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS, PAGE_SIZE
+from ..contract import BASE_FUNCTION_SUFFIX, FILL_COLUMNS_FUNCTION, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS, PAGE_SIZE
 from ..errors import MLCLoraError, PoolExhaustedError
 from .base import LoraInputs, Runner, logit_rows
 from .config import CompiledConfig
@@ -81,9 +81,14 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         # ... and both with each linear fused with its LoRA delta, for the batches within their limits
         # (a library compiled before prefill_fused has decode_fused only)
         self._fused_fns = (None, None)
+        # ... whose weights' spare columns (the rank columns route) this fills with the pool's kept
+        # adapters' B rows, when they change: (pool, columns generation) of the last fill
+        self._fill_columns, self._filled = None, None
         if self.lora is not None and self.lora.fused is not None:
             self._fused_fns = (self._optional_fn("prefill" + FUSED_FUNCTION_SUFFIX),
                                self._vm["decode" + FUSED_FUNCTION_SUFFIX])
+            if self.lora.fused.get("spare_columns"):
+                self._fill_columns = self._vm[FILL_COLUMNS_FUNCTION]
         keep_gil_on_device(self._device, self._embed, self._prefill, self._decode, *(self._base_fns or ()),
                            *self._fused_fns)
 
@@ -115,6 +120,8 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         pool = DevicePool(handle, self.compiled, max_batch_size)
         if self.lora is not None:
             pool.configure_lora()
+            if self._fill_columns is not None:  # fused batches keep their adapters' rank columns put
+                pool.keep_lora_columns(self.lora.fused["rank_columns"], self.lora.fused["slot_columns"])
         return pool
 
     # --- forward passes -----------------------------------------------------------------------
@@ -169,6 +176,9 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         adapters (the pool's tables) fit its rank columns, else None."""
         fn = self._fused_fns[which]
         if fn is not None and lora == "pool" and self.lora.fused_fits(pool.lora_num_slots(), pool.lora_rank_total()):
+            if self._fill_columns is not None and self._filled != (id(pool), pool.lora_columns_generation()):
+                self._fill_columns(*pool.lora_tables(), self.params)
+                self._filled = (id(pool), pool.lora_columns_generation())
             return fn
         return None
 

@@ -14,7 +14,7 @@ from tvm import relax
 from mlc_lora.compile import _decode_graph_attrs, export_model, lora_pass_options, prepare_cuda_build
 from mlc_lora.compiler_passes import get_pipeline
 from mlc_lora.compiler_passes.passes import LoraRewrite
-from mlc_lora.contract import BASE_FUNCTION_SUFFIX, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
+from mlc_lora.contract import BASE_FUNCTION_SUFFIX, FILL_COLUMNS_FUNCTION, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 from mlc_lora.lora.layout import make_spec
 from mlc_lora.models import llama
 
@@ -213,8 +213,11 @@ def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_fir
     captures = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith(fused + "_cuda_graph_capture")]
     linears = [c for f in captures for c in _calls(f, "lora_linear_cols_")]
     assert len(linears) == 4 * cfg.num_hidden_layers and all("_of" in c for c in linears), linears
-    assert not [c for f in captures for c in _calls(f, "lora_linear_triton_")]
+    assert not [c for f in captures for c in _calls(f, "lora_linear_triton_") + _calls(f, "lora_fill_columns_")]
     assert len(_calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "lora_linear_cols_")) == 4 * cfg.num_hidden_layers
+    # the fill of the spare columns: its own function, one call per targeted weight, in place
+    fills = _calls(lowered[FILL_COLUMNS_FUNCTION], "lora_fill_columns_")
+    assert len(fills) == 4 * cfg.num_hidden_layers and len(set(fills)) == 4, fills
     want = {(qkv, h + 96), (h, h + 32), (2 * inter, h + 64), (h, inter + 32)}
     for name in ("decode", "prefill", "decode" + BASE_FUNCTION_SUFFIX, fused, "prefill" + FUSED_FUNCTION_SUFFIX):
         shapes = [tuple(int(v) for v in f.shape.values) for f in lowered[name].params[-1].ty.fields]

@@ -10,9 +10,15 @@ from mlc_lora.lora.layout import LoraModule, LoraSpec
 from mlc_lora.runner import ModelRunner
 
 
-class _Pool:  # the two questions the runner asks the pool
-    def __init__(self, slots, rank_total):
-        self.slots, self.total = slots, rank_total
+class _Pool:  # the questions the runner asks the pool
+    def __init__(self, slots, rank_total, generation=0):
+        self.slots, self.total, self.generation = slots, rank_total, generation
+
+    def lora_columns_generation(self):
+        return self.generation
+
+    def lora_tables(self):
+        return ["tables"]
 
     def lora_num_slots(self):
         return self.slots
@@ -27,6 +33,7 @@ def _runner(fused, fns=("prefill_fused", "decode_fused")):
                     pool_pages=8, kernel="sgmv")
     r.compiled = types.SimpleNamespace(lora=dataclasses.replace(spec, fused=fused))
     r._fused_fns = fns  # pylint: disable=protected-access
+    r._fill_columns, r._filled, r.params = None, None, ["params"]  # pylint: disable=protected-access
     return r
 
 
@@ -49,3 +56,20 @@ def test_libraries_without_them_never_select_them():
     # a library with decode_fused only
     r = _runner(LIMITS, (None, "decode_fused"))
     assert r._fused(_Pool(4, 32), "pool", 0) is None and r._fused(_Pool(4, 32), "pool", 1) == "decode_fused"
+
+
+def test_spare_columns_are_filled_when_the_kept_columns_change():
+    """A library with spare columns (the rank columns route): before a fused batch the runner fills
+    them with the pool's tables when the pool's kept columns changed since the last fill (its
+    generation), or the batch is another pool's; not before other batches."""
+    r = _runner(dict(LIMITS, spare_columns=True))
+    calls = []
+    r._fill_columns = lambda *args: calls.append(args)  # pylint: disable=protected-access
+    p = _Pool(4, 32, generation=3)
+    assert r._fused(p, "pool", 1) == "decode_fused" and calls == [("tables", ["params"])]
+    assert r._fused(p, "pool", 0) == "prefill_fused" and len(calls) == 1  # same generation: no fill
+    p.generation = 4
+    assert r._fused(p, "pool", 1) == "decode_fused" and len(calls) == 2
+    q = _Pool(2, 16, generation=4)  # another pool, the same generation number
+    assert r._fused(q, "pool", 1) == "decode_fused" and len(calls) == 3
+    assert r._fused(_Pool(2, 33, generation=9), "pool", 1) is None and len(calls) == 3  # not fused: no fill

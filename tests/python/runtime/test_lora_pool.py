@@ -384,3 +384,56 @@ def test_pages_to_run_in_one_call(runner):
         0 if (i := pool.adapter_info(a)).resident and (i.pinned or i.refs) else i.num_pages for a in (1, 2, 3)]
     with pytest.raises(ValueError):
         pool.adapter_pages_to_run([99])
+
+
+def test_kept_columns_keep_each_adapters_slot_until_the_kept_set_changes(runner):
+    """keep_lora_columns (the rank columns route): batches within the limits get the kept adapters
+    as slots, in the order they were kept, absent ones included, so an adapter's rank columns stay
+    put; the generation moves only when the kept set changes: an adapter appended while the ranks
+    fit, the set rebuilt from the batch when they do not (its kept ones first, in order), an
+    adapter unloaded or no longer resident. A batch past the limits gets its own slots (first use)
+    and leaves the kept set alone."""
+    L, E = geometry(runner)
+    pool = new_pool(runner, tokens=1024)
+    ad = {i: make_adapter(i, L, E, 2, rank=r) for i, r in ((1, 3), (2, 4), (3, 4), (4, 2))}
+    for i, h in ad.items():
+        pool.load_packed_adapter(10 + i, h)
+    for s in range(5):
+        pool.add_sequence(s)
+    for s, a in enumerate((12, 11, 12, 13, -1)):
+        pool.set_sequence_adapter(s, a)
+    pool.keep_lora_columns(10, 3)  # rank columns, slot columns
+    g0 = pool.lora_columns_generation()
+
+    def batch(seqs, want_slots, want_token_slot):
+        pool.begin_forward(seqs, [1] * len(seqs))
+        check_tables(pool, [(a, ad[a - 10]) for a in want_slots], want_token_slot, L, E)
+        pool.end_forward()
+        for s in seqs:
+            pool.popn(s, 1)
+        return pool.lora_columns_generation()
+
+    # 12 then 11 (ranks 4 + 3 <= 10): kept in the order of first use
+    g1 = batch([0, 1, 4], [12, 11], [0, 1, -1])
+    assert g1 == g0 + 1
+    # the same adapters in the other order, and one of them alone: the same slots, no change
+    assert batch([1, 0], [12, 11], [1, 0]) == g1
+    assert batch([1], [12, 11], [1]) == g1
+    # 13 (rank 4) does not fit beside both (4 + 3 + 4 > 10): the batch's own, its kept one first
+    g2 = batch([3, 2], [12, 13], [1, 0])
+    assert g2 == g1 + 1
+    # a batch past the limits (ranks 4 + 3 + 4 > 10): slots in order of first use, kept set untouched
+    assert batch([1, 3, 0], [11, 13, 12], [0, 1, 2]) == g2
+    assert batch([0], [12, 13], [0]) == g2
+    # 14 (rank 2) fits beside 12 and 13 (4 + 4 + 2, 3 slots): appended, the others' columns stay
+    pool.set_sequence_adapter(4, 14)
+    g3 = batch([4, 3], [12, 13, 14], [2, 1])
+    assert g3 == g2 + 1
+    # an unloaded adapter leaves the kept set (its columns must be filled again)
+    pool.unload_adapter(14)
+    assert pool.lora_columns_generation() == g3 + 1
+    assert batch([2], [12, 13], [0]) == g3 + 1
+    with pytest.raises(ValueError, match="both > 0"):
+        pool.keep_lora_columns(10, 0)
+    pool.keep_lora_columns(0, 0)  # off: slots in order of first use again
+    assert batch([3, 2], [13, 12], [0, 1]) == g3 + 2

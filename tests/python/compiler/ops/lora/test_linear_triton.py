@@ -64,14 +64,15 @@ def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
     c["a_off"] = np.concatenate([c["a_off"], np.full((1,) + c["a_off"].shape[1:], 50000, np.int32)])
     c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
     assert not (c["slot"] == stale).any()
-    kw = dict(bm=bm, split=split, swap=swap) if isinstance(bm, int) else dict(bm=64, variant=bm)
+    kw = dict(bm=bm, split=split, swap=swap) if isinstance(bm, int) else dict(bm=64, variant=bm, fill_slots=stale)
     wide = np.concatenate([c["w"], np.full((c["w"].shape[0], cols), np.nan, c["w"].dtype)], axis=1)
     out = interpret(tmp_path, **{**c, "w": wide}, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
                         c["b_off"], mods, widths)
     if isinstance(bm, str) and bm.startswith("xs-"):
-        # [x | s]: x itself in the first K columns; the filled columns hold no NaN (the stale slot's
-        # rows point at NaN, and no token uses it) and zeros past the live columns
+        # [x | s]: x itself in the first K columns; the filled columns hold no NaN (the fill gets the
+        # kept slots, not the stale one past them, whose rows point at NaN) and zeros past the live
+        # columns
         np.testing.assert_array_equal(out["xe"][:, :K], c["x"])
         assert np.isfinite(out["cols"]).all() and np.isfinite(out["xe"]).all()
         assert (out["cols"][:64, 28:32] == 0).all()  # q's columns past the ranks' 28
@@ -190,17 +191,20 @@ def test_rank_rows_wrapper_builds_to_cubin_for_sm90(cubin_cache):
 
 def test_rank_columns_wrapper_builds_to_cubin_for_sm90(cubin_cache):
     """The rank columns route's wrapper (a weight with 3 x 32 spare columns): the one-kernel linear's
-    two block heights (reading W's first columns with its row stride), the fill of the spare columns
-    and the two shrink variants into [x | s]; past the fused kernel's tokens it fills, shrinks and
-    calls cuBLAS once over [x | s] and the whole weight (no expand)."""
+    two block heights (reading W's first columns with its row stride) and the two shrink variants
+    into [x | s]; past the fused kernel's tokens it shrinks and calls cuBLAS once over [x | s] and
+    the whole weight (no expand, no fill: fill_wrapper's, when the kept columns change)."""
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a",
                                  w_cols=4096 + 96)
-    assert len(mods) == 5 and len(list(cubin_cache.glob("*.cubin"))) == 5
+    assert len(mods) == 4 and len(list(cubin_cache.glob("*.cubin"))) == 4
     script = fn.script()
-    assert "mlc_lora_triton_fill_cols_fp16" in script and script.count("mlc_lora_triton_shrink_xs_fp16") == 2
-    assert "expand" not in script and "shrink_cols" not in script
+    assert script.count("mlc_lora_triton_shrink_xs_fp16") == 2
+    assert "expand" not in script and "shrink_cols" not in script and "fill" not in script
     assert script.count("mlc_lora.runtime.cublas_gemm") == 1
     assert "T.Buffer((6144, 4192)" in script and "T.Buffer((n, 4192)" in script  # w and xe: 4096 + 96 columns
+    fill, mods = LT.fill_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a")
+    script = fill.script()
+    assert len(mods) == 1 and script.count("mlc_lora_triton_fill_cols_fp16") == 1 and "T.Buffer((6144, 4192)" in script
     assert LT.xs_launch(100, 4096, (4096, 1024, 1024), (0, 1, 2), 7, 16, 8)["cols"] == 4192
     with pytest.raises(ValueError, match="spare columns"):  # neither the weight's own nor + 32 per part
         LT.linear_wrapper(4096, (4096,), (0,), 2, 16, 7, "float16", 8, "sm_90a", w_cols=4096 + 96)

@@ -106,9 +106,11 @@ def run_rows(inp: dict) -> dict:
 
 def run_xs(inp: dict) -> dict:
     """The rank columns route: the fill of the spare columns beside W (part p's own columns holding
-    NaN before, as the previous batch's B rows; the other parts' zeros, as compiled), the shrink
-    into [x | s] (xe and the partial sums NaN before, the counters zeros), then [x | s] @ [W | B
-    cols].T (as cuBLAS: fp32 sums, rounded to the dtype), launched as the TIR wrapper does."""
+    NaN before, as an earlier fill's B rows; the other parts' zeros, as compiled) from the tables
+    of the kept slots (`fill_slots` of them: not the stale one past them, which the forward's
+    tables keep), the shrink into [x | s] (xe and the partial sums NaN before, the counters zeros),
+    then [x | s] @ [W | B cols].T (as cuBLAS: fp32 sums, rounded to the dtype), launched as
+    fill_wrapper and the linear's TIR wrapper launch them."""
     import torch
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
@@ -125,10 +127,9 @@ def run_xs(inp: dict) -> dict:
     for p, wp in enumerate(widths):
         w_ext[o:o + wp, K + p * LT.RANK_COLUMNS:K + (p + 1) * LT.RANK_COLUMNS] = float("nan")
         o += wp
-    S, base = len(inp["rank"]), int(inp["base"])
-    LT.lora_fill_cols_kernel[go["fill_grid"]](t(inp["arena"]), t(inp["rank"]), t(scale), t(inp["b_off"]),
-                                              t(inp["slot"]), w_ext, n, S, base, **go["fill"],
-                                              num_warps=go["fill_warps"])
+    S, base, F = len(inp["rank"]), int(inp["base"]), int(inp["fill_slots"])
+    LT.lora_fill_cols_kernel[go["fill_grid"]](t(inp["arena"]), t(inp["rank"][:F]), t(scale[:F]), t(inp["b_off"][:F]),
+                                              w_ext, F, base, **go["fill"], num_warps=go["fill_warps"])
     xe = torch.full((n, go["cols"]), float("nan"), dtype=w_ext.dtype)
     v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
     cnt = torch.zeros((LT.COUNTER_SLOTS,), dtype=torch.int32)
