@@ -309,7 +309,9 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     producer of x (an RMSNorm before qkv and gate_up, a copy before o and down) alone, before cuBLAS,
     before cuBLAS + the pair, and with the shrink folded in (harness/route_kernels.py) before cuBLAS over K +
     P x RANK_COLUMNS inputs, with and without the fill of the batch's B rows into the weight's spare
-    columns: the rank columns route with no separate LoRA launch but the fill."""
+    columns: the rank columns route with no separate LoRA launch but the fill; and the rank columns
+    route as compiled (`lora_spare_columns`): its shrink into [x | s], then cuBLAS over both (its
+    fill, which runs when the pool's kept columns change, timed alone as `fill(cols)`)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -328,22 +330,23 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             # the producer of x with the shrink folded in: an RMSNorm for qkv and gate_up, a copy
             # standing in for the attention / the activation before o and down; the fill of the
             # batch's B rows into the weight's spare columns
-            from harness.route_kernels import (  # pylint: disable=import-outside-toplevel
-                fill_cols_kernel, producer_shrink_kernel as produce)
+            from harness.route_kernels import producer_shrink_kernel as produce  # pylint: disable=import-outside-toplevel
             h = [torch.randn((T, pt.in_f), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
             gain = (torch.rand((pt.in_f,), device="cuda") + 0.5).to(pt.x[0].dtype)
             m3 = (list(pt.mod_ids) + [-1] * LT.MAX_PARTS)[:LT.MAX_PARTS]
             kp = dict(K=pt.in_f, M=len(pt.widths), R=pt.r, m0=m3[0], m1=m3[1], m2=m3[2], P=len(pt.widths), BM=16,
                       BK=64, RS=LT.RANK_COLUMNS, SC=LT.SLOT_COLUMNS, ALIGN=8, NORM=name in ("qkv", "gate_up"))
 
-            w3 = (list(pt.widths) + [0] * 2)[:2]
-            bn_fill = next(b for b in (128, 64, 32, 16) if all(w % b == 0 for w in pt.widths))
+            go_xs = LT.xs_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
 
-            def fill_cols(i):
-                fill_cols_kernel[(pt.out_f // bn_fill,)](
-                    pt.arena, pt.rank, pt.scale, pt.b_off[i], w_ext[i], pt.N, 0, K=pt.in_f, KE=k_ext, M=kp["M"],
-                    R=pt.r, m0=m3[0], m1=m3[1], m2=m3[2], W0=w3[0], W1=w3[1], BN=bn_fill, RS=LT.RANK_COLUMNS,
-                    SC=LT.SLOT_COLUMNS, ALIGN=8, num_warps=4)
+            def fill_cols(i):  # the compiled route's fill (when the kept columns change)
+                LT.lora_fill_cols_kernel[go_xs["fill_grid"]](pt.arena, pt.rank, pt.scale, pt.b_off[i], w_ext[i], pt.N,
+                                                             0, **go_xs["fill"], num_warps=go_xs["fill_warps"])
+
+            def shrink_xs(i):  # the compiled route's shrink into [x | s]
+                LT.lora_shrink_xs_kernel[go_xs["shrink_grid"]](
+                    pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt, T, pt.N, 0,
+                    go_xs["chunk"], go_xs["split"], **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
 
             for c in range(pt.copies):
                 w_ext[c].zero_()
@@ -386,12 +389,15 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                      "prod·shrink": lambda i: prod(i, True),
                      "prod·shrink + cublas(K+cols)": lambda i: (prod(i, True), gemm_ext(i)),
                      "fill(cols)": fill_cols,
-                     "fill(cols) + prod·shrink + cublas(K+cols)": lambda i: (fill_cols(i), prod(i, True), gemm_ext(i))}
+                     "fill(cols) + prod·shrink + cublas(K+cols)": lambda i: (fill_cols(i), prod(i, True), gemm_ext(i)),
+                     # the compiled rank columns route (--spare columns), its fill kept out (it runs
+                     # when the pool's kept columns change)
+                     "shrink·xs": shrink_xs, "shrink·xs + cublas(K+cols)": lambda i: (shrink_xs(i), gemm_ext(i))}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
             prod(0)  # x = the producer's output of h: what every route below reads, and the reference
             for label in ("cublas + pair", "cublas || shrink, expand", "fill + cublas(N+rows) + expand",
-                          "fill(cols) + prod·shrink + cublas(K+cols)") + (
+                          "fill(cols) + prod·shrink + cublas(K+cols)", "shrink·xs + cublas(K+cols)") + (
                     ("one-kernel linear",) if T <= LT.FUSED_MAX_TOKENS else ()):
                 cands[label](0)
                 cands[label](0)  # twice: the split tiles' counters were left at zero

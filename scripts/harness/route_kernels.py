@@ -1,9 +1,9 @@
 """Kernels of routes that `bench_lora_fused.py routes` times and the compiler does not build
 (experiments; a route that is kept moves into compiler_passes/ops/ with its tests).
 
-`producer_shrink_kernel`: the producer of a linear's input with the LoRA shrink folded in;
-`fill_cols_kernel`: the batch's B rows into the weight's spare columns, which the GEMM over
-[x | shrink] then multiplies (the expand inside the GEMM).
+`producer_shrink_kernel`: the producer of a linear's input with the LoRA shrink folded in, for the
+rank columns route (ops/lora/linear_triton.py: `lora_fill_cols_kernel` writes the B rows into the
+weight's spare columns, which the GEMM over [x | shrink] then multiplies: the expand inside the GEMM).
 
 Semantics (h (n, K); g (K,); the tables as compiler_passes/ops/lora/linear_triton.py's; xe
 (n, K + P x RS), RS = RANK_COLUMNS):
@@ -13,7 +13,7 @@ Semantics (h (n, K); g (K,); the tables as compiler_passes/ops/lora/linear_trito
   xe[t, K + p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p))) where rank column c
          is token t's slot's (s = slot[t] >= 0) and live, else 0
 so that xe @ [W | B_cols].T = x @ W.T + the LoRA delta, B_cols (N, P x RS) holding part p's B row of
-column c in column p x RS + c over part p's outputs and zeros elsewhere (`fill_cols_kernel`). The
+column c in column p x RS + c over part p's outputs and zeros elsewhere (`lora_fill_cols_kernel`). The
 producer: one block per BM tokens, with NORM a first pass over h for the mean square, then one pass
 that writes x and multiplies it by the A rows of the rank columns on the tensor cores.
 Reference: tests/python/scripts/test_route_kernels.py (float64, under Triton's interpreter); on the
@@ -26,15 +26,7 @@ import triton
 import triton.language as tl
 
 from mlc_lora.compiler_passes.ops.lora.linear_triton import (  # noqa: F401  (the kernels' callees)
-    _a_rows, _module_columns, _part, _rank_columns)
-
-
-@triton.jit
-def _own(acc, m, ts, jc, kc, js, scale_ptr, M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr):
-    """Of acc (BM x RS) each token's own slot's live columns, scaled; zeros elsewhere."""
-    scale_c, valid, _ = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
-    keep = (ts[:, None] == jc[None, :]) & valid[None, :]
-    return tl.where(keep, acc * scale_c[None, :], 0.0)
+    _a_rows, _own_columns, _rank_columns)
 
 
 @triton.jit
@@ -82,28 +74,10 @@ def producer_shrink_kernel(h_ptr, g_ptr, arena_ptr, slot_ptr, rank_ptr, scale_pt
         ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
         out = x_rows + K + tl.arange(0, RS)[None, :]
         dt = xe_ptr.dtype.element_ty
-        tl.store(out, _own(acc0, m0, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt), mask=rmask[:, None])
+        tl.store(out, _own_columns(acc0, m0, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt), mask=rmask[:, None])
         if P > 1:
-            tl.store(out + RS, _own(acc1, m1, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt), mask=rmask[:, None])
-        if P > 2:
-            tl.store(out + 2 * RS, _own(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
+            tl.store(out + RS, _own_columns(acc1, m1, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
                      mask=rmask[:, None])
-
-
-@triton.jit
-def fill_cols_kernel(arena_ptr, rank_ptr, scale_ptr, boff_ptr, w_ptr, S, base, K: tl.constexpr, KE: tl.constexpr,
-                     M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
-                     W0: tl.constexpr, W1: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
-                     ALIGN: tl.constexpr):
-    """Grid (N / BN,): the batch's B rows into [W | B_cols]'s spare columns (w (N, KE), KE = K + P x RS):
-    w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the outputs o of part p where rank
-    column c is live (a slot's, below its rank, a module it adapts), else 0; the other parts'
-    columns of these outputs are left alone (zeros from the start)."""
-    p, m, o_p = _part(tl.program_id(0) * BN, m0, m1, m2, W0, W1)
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
-    _, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
-    b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
-    bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=valid[:, None], other=0.0)  # (RS, BN)
-    c = tl.arange(0, RS)
-    tl.store(w_ptr + cols[None, :].to(tl.int64) * KE + K + p * RS + c[:, None], bt)
+        if P > 2:
+            tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
+                     mask=rmask[:, None])

@@ -24,7 +24,8 @@ import json
 import torch
 from tests.python.compiler.ops.lora.triton_interp import _interpreter_scalars
 _interpreter_scalars()
-from harness.route_kernels import fill_cols_kernel, producer_shrink_kernel
+from harness.route_kernels import producer_shrink_kernel
+from mlc_lora.compiler_passes.ops.lora.linear_triton import lora_fill_cols_kernel
 from harness.workload import arena_tables, lora_weights, token_slots
 
 RS, K, N, T, SCALE = 32, 128, 4, 37, 0.5
@@ -57,9 +58,9 @@ for norm in (True, False):
         for p, wp in enumerate(widths):
             wf[o:o + wp, K + p * RS:K + (p + 1) * RS] = float("nan")
             o += wp
-        fill_cols_kernel[(sum(widths) // 32,)](arena, rank, scale, b_off[0], wf, N, 0, K=K, KE=KE, M=P, R=R,
-                                               m0=m3[0], m1=m3[1], m2=m3[2], W0=w3[0], W1=w3[1], BN=32, RS=RS,
-                                               SC=16, ALIGN=8, num_warps=4)
+        lora_fill_cols_kernel[(sum(widths) // 32,)](arena, rank, scale, b_off[0], wf, N, 0, K=K, KE=KE, M=P, R=R,
+                                                    m0=m3[0], m1=m3[1], m2=m3[2], W0=w3[0], W1=w3[1], BN=32, RS=RS,
+                                                    SC=16, ALIGN=8, num_warps=4)
         hf = h.double()
         x = hf * torch.rsqrt((hf * hf).mean(1, keepdim=True) + 1e-5) * g.double() if norm else hf
         xr = xe[:, :K].double()  # x as the kernel rounded it, what its shrink multiplies
