@@ -330,7 +330,8 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             # the producer of x with the shrink folded in: an RMSNorm for qkv and gate_up, a copy
             # standing in for the attention / the activation before o and down; the fill of the
             # batch's B rows into the weight's spare columns
-            from harness.route_kernels import producer_shrink_kernel as produce  # pylint: disable=import-outside-toplevel
+            from harness.route_kernels import (  # pylint: disable=import-outside-toplevel
+                producer_shrink_kernel as produce)
             h = [torch.randn((T, pt.in_f), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
             gain = (torch.rand((pt.in_f,), device="cuda") + 0.5).to(pt.x[0].dtype)
             m3 = (list(pt.mod_ids) + [-1] * LT.MAX_PARTS)[:LT.MAX_PARTS]

@@ -493,8 +493,8 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     cfg = tile_config(in_f, widths, bm)
     m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     w = (list(widths) + [0] * MAX_PARTS)[:2]
-    consts = dict(K=in_f, KW=in_f if w_cols is None else w_cols, N=sum(widths), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1],
-                  BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
+    consts = dict(K=in_f, KW=in_f if w_cols is None else w_cols, N=sum(widths), M=num_modules, R=max_rank,
+                  m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
                   STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"])
     return consts, cfg["num_warps"]
 
