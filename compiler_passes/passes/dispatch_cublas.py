@@ -9,6 +9,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..ops import cuda_build
 from ..ops.gemv import gemv_cuda
+from .reserve_rank_rows import reserved_weight_of
 
 # Registered by src/runtime/cublas_gemm.cc: out (..., N) = x (..., K) @ w (N' >= N, K)[:N]^T.
 CUBLAS_GEMM = "mlc_lora.runtime.cublas_gemm"
@@ -60,7 +61,6 @@ class _Rewriter(PyExprMutator):
         self.gemv_dtypes: set[str] = set()
         self._matmul = tvm.ir.Op.get("relax.matmul")
         self._permute = tvm.ir.Op.get("relax.permute_dims")
-        self._view = tvm.ir.Op.get("relax.memory.view")
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = self.visit_expr_post_order(call)
@@ -97,21 +97,12 @@ class _Rewriter(PyExprMutator):
         dtype and row length, no offset: rows reserved below) or a strided_slice of its first
         columns (columns reserved beside), else (w, None, None): the GEMMs read the whole weight's
         first rows and columns with its row stride."""
-        bound = self.lookup_binding(w) if isinstance(w, relax.Var) else None
-        full = _first_columns_of(bound)
-        if full is not None and _is_weight(full, self):
-            return full, None, int(full.ty.shape.values[1])
-        if not (isinstance(bound, relax.Call) and bound.op == self._view):
+        hit = reserved_weight_of(self.lookup_binding(w) if isinstance(w, relax.Var) else None, w.ty)
+        if hit is None or not _is_weight(hit[0], self):
             return w, None, None
-        full, offset = bound.args[0], bound.args[3]
-        f_ty, v_ty = full.ty, w.ty
-        if not (isinstance(offset, relax.Tuple) and len(offset.fields) == 0 and isinstance(f_ty, relax.TensorType)
-                and f_ty.ndim == 2 and f_ty.shape is not None and f_ty.dtype == v_ty.dtype
-                and all(isinstance(d, tvm.tirx.IntImm) for d in (*f_ty.shape.values, *v_ty.shape.values))
-                and int(f_ty.shape.values[1]) == int(v_ty.shape.values[1])
-                and int(f_ty.shape.values[0]) >= int(v_ty.shape.values[0]) and _is_weight(full, self)):
-            return w, None, None
-        return full, int(f_ty.shape.values[0]), None
+        full, axis = hit
+        n = int(full.ty.shape.values[axis])
+        return (full, n, None) if axis == 0 else (full, None, n)
 
     def _gemv_wrapper(self, n: int, k: int, dtype: str, ndim: int, w_rows: int | None = None,
                       w_cols: int | None = None) -> relax.GlobalVar:
@@ -143,28 +134,6 @@ class _Rewriter(PyExprMutator):
         return w if _is_weight(w, self) else None
 
 
-def _first_columns_of(bound) -> relax.Expr | None:
-    """The 2-D tensor of which `bound` (an expression bound to a var) is strided_slice(w,
-    axes=[1], begin=[0], end=[k]) with unit strides and k <= its columns (ReserveRankColumns),
-    else None."""
-    if not (isinstance(bound, relax.Call) and bound.op == _STRIDED_SLICE):
-        return None
-    full, axes, begin, end = bound.args[:4]
-    strides = bound.args[4] if len(bound.args) > 4 else None
-    f_ty = full.ty
-    if not (isinstance(f_ty, relax.TensorType) and f_ty.ndim == 2 and f_ty.shape is not None
-            and all(isinstance(d, tvm.tirx.IntImm) for d in f_ty.shape.values)):
-        return None
-    ints = lambda t: [int(v.value) for v in t.fields] if isinstance(t, relax.Tuple) else None  # noqa: E731
-    if ints(axes) != [1] or ints(begin) != [0] or strides is not None and ints(strides) not in ([1], []):
-        return None
-    e = ints(end)
-    return full if e is not None and len(e) == 1 and 0 < e[0] <= int(f_ty.shape.values[1]) else None
-
-
-_STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
-
-
 def _is_weight(w: relax.Expr, rewriter: PyExprMutator) -> bool:
     """A model weight: a function parameter, or TupleGetItem of the packed parameter tuple, or a
     view of the first rows of one (ReserveRankRows) or a slice of its first columns
@@ -173,10 +142,9 @@ def _is_weight(w: relax.Expr, rewriter: PyExprMutator) -> bool:
         bound = rewriter.lookup_binding(w)
         if bound is None:
             return True  # a function parameter ("plain" param mode)
-        if isinstance(bound, relax.Call) and bound.op == tvm.ir.Op.get("relax.memory.view"):
-            return _is_weight(bound.args[0], rewriter)
-        if _first_columns_of(bound) is not None:
-            return _is_weight(bound.args[0], rewriter)
+        hit = reserved_weight_of(bound, w.ty)
+        if hit is not None:
+            return _is_weight(hit[0], rewriter)
         w = bound
     return isinstance(w, relax.TupleGetItem) and isinstance(w.tuple_value, relax.Var) and (
         rewriter.lookup_binding(w.tuple_value) is None

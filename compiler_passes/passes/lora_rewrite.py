@@ -19,11 +19,10 @@ from ..ops import lora as lora_stages
 from ..ops.lora import LoraContext, Part
 from ..ops.lora.linear_triton import FUSED
 from ..ops.lora.stage import layer_arg
+from .reserve_rank_rows import reserved_weight_of
 
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
-_VIEW = tvm.ir.Op.get("relax.memory.view")
-_STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
 
 
 def linear_weight_re(linears: dict[str, Sequence[tuple[str, int, int]]]) -> re.Pattern:
@@ -207,9 +206,9 @@ class _Rewriter(relax.PyExprMutator):
         w = perm.args[0]
         if isinstance(w, relax.Var):
             bound = self.lookup_binding(w)
-            if isinstance(bound, relax.Call) and bound.op in (_VIEW, _STRIDED_SLICE) and isinstance(
-                    bound.args[0], relax.Var):  # (the view or first-columns slice of a reserved weight)
-                w = bound.args[0]
+            hit = reserved_weight_of(bound, w.ty)
+            if hit is not None and isinstance(hit[0], relax.Var):  # the own part of a reserved weight
+                w = hit[0]
                 bound = self.lookup_binding(w)
             if isinstance(bound, relax.TupleGetItem) and bound.tuple_value.same_as(self.packed):
                 return self.opts.param_names[bound.index], w

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from mlc_lora.compiler_passes.ops.lora.linear_triton import (  # noqa: F401  (the kernels' callees)
-    _a_rows, _own_columns, _rank_columns)
+    _a_rows, _rank_columns, _store_shrinks)
 
 
 @triton.jit
@@ -71,13 +71,5 @@ def producer_shrink_kernel(h_ptr, g_ptr, arena_ptr, slot_ptr, rank_ptr, scale_pt
             if P > 2:
                 acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
     if SHRINK:
-        ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
-        out = x_rows + K + tl.arange(0, RS)[None, :]
-        dt = xe_ptr.dtype.element_ty
-        tl.store(out, _own_columns(acc0, m0, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt), mask=rmask[:, None])
-        if P > 1:
-            tl.store(out + RS, _own_columns(acc1, m1, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
-                     mask=rmask[:, None])
-        if P > 2:
-            tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
-                     mask=rmask[:, None])
+        _store_shrinks(x_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr, K, M, R, P,
+                       RS, SC)

@@ -403,6 +403,23 @@ if triton is not None:
         keep = (ts[:, None] == jc[None, :]) & valid[None, :]
         return tl.where(keep, acc * scale_c[None, :], 0.0)
 
+    @triton.jit
+    def _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
+                       K: tl.constexpr, M: tl.constexpr, R: tl.constexpr, P: tl.constexpr, RS: tl.constexpr,
+                       SC: tl.constexpr):
+        """s beside x: xe_rows[:, K + p x RS + c] = each token's own slot's live columns of part p's
+        shrink acc_p (BM x RS, fp32), scaled and rounded to xe's dtype; zeros elsewhere."""
+        ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
+        out = xe_rows + K + tl.arange(0, RS)[None, :]
+        dt = xe_rows.dtype.element_ty
+        tl.store(out, _own_columns(acc0, m0, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt), mask=rmask[:, None])
+        if P > 1:
+            tl.store(out + RS, _own_columns(acc1, m1, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
+                     mask=rmask[:, None])
+        if P > 2:
+            tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
+                     mask=rmask[:, None])
+
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "x_ptr"))
     def lora_shrink_xs_kernel(x_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr,
                               n, S, base, chunk, split, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr,
@@ -464,16 +481,8 @@ if triton is not None:
                         acc2 += tl.load(part + 2 * RS, mask=on, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + pid_m, 0)
         if last:
-            ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
-            out = xe_rows + K + c[None, :]
-            dt = xe_ptr.dtype.element_ty
-            tl.store(out, _own_columns(acc0, m0, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt), mask=rmask[:, None])
-            if P > 1:
-                tl.store(out + RS, _own_columns(acc1, m1, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
-                         mask=rmask[:, None])
-            if P > 2:
-                tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
-                         mask=rmask[:, None])
+            _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr, K, M,
+                           R, P, RS, SC)
 
 
 def _signature(dtype: str) -> dict:

@@ -176,9 +176,11 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         adapters (the pool's tables) fit its rank columns, else None."""
         fn = self._fused_fns[which]
         if fn is not None and lora == "pool" and self.lora.fused_fits(pool.lora_num_slots(), pool.lora_rank_total()):
-            if self._fill_columns is not None and self._filled != (id(pool), pool.lora_columns_generation()):
-                self._fill_columns(*pool.lora_tables(), self.params)
-                self._filled = (id(pool), pool.lora_columns_generation())
+            if self._fill_columns is not None:
+                kept = (id(pool), pool.lora_columns_generation())
+                if self._filled != kept:
+                    self._fill_columns(*pool.lora_tables(), self.params)
+                    self._filled = kept
             return fn
         return None
 
