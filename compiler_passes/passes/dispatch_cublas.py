@@ -9,7 +9,6 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..ops import cuda_build
 from ..ops.gemv import gemv_cuda
-from .reserve_rank_rows import reserved_weight_of
 
 # Registered by src/runtime/cublas_gemm.cc: out (..., N) = x (..., K) @ w (N' >= N, K)[:N]^T.
 CUBLAS_GEMM = "mlc_lora.runtime.cublas_gemm"
@@ -132,6 +131,35 @@ class _Rewriter(PyExprMutator):
         if not isinstance(w_ty, relax.TensorType) or w_ty.ndim != 2 or w_ty.shape is None:
             return None
         return w if _is_weight(w, self) else None
+
+
+def reserved_weight_of(bound, own_ty) -> tuple[relax.Expr, int] | None:
+    """(the weight, axis) where `bound` (the expression bound to a var of type `own_ty`) is a use
+    reserve_rank_rows.widen_weights made of a weight with reserved rows (axis 0: a view of its first rows, same dtype
+    and row length, no offset) or columns (axis 1: a strided_slice of its first columns, unit
+    strides); else None. The GEMMs take the whole weight there and read its own part."""
+    if not isinstance(bound, relax.Call) or bound.op not in (_VIEW, _STRIDED_SLICE):
+        return None
+    full = bound.args[0]
+    f_ty = full.ty
+    if not (isinstance(f_ty, relax.TensorType) and f_ty.ndim == 2 and f_ty.shape is not None
+            and isinstance(own_ty, relax.TensorType) and own_ty.shape is not None and f_ty.dtype == own_ty.dtype
+            and all(isinstance(d, tvm.tirx.IntImm) for d in (*f_ty.shape.values, *own_ty.shape.values))):
+        return None
+    (fr, fc), (r, c) = ([int(d) for d in t.shape.values] for t in (f_ty, own_ty))
+    if bound.op == _VIEW:
+        offset = bound.args[3]
+        ok = isinstance(offset, relax.Tuple) and len(offset.fields) == 0 and fc == c and fr >= r
+        return (full, 0) if ok else None
+    ints = lambda t: [int(v.value) for v in t.fields] if isinstance(t, relax.Tuple) else None  # noqa: E731
+    axes, begin = ints(bound.args[1]), ints(bound.args[2])
+    strides = ints(bound.args[4]) if len(bound.args) > 4 else []
+    ok = axes == [1] and begin == [0] and strides in ([1], [], None) and fr == r and fc >= c
+    return (full, 1) if ok else None
+
+
+_VIEW = tvm.ir.Op.get("relax.memory.view")
+_STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
 
 
 def _is_weight(w: relax.Expr, rewriter: PyExprMutator) -> bool:

@@ -19,7 +19,7 @@ from ..ops import lora as lora_stages
 from ..ops.lora import LoraContext, Part
 from ..ops.lora.linear_triton import FUSED
 from ..ops.lora.stage import layer_arg
-from .reserve_rank_rows import reserved_weight_of
+from .dispatch_cublas import reserved_weight_of
 
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")

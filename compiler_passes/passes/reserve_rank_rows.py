@@ -18,13 +18,12 @@ import tvm
 from tvm import relax
 
 from ..ops.lora.linear_triton import rank_rows
+from .lora_rewrite import linear_weight_re
 
 
 def extra_rows(name: str, modules: Sequence[str], linears: dict[str, Sequence[tuple[str, int, int]]]) -> int:
     """Rows reserved below the param `name`: rank_rows(parts) for the weight of a fused linear with
     at least one part among the LoRA `modules` (names), else 0."""
-    from .lora_rewrite import linear_weight_re  # pylint: disable=import-outside-toplevel  (it imports this module)
-
     m = linear_weight_re(linears).search(name)
     if m is None:
         return 0
@@ -52,41 +51,12 @@ def widen_weights(mod: tvm.IRModule, extra: dict[int, int], axis: int) -> tvm.IR
     """Every function's packed param i of `extra` widened by extra[i] rows (axis 0, below its own)
     or columns (axis 1, beside them); each use reads the weight's own part: a view of its first
     rows, or a strided_slice of its first columns (which DispatchCublas and LoraRewrite take as
-    the whole weight read with its row stride)."""
+    the whole weight read with its row stride: dispatch_cublas.reserved_weight_of)."""
     rewriter = _Rewriter(mod, extra, axis)
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function) and _packed_param(func) is not None:
             rewriter.builder_.update_func(gv, rewriter.widen(func))
     return rewriter.builder_.get()
-
-
-def reserved_weight_of(bound, own_ty) -> tuple[relax.Expr, int] | None:
-    """(the weight, axis) where `bound` (the expression bound to a var of type `own_ty`) is a use
-    widen_weights made of a weight with reserved rows (axis 0: a view of its first rows, same dtype
-    and row length, no offset) or columns (axis 1: a strided_slice of its first columns, unit
-    strides); else None. The GEMMs take the whole weight there and read its own part."""
-    if not isinstance(bound, relax.Call) or bound.op not in (_VIEW, _STRIDED_SLICE):
-        return None
-    full = bound.args[0]
-    f_ty = full.ty
-    if not (isinstance(f_ty, relax.TensorType) and f_ty.ndim == 2 and f_ty.shape is not None
-            and isinstance(own_ty, relax.TensorType) and own_ty.shape is not None and f_ty.dtype == own_ty.dtype
-            and all(isinstance(d, tvm.tirx.IntImm) for d in (*f_ty.shape.values, *own_ty.shape.values))):
-        return None
-    (fr, fc), (r, c) = ([int(d) for d in t.shape.values] for t in (f_ty, own_ty))
-    if bound.op == _VIEW:
-        offset = bound.args[3]
-        ok = isinstance(offset, relax.Tuple) and len(offset.fields) == 0 and fc == c and fr >= r
-        return (full, 0) if ok else None
-    ints = lambda t: [int(v.value) for v in t.fields] if isinstance(t, relax.Tuple) else None  # noqa: E731
-    axes, begin = ints(bound.args[1]), ints(bound.args[2])
-    strides = ints(bound.args[4]) if len(bound.args) > 4 else []
-    ok = axes == [1] and begin == [0] and strides in ([1], [], None) and fr == r and fc >= c
-    return (full, 1) if ok else None
-
-
-_VIEW = tvm.ir.Op.get("relax.memory.view")
-_STRIDED_SLICE = tvm.ir.Op.get("relax.strided_slice")
 
 
 def _packed_param(func: relax.Function) -> relax.Var | None:
