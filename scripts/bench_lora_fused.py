@@ -307,8 +307,8 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     expand from its output (the compiled route); and the pair's shrink, its expand and the rows
     route's fill alone (what a route that folds one of them into the GEMM saves or adds); and the
     producer of x (an RMSNorm before qkv and gate_up, a copy before o and down) alone, before cuBLAS,
-    before cuBLAS + the pair, and with the shrink folded in (harness/route_kernels.py) before cuBLAS over K +
-    P x RANK_COLUMNS inputs, with and without the fill of the batch's B rows into the weight's spare
+    before cuBLAS + the pair, and with the shrink folded in (the compiled shrink's producers) before
+    cuBLAS over K + P x RANK_COLUMNS inputs, with and without the fill of the batch's B rows into the weight's spare
     columns: the rank columns route with no separate LoRA launch but the fill; and the rank columns
     route as compiled (`lora_spare_columns`): its shrink into [x | s], then cuBLAS over both (its
     fill, which runs when the pool's kept columns change, timed alone as `fill(cols)`)."""
@@ -327,17 +327,14 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             k_ext = pt.in_f + len(pt.widths) * LT.RANK_COLUMNS
             w_ext = [torch.empty((pt.out_f, k_ext), device="cuda", dtype=pt.w[0].dtype) for _ in range(pt.copies)]
             x_ext = [torch.zeros((T, k_ext), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
-            # the producer of x with the shrink folded in: an RMSNorm for qkv and gate_up, a copy
-            # standing in for the attention / the activation before o and down; the fill of the
-            # batch's B rows into the weight's spare columns
-            from harness.route_kernels import (  # pylint: disable=import-outside-toplevel
-                producer_shrink_kernel as produce)
+            # the producer of x with the shrink folded in (the compiled shrink's PRODUCERS): an RMSNorm
+            # for qkv and gate_up, a copy standing in for the attention / the activation before o and
+            # down; the fill of the batch's B rows into the weight's spare columns
             h = [torch.randn((T, pt.in_f), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
             gain = (torch.rand((pt.in_f,), device="cuda") + 0.5).to(pt.x[0].dtype)
-            m3 = (list(pt.mod_ids) + [-1] * LT.MAX_PARTS)[:LT.MAX_PARTS]
-            kp = dict(K=pt.in_f, M=len(pt.widths), R=pt.r, m0=m3[0], m1=m3[1], m2=m3[2], P=len(pt.widths), BM=16,
-                      BK=64, RS=LT.RANK_COLUMNS, SC=LT.SLOT_COLUMNS, ALIGN=8, NORM=name in ("qkv", "gate_up"))
-
+            producer = "rms_norm" if name in ("qkv", "gate_up") else "copy"
+            go_prod = {sh: LT.xs_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8, None, producer,
+                                        sh) for sh in (False, True)}
             go_xs = LT.xs_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
 
             def fill_cols(i):  # the compiled route's fill (when the kept columns change)
@@ -346,8 +343,8 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
 
             def shrink_xs(i):  # the compiled route's shrink into [x | s]
                 LT.lora_shrink_xs_kernel[go_xs["shrink_grid"]](
-                    pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt, T, pt.N, 0,
-                    go_xs["chunk"], go_xs["split"], **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
+                    pt.x[i], pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt, T,
+                    pt.N, 0, go_xs["chunk"], go_xs["split"], 0.0, **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
 
             for c in range(pt.copies):
                 w_ext[c].zero_()
@@ -355,9 +352,10 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                 fill_cols(c)
 
             def prod(i, shrink=False):
-                xe, ke = (x_ext[i], k_ext) if shrink else (pt.x[i], pt.in_f)
-                produce[(-(-T // kp["BM"]),)](h[i], gain, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe, T,
-                                              pt.N, 0, 1e-5, KE=ke, SHRINK=shrink, **kp, num_warps=4)
+                xe, gp = (x_ext[i], go_prod[True]) if shrink else (pt.x[i], go_prod[False])
+                LT.lora_shrink_xs_kernel[gp["shrink_grid"]](
+                    h[i], gain, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe, pt.v, pt.cnt, T, pt.N, 0,
+                    gp["chunk"], gp["split"], 1e-5, **gp["shrink"], num_warps=gp["shrink_warps"])
 
             def overlap(i):
                 cur = torch.cuda.current_stream()

@@ -2,7 +2,7 @@
 (Triton compiles sm_90a without a GPU), cache it on disk, and wrap it as a TVM CUDA module that TIR
 launches with `T.call_packed(name, *args, 0, 0, grid..., threads, shared_bytes)`.
 
-A kernel's signature maps each argument to a Triton type ("*fp16", "i32", "i64", "constexpr");
+A kernel's signature maps each argument to a Triton type ("*fp16", "i32", "i64", "fp32", "constexpr");
 pointers and the `base` offset are declared 16-byte divisible (TVM's allocations are; the layer base
 of the LoRA arena too) so loads vectorize. Triton appends two scratch pointers (global and profile
 scratch, unused: the launch passes null) and the grid/launch arguments follow them.
@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 
 PTR = {"float16": "*fp16", "bfloat16": "*bf16"}
 SCRATCH = 2  # the scratch pointers Triton appends
+_ARG_TYPES = {"i32": "int32", "i64": "int64", "fp32": "float32"}  # a scalar argument's TVM type
 _LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "threadIdx.x", "tirx.use_dyn_shared_memory"]
 _DIVISIBLE = ("base",)  # integer arguments that are multiples of 16 bytes' worth of elements
 # the most dynamic shared memory a block may take, by compute capability (CUDA's opt-in limit per
@@ -68,13 +69,22 @@ def _check_shared(meta: dict, cap: int, consts: dict) -> None:
                          f"may take on sm_{cap} (constants {consts}); fewer stages or smaller tiles")
 
 
+def arg_types(sig: dict) -> list[str]:
+    """The TVM types of a kernel's launch arguments (its signature's non-constexpr ones, then the
+    scratch pointers): how TVM's CUDA module packs each value it is called with."""
+    bad = [f"{k}: {t}" for k, t in sig.items() if not t.startswith("*") and t != "constexpr" and t not in _ARG_TYPES]
+    if bad:
+        raise ValueError(f"scalar kernel arguments of types {bad}: only {sorted(_ARG_TYPES)} are launched")
+    return ["handle" if t.startswith("*") else _ARG_TYPES[t] for t in sig.values() if t != "constexpr"] + [
+        "int64"] * SCRATCH
+
+
 def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
     """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages)
-    types = ["handle" if t.startswith("*") else ("int64" if t == "i64" else "int32")
-             for t in sig.values() if t != "constexpr"] + ["int64"] * SCRATCH
+    types = arg_types(sig)
     info = {"tvm_version": tvm.__version__, "func_info": {name: {
         "name": "", "arg_types": types, "launch_param_tags": _LAUNCH_TAGS}}}
     fmap = tvm.get_global_func("runtime.LoadMetaDataFromJSON")(json.dumps(info))

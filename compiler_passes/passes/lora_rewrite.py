@@ -19,10 +19,16 @@ from ..ops import lora as lora_stages
 from ..ops.lora import LoraContext, Part
 from ..ops.lora.linear_triton import FUSED
 from ..ops.lora.stage import layer_arg
+from .dispatch_activation import gate_up_of
 from .dispatch_cublas import reserved_weight_of
 
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+_RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
+# silu(gate) * up folded into down's rank columns shrink (linear_triton.PRODUCERS): built and tested,
+# off: on an H100 that kernel took 54-94 us at 16-512 tokens where the activation kernel and the
+# shrink's copy of x take ~15 (docs/SGMV.md, "The RMSNorm inside the shrink")
+FOLD_SILU_MUL = False
 
 
 def linear_weight_re(linears: dict[str, Sequence[tuple[str, int, int]]]) -> re.Pattern:
@@ -243,14 +249,38 @@ class _Rewriter(relax.PyExprMutator):
             self.rewritten += 1
             counters = self.ctx.per_function(("fused counters",), lambda: bb.emit(FUSED.counters()))
             fill = FUSED.fill(self.ctx, parts, in_f, w.ty, str(w.ty.dtype))
+            producer = None
             if fill is not None and self.packed is not None:  # (its spare columns: filled by lora_fill_columns)
                 self.fills[o.param_names.index(name)] = (layer, fill, str(w.ty.dtype))
-            return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, counters, call.ty.shape)
+                producer = self._producer(x, in_f)
+            return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, counters, call.ty.shape, producer)
         y = bb.emit(call)
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
         impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(y.ty.dtype), o.max_rank, len(parts))
         self.rewritten += 1
         return impl.emit(self.ctx, y, x2, layer, parts, self.inputs)
+
+
+    def _producer(self, x: relax.Expr, in_f: int) -> tuple | None:
+        """What the rank columns route's shrink makes x of, in place of x's own producer
+        (linear_triton.PRODUCERS): ("rms_norm", h (n, in_f), g, eps) for an RMSNorm over the last
+        axis, ("silu_mul", y (n, 2 in_f)) for silu(gate) * up over split(y, 2); None for anything
+        else (the shrink then copies x). x's producer stays for other uses of x, if any."""
+        bb = self.builder_
+        bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
+        if not isinstance(bound, relax.Call):
+            return None
+        if bound.op == _RMS_NORM:
+            h, g = bound.args
+            ndim = h.ty.ndim
+            if [int(a) % ndim for a in bound.attrs.axes] != [ndim - 1] or str(h.ty.dtype) != str(g.ty.dtype):
+                return None
+            h2 = bb.emit(relax.op.reshape(h, relax.ShapeExpr([self.n_tok, in_f])))
+            return ("rms_norm", h2, g, float(bound.attrs.epsilon))
+        y = gate_up_of(bound, self.lookup_binding) if FOLD_SILU_MUL else None
+        if y is None or y.ty.shape is None or int(y.ty.shape.values[-1]) != 2 * in_f:
+            return None
+        return ("silu_mul", bb.emit(relax.op.reshape(y, relax.ShapeExpr([self.n_tok, 2 * in_f]))))
 
 
 def _prod(values):

@@ -12,6 +12,11 @@ weight with rank_rows(P) spare rows below its own) the batches past FUSED_MAX_TO
 `lora_fill_rows_kernel` (the batch's A rows into those rows), ONE cuBLAS GEMM over [W; A rows]
 (e = x @ W.T beside xa = x @ A_cat.T, the shrink at the GEMM's cost of 32 x P more outputs) and
 `lora_expand_rows_kernel` (y = e's first N columns + the delta from its xa columns).
+With the rank columns route (weights stored with 32 spare columns per part, ReserveRankColumns)
+the batches past FUSED_MAX_TOKENS run `lora_shrink_xs_kernel` (xe = [x | s]) and one cuBLAS GEMM
+over [x | s] and [W | B columns] (`lora_fill_cols_kernel` fills those when the pool's kept adapters
+change); that shrink can make x itself of x's producer (PRODUCERS: the RMSNorm before q|k|v and
+gate|up, whose kernel LoraRewrite then drops), `rms_norm_rows_kernel` giving x up to FUSED_MAX_TOKENS.
 LoraRewrite builds the wrapper into `prefill_fused` and `decode_fused` (contract.FUSED_FUNCTION_SUFFIX),
 which the runner picks for a batch whose adapters' ranks sum to at most RANK_COLUMNS over at most
 SLOT_COLUMNS slots; other batches run `prefill`/`decode` (cuBLAS + the sgmv stage).
@@ -32,7 +37,8 @@ tile: each stores its fp32 partial x @ W.T and xa, and the block that finishes l
 split order and runs the epilogue. The LoRA product rounds xa to the model dtype (as PEFT's lora_A output).
 The pair adds the delta in fp32 to cuBLAS's rounded y (PEFT's order: base output, then delta);
 the rank rows route's xa is cuBLAS's, rounded to the dtype before the scale.
-Reference (every route): `linear_ref` below; of the fill alone, `fill_rows_ref`.
+Reference (every route): `linear_ref` below; of the fill alone, `fill_rows_ref`; of the producers,
+`producer_ref`.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Mapping, Sequence  # noqa: F401
 import numpy as np
 
 from .. import triton_build
+from ..activation_triton import silu_mul_ref
 
 try:
     import triton
@@ -77,6 +84,16 @@ def linear_ref(x, w, arena, base, slot, rank, scale, a_off, b_off, mods, widths)
                 y[t, o:o + wp] += scale[s, m] * (x[t].astype(np.float64) @ a) * b
         o += wp
     return y
+
+
+def producer_ref(producer: str, h, g=None, eps: float = 0.0):
+    """Semantics of PRODUCERS in float64: x (n, K) of h ((n, K); (n, 2K) for "silu_mul")."""
+    h = h.astype(np.float64)
+    if producer == "rms_norm":
+        return h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + eps) * g.astype(np.float64)
+    if producer == "silu_mul":
+        return silu_mul_ref(h)
+    return h
 
 
 def tile_config(in_f: int, widths: Sequence[int], bm: int) -> dict:
@@ -420,18 +437,53 @@ if triton is not None:
             tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
                      mask=rmask[:, None])
 
+    @triton.jit
+    def _produce(x_ptrs, g_ptr, kk, rmask, rstd, K: tl.constexpr, PROD: tl.constexpr):
+        """x's tile (BM x BK, x's dtype) from the producer's input at x_ptrs (as PRODUCERS says)."""
+        if PROD == 1:
+            g = tl.load(g_ptr + kk).to(tl.float32)
+            ht = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+            xt = (ht.to(tl.float32) * rstd[:, None] * g[None, :]).to(ht.dtype)
+        elif PROD == 2:
+            gt = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+            u = tl.load(x_ptrs + K, mask=rmask[:, None], other=0.0).to(tl.float32)
+            gf = gt.to(tl.float32)
+            xt = (gf / (1.0 + tl.exp(-gf)) * u).to(gt.dtype)
+        else:
+            xt = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+        return xt
+
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_rms_norm", "h_ptr"))
+    def rms_norm_rows_kernel(h_ptr, g_ptr, x_ptr, eps, K: tl.constexpr, BK: tl.constexpr):
+        """Grid (n,): x[t] = the RMSNorm of h[t] (PRODUCERS' "rms_norm"), one row per block, the
+        row loaded once (BK: K rounded up to a power of two). The rank columns route's x up to
+        FUSED_MAX_TOKENS, where the one-kernel linear reads x."""
+        cols = tl.arange(0, BK)
+        h_row = h_ptr + tl.program_id(0).to(tl.int64) * K + cols
+        if BK == K:
+            h = tl.load(h_row).to(tl.float32)
+            g = tl.load(g_ptr + cols).to(tl.float32)
+        else:
+            h = tl.load(h_row, mask=cols < K, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        x = (h * (1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)) * g).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + tl.program_id(0).to(tl.int64) * K + cols, x, mask=cols < K)
+
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "x_ptr"))
-    def lora_shrink_xs_kernel(x_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr,
-                              n, S, base, chunk, split, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr,
-                              R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
-                              P: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr,
-                              SC: tl.constexpr, SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr,
-                              ALIGN: tl.constexpr):
-        """Grid (token tiles, split): xe (n, KE) = [x | s], s[t, p x RS + c] = round(scale[s, m_p] *
-        (x[t] . A(column c of part p))) for token t's own slot's live columns, else 0. Split k copies
+    def lora_shrink_xs_kernel(x_ptr, g_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr,
+                              cnt_ptr, n, S, base, chunk, split, eps, K: tl.constexpr, KE: tl.constexpr,
+                              M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
+                              m2: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                              RS: tl.constexpr, SC: tl.constexpr, SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr,
+                              ALIGN: tl.constexpr, PROD: tl.constexpr, SHRINK: tl.constexpr):
+        """Grid (token tiles, split): xe (n, KE) = [x | s], x = the producer's output (PRODUCERS:
+        x itself, the RMSNorm of h with gain g and eps, silu(gate) * up of y = [gate | up]);
+        with SHRINK s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p))) for
+        token t's own slot's live columns, else 0 (without: xe is x alone, KE = K). Split k writes
         its `chunk` inputs of x into xe and sums its part of the products into v; with split > 1
         the block of a tile that counts last in cnt[tile] sums the splits in order (the same bits
-        whichever block is last), writes s and sets cnt[tile] back to 0."""
+        whichever block is last), writes s and sets cnt[tile] back to 0. The RMSNorm's mean square
+        is each block's own pass over its tokens' whole rows."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -442,47 +494,57 @@ if triton is not None:
         a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK
         kk = k_start + tl.arange(0, BK)
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * (2 * K if PROD == 2 else K)
         xe_rows = xe_ptr + rows[:, None].to(tl.int64) * KE
+        rstd = tl.full((BM,), 1.0, tl.float32)
+        if PROD == 1:
+            ss = tl.zeros((BM,), tl.float32)
+            for k0 in tl.range(0, K, BK, num_stages=STAGES):
+                ht = tl.load(x_rows + k0 + tl.arange(0, BK)[None, :], mask=rmask[:, None], other=0.0)
+                ht = ht.to(tl.float32)
+                ss += tl.sum(ht * ht, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
         acc0 = tl.zeros((BM, RS), dtype=tl.float32)
         acc1 = tl.zeros((BM, RS), dtype=tl.float32)
         acc2 = tl.zeros((BM, RS), dtype=tl.float32)
         for k0 in tl.range(0, tl.minimum(chunk, K - k_start), BK, num_stages=STAGES):
-            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
+            xt = _produce(x_rows + (kk + k0)[None, :], g_ptr + k0, kk, rmask, rstd, K, PROD)
             tl.store(xe_rows + (kk + k0)[None, :], xt, mask=rmask[:, None])
-            ka = (kk + k0)[:, None]
-            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
-            if P > 1:
-                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
-            if P > 2:
-                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
-        c = tl.arange(0, RS)
-        last = split == 1
-        if split > 1:
-            mine = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
-            tl.store(mine, acc0, mask=rmask[:, None])
-            if P > 1:
-                tl.store(mine + RS, acc1, mask=rmask[:, None])
-            if P > 2:
-                tl.store(mine + 2 * RS, acc2, mask=rmask[:, None])
-            tl.debug_barrier()  # every thread's partial stored before the count (released by it)
-            last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu") == split - 1
+            if SHRINK:
+                ka = (kk + k0)[:, None]
+                acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
+                if P > 1:
+                    acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
+                if P > 2:
+                    acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
+        if SHRINK:
+            c = tl.arange(0, RS)
+            last = split == 1
+            if split > 1:
+                mine = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
+                tl.store(mine, acc0, mask=rmask[:, None])
+                if P > 1:
+                    tl.store(mine + RS, acc1, mask=rmask[:, None])
+                if P > 2:
+                    tl.store(mine + 2 * RS, acc2, mask=rmask[:, None])
+                tl.debug_barrier()  # every thread's partial stored before the count (released by it)
+                last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu") == split - 1
+                if last:
+                    acc0 = tl.zeros((BM, RS), dtype=tl.float32)
+                    acc1 = tl.zeros((BM, RS), dtype=tl.float32)
+                    acc2 = tl.zeros((BM, RS), dtype=tl.float32)
+                    for k in tl.static_range(SPLIT_MAX):
+                        part = v_ptr + ((k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
+                        on = rmask[:, None] & (k < split)
+                        acc0 += tl.load(part, mask=on, other=0.0, cache_modifier=".cg")
+                        if P > 1:
+                            acc1 += tl.load(part + RS, mask=on, other=0.0, cache_modifier=".cg")
+                        if P > 2:
+                            acc2 += tl.load(part + 2 * RS, mask=on, other=0.0, cache_modifier=".cg")
+                    tl.atomic_xchg(cnt_ptr + pid_m, 0)
             if last:
-                acc0 = tl.zeros((BM, RS), dtype=tl.float32)
-                acc1 = tl.zeros((BM, RS), dtype=tl.float32)
-                acc2 = tl.zeros((BM, RS), dtype=tl.float32)
-                for k in tl.static_range(SPLIT_MAX):
-                    part = v_ptr + ((k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
-                    on = rmask[:, None] & (k < split)
-                    acc0 += tl.load(part, mask=on, other=0.0, cache_modifier=".cg")
-                    if P > 1:
-                        acc1 += tl.load(part + RS, mask=on, other=0.0, cache_modifier=".cg")
-                    if P > 2:
-                        acc2 += tl.load(part + 2 * RS, mask=on, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + pid_m, 0)
-        if last:
-            _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr, K, M,
-                           R, P, RS, SC)
+                _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
+                               K, M, R, P, RS, SC)
 
 
 def _signature(dtype: str) -> dict:
@@ -510,6 +572,10 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
 
 SHRINK_BM = {"small": 16, "large": 64}  # tokens per shrink block
 SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
+# What the rank columns route's shrink makes x of (its PROD): x itself; the RMSNorm of the model's
+# hidden state h (gain g, eps; in float32, rounded once); silu(gate) * up of the gate|up output
+# (as ops/activation_triton.py). The two producers take the place of the kernel before the linear.
+PRODUCERS = ("copy", "rms_norm", "silu_mul")
 # The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (one per SM of an
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
 TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 132, 8, 4
@@ -620,19 +686,21 @@ def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
     fill = dict(arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32", w_ptr=e, S="i32", base="i64")
     fill.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "W0", "W1", "BN", "RS", "SC",
                                            "ALIGN")})
-    shrink = dict(x_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32",
-                  xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32", split="i32")
+    shrink = dict(x_ptr=e, g_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32",
+                  aoff_ptr="*i32", xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32",
+                  split="i32", eps="fp32")
     shrink.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "RS", "SC",
-                                             "SPLIT_MAX", "STAGES", "ALIGN")})
+                                             "SPLIT_MAX", "STAGES", "ALIGN", "PROD", "SHRINK")})
     return fill, shrink
 
 
 def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
-              align: int, variant: str | None = None) -> dict:
+              align: int, variant: str | None = None, producer: str = "copy", shrink: bool = True) -> dict:
     """How the rank columns route launches for n tokens (the fill of the spare columns, by
     fill_wrapper when the kept columns change; the shrink into [x | s] and cuBLAS over K + P *
     RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids, warps. The shrink's
-    blocks and splits are the pair's (cols_launch)."""
+    blocks and splits are the pair's (cols_launch). `producer` (PRODUCERS) is what the shrink
+    kernel makes x of; without `shrink` it writes x alone, (n, in_f)."""
     go = cols_launch(n, in_f, widths, mods, num_modules, max_rank, align, variant)
     m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     w = (list(widths) + [0] * MAX_PARTS)[:2]
@@ -641,9 +709,21 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
                 RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
-    shrink = dict(go["shrink"], KE=ke, SPLIT_MAX=SPLIT_MAX)
-    return dict(fill=fill, shrink=shrink, split=go["split"], chunk=go["chunk"], fill_grid=(sum(widths) // bn,),
+    consts = dict(go["shrink"], KE=ke if shrink else in_f, SPLIT_MAX=SPLIT_MAX, PROD=PRODUCERS.index(producer),
+                  SHRINK=int(shrink))
+    return dict(fill=fill, shrink=consts, split=go["split"], chunk=go["chunk"], fill_grid=(sum(widths) // bn,),
                 shrink_grid=go["shrink_grid"], fill_warps=4, shrink_warps=go["shrink_warps"], cols=ke)
+
+
+def norm_launch(in_f: int) -> dict:
+    """Constants and warps of rms_norm_rows_kernel for rows of in_f inputs."""
+    bk = 1 << (in_f - 1).bit_length()
+    return dict(consts=dict(K=in_f, BK=bk), warps=4 if bk <= 4096 else 8)
+
+
+def _norm_signature(dtype: str) -> dict:
+    e = triton_build.PTR[dtype]
+    return dict(h_ptr=e, g_ptr=e, x_ptr=e, eps="fp32", K="constexpr", BK="constexpr")
 
 
 def scratch_elems(n, widths: Sequence[int]):
@@ -652,7 +732,8 @@ def scratch_elems(n, widths: Sequence[int]):
 
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
-                   align: int, arch: str, rows: bool = False, w_cols: int | None = None):
+                   align: int, arch: str, rows: bool = False, w_cols: int | None = None, producer: str = "copy",
+                   eps: float = 0.0):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), w (W, w_cols or in_f: a weight's
     columns beside its own are not read), arena (size,), slot (n,),
     rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R), layer: int64, y (n, W) [out],
@@ -660,7 +741,12 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     above, cuBLAS for x @ W.T, then the shrink into v and the in-place expand. `rows` (the rank
     rows route): w is (W + rank_rows(P), in_f), its last rows reserved; above FUSED_MAX_TOKENS the
     batch's A rows are filled into them, cuBLAS computes e = x @ w.T (W + rank_rows(P) columns) and
-    the expand writes y from e; one more output, e (n, W + rank_rows(P)) [scratch]."""
+    the expand writes y from e; one more output, e (n, W + rank_rows(P)) [scratch]. A weight with
+    spare columns (the rank columns route) adds xe (n, w_cols) [scratch]; with a `producer` other
+    than "copy" (PRODUCERS; only there) the wrapper takes the producer's input instead of x (h
+    (n, in_f) and the gain g (in_f,) for "rms_norm" with `eps`, y = [gate | up] (n, 2 in_f) for
+    "silu_mul") and makes x itself: into xe with the shrink past FUSED_MAX_TOKENS, else into one
+    more output, x (n, in_f) [scratch], which the one-kernel linear reads."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     from ..gemv.gemv_cuda import CUBLAS_GEMM  # pylint: disable=import-outside-toplevel
@@ -672,6 +758,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         raise ValueError(f"a weight of {KW} columns for {in_f} inputs (in_f, or in_f + {rank_rows(P)} spare columns "
                          "for the rank columns route; not with the rank rows route)")
     cols = KW != in_f  # the rank columns route past FUSED_MAX_TOKENS
+    if producer not in PRODUCERS or (producer != "copy" and not cols):
+        raise ValueError(f"producer {producer!r}: one of {PRODUCERS}, other than 'copy' only for a weight with "
+                         "spare columns")
     built, mods_out = {}, []
     for bm in (16, 64):
         consts, warps = constants(in_f, widths, mods, M, R, bm, align, KW)
@@ -694,10 +783,22 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         go = xs_launch(1, in_f, widths, mods, M, R, align)
         shrinks = {}
         for variant in SHRINK_BM:
-            gv = xs_launch(1, in_f, widths, mods, M, R, align, variant)
+            gv = xs_launch(1, in_f, widths, mods, M, R, align, variant, producer)
             name, threads, shared, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
                                                                   gv["shrink_warps"], arch, Path(__file__))
             shrinks[variant] = (name, threads, shared, gv["shrink"]["BM"])
+            mods_out.append(mod)
+        rn, rth, rsh, pn, pth, psh, p_bm = "", 0, 0, "", 0, 0, 1  # (the producer's kernel below)
+        if producer == "rms_norm":  # up to FUSED_MAX_TOKENS: x alone, for the one-kernel linear
+            nl = norm_launch(in_f)
+            rn, rth, rsh, mod = triton_build.cuda_module(rms_norm_rows_kernel, _norm_signature(dtype), nl["consts"],
+                                                         nl["warps"], arch, Path(__file__))
+            mods_out.append(mod)
+        elif producer != "copy":
+            gv = xs_launch(1, in_f, widths, mods, M, R, align, "small", producer, shrink=False)
+            pn, pth, psh, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
+                                                         gv["shrink_warps"], arch, Path(__file__))
+            p_bm = gv["shrink"]["BM"]
             mods_out.append(mod)
         bk = go["shrink"]["BK"]
         steps = in_f // bk
@@ -745,13 +846,14 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
 
     @T.macro
-    def shrink_xs(name, bm, threads, shared, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v, cnt):
-        """The shrink variant `name` (blocks of bm tokens) into xe = [x | s]."""
-        T.call_packed(name, x.data, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data, v.data,
-                      cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+    def shrink_xs(name, bm, threads, shared, n, S, size, layer, x, g, arena, slot, rank, scale, a_off, xe, v, cnt):
+        """The shrink variant `name` (blocks of bm tokens) into xe = [x | s], x made of x's producer's
+        input (g: its gain, any buffer where it has none)."""
+        T.call_packed(name, x.data, g.data, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data,
+                      v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
                       T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[1] * bk),
-                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), T.int64(0), T.int64(0),
-                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[0]),
+                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), T.float32(eps), T.int64(0),
+                      T.int64(0), T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[0]),
                       T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), threads, shared)
 
     @T.macro
@@ -827,14 +929,84 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                     fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:  # (the spare columns hold the kept adapters' B rows: fill_wrapper)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
-                        shrink_xs(qn, q_bm, qth, qsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v,
-                                  cnt)
+                        shrink_xs(qn, q_bm, qth, qsh, n, S, size, layer, x, x, arena, slot, rank, scale, a_off, xe,
+                                  v, cnt)
                     else:
-                        shrink_xs(gn, g_bm, gth, gsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v,
-                                  cnt)
+                        shrink_xs(gn, g_bm, gth, gsh, n, S, size, layer, x, x, arena, slot, rank, scale, a_off, xe,
+                                  v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
-        return lora_linear_cols, mods_out
+        if producer == "copy":
+            return lora_linear_cols, mods_out
+
+        @T.macro
+        def produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x):
+            """The producer into x and the one-kernel linear, or the producer's shrink into xe and cuBLAS."""
+            if n > 0:
+                if n <= FUSED_MAX_TOKENS:  # x alone (the RMSNorm: a row per block; else every input step)
+                    if producer == "rms_norm":
+                        T.call_packed(rn, h.data, g.data, x.data, T.float32(eps), T.int64(0), T.int64(0), n, 1,
+                                      rth, rsh)
+                    else:
+                        T.call_packed(pn, h.data, g.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
+                                      x.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                                      layer * (size // L), T.int32(bk), T.int32(steps), T.float32(eps), T.int64(0),
+                                      T.int64(0), T.Cast("int32", (n + p_bm - 1) // p_bm), T.int32(steps), pth, psh)
+                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+                else:
+                    if n <= SHRINK_SMALL_MAX_TOKENS:
+                        shrink_xs(qn, q_bm, qth, qsh, n, S, size, layer, h, g, arena, slot, rank, scale, a_off, xe,
+                                  v, cnt)
+                    else:
+                        shrink_xs(gn, g_bm, gth, gsh, n, S, size, layer, h, g, arena, slot, rank, scale, a_off, xe,
+                                  v, cnt)
+                    T.call_packed(CUBLAS_GEMM, xe, w, y)
+
+        @T.prim_func(s_tir=True)
+        def lora_linear_norm(h_h: T.handle, g_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle,
+                             rank_h: T.handle, scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle,
+                             layer: T.int64, cnt_h: T.handle, y_h: T.handle, v_h: T.handle, xe_h: T.handle,
+                             x_h: T.handle):
+            T.func_attr(kernel_attrs(True))
+            n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
+            h = T.match_buffer(h_h, (n, in_f), dtype)
+            g = T.match_buffer(g_h, (in_f,), dtype)
+            w = T.match_buffer(w_h, (W, KE), dtype)
+            arena = T.match_buffer(arena_h, (size,), dtype)
+            slot = T.match_buffer(slot_h, (n,), "int32")
+            rank = T.match_buffer(rank_h, (S,), "int32")
+            scale = T.match_buffer(scale_h, (S, M), "float32")
+            a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
+            b_off = T.match_buffer(boff_h, (S, M, R), "int32")
+            cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
+            y = T.match_buffer(y_h, (n, W), dtype)
+            v = T.match_buffer(v_h, (nv,), "float32")
+            xe = T.match_buffer(xe_h, (n, KE), dtype)
+            x = T.match_buffer(x_h, (n, in_f), dtype)
+            produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x)
+
+        @T.prim_func(s_tir=True)
+        def lora_linear_silu(h_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
+                             scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, cnt_h: T.handle,
+                             y_h: T.handle, v_h: T.handle, xe_h: T.handle, x_h: T.handle):
+            T.func_attr(kernel_attrs(True))
+            n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
+            h = T.match_buffer(h_h, (n, 2 * in_f), dtype)
+            w = T.match_buffer(w_h, (W, KE), dtype)
+            arena = T.match_buffer(arena_h, (size,), dtype)
+            slot = T.match_buffer(slot_h, (n,), "int32")
+            rank = T.match_buffer(rank_h, (S,), "int32")
+            scale = T.match_buffer(scale_h, (S, M), "float32")
+            a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
+            b_off = T.match_buffer(boff_h, (S, M, R), "int32")
+            cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
+            y = T.match_buffer(y_h, (n, W), dtype)
+            v = T.match_buffer(v_h, (nv,), "float32")
+            xe = T.match_buffer(xe_h, (n, KE), dtype)
+            x = T.match_buffer(x_h, (n, in_f), dtype)
+            produced(n, S, size, layer, h, h, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x)
+
+        return (lora_linear_norm if producer == "rms_norm" else lora_linear_silu), mods_out
 
     @T.prim_func(s_tir=True)
     def lora_linear_triton(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
@@ -911,12 +1083,15 @@ class FusedLinear:
             return f"target {target.kind.name} (the kernel is CUDA)"
         return supported(dtype, weight_dtype, in_f, widths)
 
-    def emit(self, ctx, x, w, layer: int, parts: Sequence, tables: Mapping, counters, out_shape):
+    def emit(self, ctx, x, w, layer: int, parts: Sequence, tables: Mapping, counters, out_shape,
+             producer: tuple | None = None):
         """y = x @ W.T + every token's delta, (n, W) reshaped to `out_shape` (not yet emitted).
         ctx: the rewrite's LoraContext; x (n, in) and w (W, in) relax Vars (w of W + rank_rows(P)
         rows: the weight reserves the rank rows route's rows, which it then takes above
-        FUSED_MAX_TOKENS); parts: ops/lora Parts; counters: the function's (COUNTER_SLOTS,) int32
-        zeros (`counters()`), shared by its linears."""
+        FUSED_MAX_TOKENS; of in + rank_rows(P) columns: the rank columns route's); parts: ops/lora
+        Parts; counters: the function's (COUNTER_SLOTS,) int32 zeros (`counters()`), shared by its
+        linears; producer (a weight with spare columns only): x's producer for the wrapper to run
+        instead of reading x, ("rms_norm", h, g, eps) or ("silu_mul", y) (linear_wrapper)."""
         from tvm import relax  # pylint: disable=import-outside-toplevel
 
         from .stage import layer_arg, tokens  # pylint: disable=import-outside-toplevel
@@ -931,30 +1106,35 @@ class FusedLinear:
             raise ValueError(f"weight of {w_rows} rows for a linear of {W} outputs (or {W} + "
                              f"{rank_rows(len(widths))} reserved rank rows)")
         rows, cols = w_rows != W, w_cols != in_f
-        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols)
+        kind, eps = (producer[0], producer[3] if producer[0] == "rms_norm" else 0.0) if producer else ("copy", 0.0)
+        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols, kind, eps)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
 
         def make():
             func, mods_ = linear_wrapper(in_f, widths, mods, ctx.num_layers, ctx.max_rank, ctx.num_modules, dtype,
-                                         align, str(ctx.target.arch), rows=rows, w_cols=w_cols)
+                                         align, str(ctx.target.arch), rows=rows, w_cols=w_cols, producer=kind,
+                                         eps=eps)
             for i, mod in enumerate(mods_):
                 ctx.external(key + ("module", i), lambda mod=mod: mod)
             return func
 
         name = f"lora_linear_{'rows' if rows else 'cols' if cols else 'triton'}_m{tag}_{in_f}x{W}" + (
-            f"_of{w_cols}" if cols else "")
+            f"_of{w_cols}" if cols else "") + {"copy": "", "rms_norm": "_norm", "silu_mul": "_silu"}[kind]
         fn = ctx.kernel(key, name, make)
         outs = [relax.TensorType([n, W], dtype)]
         if rows:  # no shrink partials; e = x @ [W; rank rows].T
             outs += [relax.TensorType([max(1, split_scratch_elems(in_f, widths))], "float32"),
                      relax.TensorType([n, w_rows], dtype)]
-        elif cols:  # the shrink's partial sums; xe = [x | s]
+        elif cols:  # the shrink's partial sums; xe = [x | s]; x, where the wrapper makes it
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32"),
                      relax.TensorType([n, w_cols], dtype)]
+            outs += [relax.TensorType([n, in_f], dtype)] if producer else []
         else:
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
-        out = bb.emit(relax.call_tir(fn, [x, w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"], t["lora_scale"],
-                                          t["lora_a_off"], t["lora_b_off"], layer_arg(layer), counters], outs))
+        head = list(producer[1:3] if kind == "rms_norm" else producer[1:2]) if producer else [x]
+        out = bb.emit(relax.call_tir(fn, head + [w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
+                                                 t["lora_scale"], t["lora_a_off"], t["lora_b_off"], layer_arg(layer),
+                                                 counters], outs))
         y = bb.emit(relax.TupleGetItem(out, 0))
         return relax.op.reshape(y, out_shape)
 

@@ -199,22 +199,39 @@ def test_rank_rows_library_widens_the_weights_and_fuses_past_the_small_kernel():
         (qkv, h, 96), (h, h, 32), (2 * inter, h, 64), (h, inter, 32))} | {f"mlc_lora_linear_f16_{cfg.vocab_size}x{h}_3d"}
 
 
-def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_first_columns():
+@pytest.mark.parametrize("fold_silu", [False, True])
+def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_first_columns(fold_silu, monkeypatch):
     """Spare columns (the rank columns route): every targeted weight of every function has 32
     columns per part beside its own; the fused functions' linears (the rank columns wrapper, inside
     decode_fused's graphs and in prefill_fused) take the whole weight, every other GEMM (gemv /
     cuBLAS wrappers) too, with its row stride: no slice is copied per call and no linear falls back
-    to TVM's matmul; lm_head is untouched."""
+    to TVM's matmul; lm_head is untouched. The route's shrink makes x of its producer: q|k|v and
+    gate|up take the RMSNorm's input and gain (no RMSNorm kernel left before them in the fused
+    functions, only the final norm); down the gate|up output (silu * up) where
+    lora_rewrite.FOLD_SILU_MUL says so (off by default), else x of the activation kernel; o x
+    itself. decode_fused's first q|k|v reads the function's input, so it runs before the first graph."""
     pytest.importorskip("triton")
+    from mlc_lora.compiler_passes.passes import lora_rewrite
+
+    monkeypatch.setattr(lora_rewrite, "FOLD_SILU_MUL", fold_silu)
     cfg, lowered = _lowered(fused=True, spare_columns=True)
     h, inter = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     fused = "decode" + FUSED_FUNCTION_SUFFIX
     captures = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith(fused + "_cuda_graph_capture")]
     linears = [c for f in captures for c in _calls(f, "lora_linear_cols_")]
-    assert len(linears) == 4 * cfg.num_hidden_layers and all("_of" in c for c in linears), linears
+    outside = _calls(lowered[fused], "lora_linear_cols_")
+    assert outside == [f"lora_linear_cols_m0_1_2_{h}x{qkv}_of{h + 96}_norm"], outside
+    assert len(linears) == 4 * cfg.num_hidden_layers - 1 and all("_of" in c for c in linears), linears
     assert not [c for f in captures for c in _calls(f, "lora_linear_triton_") + _calls(f, "lora_fill_columns_")]
-    assert len(_calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "lora_linear_cols_")) == 4 * cfg.num_hidden_layers
+    prefill = _calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "lora_linear_cols_")
+    assert len(prefill) == 4 * cfg.num_hidden_layers
+    ends = [c.rsplit("_of", 1)[1].split("_", 1)[1:] for c in prefill]  # the producer each takes
+    assert ends == [["norm"], [], ["norm"], ["silu"] if fold_silu else []] * cfg.num_hidden_layers, prefill
+    activations = [c for f in [lowered["prefill" + FUSED_FUNCTION_SUFFIX], lowered[fused]] + captures
+                   for c in _calls(f, "silu_mul_triton_")]
+    assert len(activations) == (0 if fold_silu else 2 * cfg.num_hidden_layers), activations
+    assert len(_calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "rms_norm")) == 1  # the final norm
     # the fill of the spare columns: its own function, one call per targeted weight, in place
     fills = _calls(lowered[FILL_COLUMNS_FUNCTION], "lora_fill_columns_")
     assert len(fills) == 4 * cfg.num_hidden_layers and len(set(fills)) == 4, fills

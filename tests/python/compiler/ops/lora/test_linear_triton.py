@@ -208,3 +208,65 @@ def test_rank_columns_wrapper_builds_to_cubin_for_sm90(cubin_cache):
     assert LT.xs_launch(100, 4096, (4096, 1024, 1024), (0, 1, 2), 7, 16, 8)["cols"] == 4192
     with pytest.raises(ValueError, match="spare columns"):  # neither the weight's own nor + 32 per part
         LT.linear_wrapper(4096, (4096,), (0,), 2, 16, 7, "float16", 8, "sm_90a", w_cols=4096 + 96)
+
+
+@pytest.mark.parametrize("producer,shrink,dtype", [
+    ("rms_norm", True, np.float16), ("silu_mul", True, np.float16), ("rms_norm", False, np.float16),
+    ("silu_mul", False, np.float16), ("rms_norm", True, np.float32)])
+def test_producer_makes_x_beside_its_shrink(tmp_path, producer, shrink, dtype):
+    """The rank columns route's shrink with x's producer folded in (an RMSNorm of the hidden state,
+    silu(gate) * up): [x | s] and the GEMM over it equal linear_ref of the producer's x (float64,
+    rounded once to the dtype); without the shrink the kernel writes x alone (the one-kernel linear
+    reads it up to FUSED_MAX_TOKENS). Two input splits: every block of a tile takes the RMSNorm's
+    mean square over the whole row."""
+    rng = np.random.default_rng(5)
+    widths, mods, R, K, n = (64, 32, 32), (0, -1, 2), 16, 576, 70
+    assert LT.cols_launch(n, K, widths, mods, 4, R, 8, "small")["split"] == 2
+    c = _case(rng, dtype, n, K, widths, [8, 16, 0, 4], R)
+    h = (rng.standard_normal((n, 2 * K if producer == "silu_mul" else K)) * 3).astype(dtype)
+    g = rng.uniform(0.5, 1.5, K).astype(dtype)
+    x = LT.producer_ref(producer, h, g, 1e-5).astype(dtype)
+    out = interpret(tmp_path, **{**c, "x": x}, h=h, g=g, eps=1e-5, producer=producer, shrink=int(shrink),
+                    mods=np.array(mods), widths=np.array(widths), R=R, bm=64, variant="xs-small",
+                    fill_slots=len(c["rank"]))
+    tol = 1e-5 if dtype == np.float32 else 4e-3
+    got_x = out["xe"][:, :K].astype(np.float64)
+    assert out["xe"].shape == (n, K + 96 if shrink else K) and np.isfinite(out["xe"]).all()
+    assert not out["cnt"].any()
+    # x: the reference rounded once; the kernel's float32 sums may round the other way (one ulp)
+    np.testing.assert_allclose(got_x, x.astype(np.float64), rtol=2 * np.finfo(dtype).eps, atol=1e-6)
+    if shrink:
+        ref = LT.linear_ref(x, c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
+                            c["b_off"], mods, widths)
+        base_only = x.astype(np.float64) @ c["w"].astype(np.float64).T
+        got = out["y"].astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
+        assert np.linalg.norm((got - base_only) - (ref - base_only)) / np.linalg.norm(ref - base_only) < 3 * tol
+
+
+def test_launch_arguments_keep_their_scalar_types():
+    """TVM's CUDA module packs each launch argument by its declared type: the producer's eps is a
+    float32 (declared int32 it would reach the kernel as an integer's bits), the scratch pointers
+    come last; a scalar type the launch cannot pack is refused by name."""
+    from mlc_lora.compiler_passes.ops import triton_build
+
+    _, shrink = LT._cols_route_signatures("float16")  # pylint: disable=protected-access
+    types = triton_build.arg_types(shrink)
+    launched = [k for k, t in shrink.items() if t != "constexpr"]
+    assert types[launched.index("eps")] == "float32" and types[launched.index("base")] == "int64"
+    assert types[launched.index("n")] == "int32" and types[-2:] == ["int64", "int64"]
+    with pytest.raises(ValueError, match="f: fp64"):
+        triton_build.arg_types({"x": "*fp16", "f": "fp64"})
+
+
+@pytest.mark.parametrize("K", [576, 512])
+def test_rms_norm_rows_matches_reference(tmp_path, K):
+    """The RMSNorm the rank columns route's wrapper runs up to FUSED_MAX_TOKENS (a row per block):
+    producer_ref's, rounded once, for rows of a power of two and not (the masked tail)."""
+    rng = np.random.default_rng(7)
+    h = (rng.standard_normal((5, K)) * 3).astype(np.float16)
+    g = rng.uniform(0.5, 1.5, K).astype(np.float16)
+    out = interpret(tmp_path, norm_rows=h, g=g, eps=1e-5)
+    ref = LT.producer_ref("rms_norm", h, g, 1e-5)
+    np.testing.assert_allclose(out["x"].astype(np.float64), ref.astype(np.float16).astype(np.float64),
+                               rtol=2 * np.finfo(np.float16).eps, atol=1e-6)

@@ -110,7 +110,8 @@ def run_xs(inp: dict) -> dict:
     of the kept slots (`fill_slots` of them: not the stale one past them, which the forward's
     tables keep), the shrink into [x | s] (xe and the partial sums NaN before, the counters zeros),
     then [x | s] @ [W | B cols].T (as cuBLAS: fp32 sums, rounded to the dtype), launched as
-    fill_wrapper and the linear's TIR wrapper launch them."""
+    fill_wrapper and the linear's TIR wrapper launch them. With `producer` (h: its input, g: its
+    gain, eps) the kernel makes x of h; without `shrink` it writes x alone (only xe comes back)."""
     import torch
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
@@ -120,7 +121,10 @@ def run_xs(inp: dict) -> dict:
     x, w, scale = inp["x"], inp["w"], inp["scale"]
     mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
     n, K = x.shape
-    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, str(inp["variant"])[3:])
+    producer, shrink = str(inp.get("producer", "copy")), bool(inp.get("shrink", True))
+    src = inp.get("h", x)  # the producer's input (x itself for "copy")
+    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, str(inp["variant"])[3:], producer,
+                      shrink)
     w_ext = torch.zeros((sum(widths), go["cols"]), dtype=t(x).dtype)
     w_ext[:, :K] = t(w)
     o = 0
@@ -130,12 +134,15 @@ def run_xs(inp: dict) -> dict:
     S, base, F = len(inp["rank"]), int(inp["base"]), int(inp["fill_slots"])
     LT.lora_fill_cols_kernel[go["fill_grid"]](t(inp["arena"]), t(inp["rank"][:F]), t(scale[:F]), t(inp["b_off"][:F]),
                                               w_ext, F, base, **go["fill"], num_warps=go["fill_warps"])
-    xe = torch.full((n, go["cols"]), float("nan"), dtype=w_ext.dtype)
+    xe = torch.full((n, go["shrink"]["KE"]), float("nan"), dtype=w_ext.dtype)
     v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
     cnt = torch.zeros((LT.COUNTER_SLOTS,), dtype=torch.int32)
     LT.lora_shrink_xs_kernel[go["shrink_grid"]](
-        t(x), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt, n, S, base,
-        go["chunk"], go["split"], **go["shrink"], num_warps=go["shrink_warps"])
+        t(src), t(inp.get("g", src)), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]),
+        xe, v, cnt, n, S, base, go["chunk"], go["split"], float(inp.get("eps", 0.0)), **go["shrink"],
+        num_warps=go["shrink_warps"])
+    if not shrink:  # x alone
+        return {"xe": xe.numpy(), "cnt": cnt.numpy()}
     y = (xe.numpy().astype(np.float32) @ w_ext.numpy().astype(np.float32).T).astype(x.dtype)
     return {"y": y, "cnt": cnt.numpy(), "cols": w_ext[:, K:].numpy(), "xe": xe.numpy()}
 
@@ -153,6 +160,22 @@ def run_silu_mul(inp: dict) -> dict:
     bn = AT.block_cols(inter)
     AT.silu_mul_kernel[(-(-n // AT.BM), inter // bn)](y, h, n, I=inter, BM=AT.BM, BN=bn, num_warps=AT.WARPS)
     return {"h": h.numpy()}
+
+
+def run_norm_rows(inp: dict) -> dict:
+    """linear_triton's RMSNorm of rows (the rank columns route's x up to FUSED_MAX_TOKENS), launched
+    as the linear's TIR wrapper launches it."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
+
+    _interpreter_scalars()
+    h = torch.from_numpy(np.ascontiguousarray(inp["norm_rows"]))
+    x = torch.full(h.shape, float("nan"), dtype=h.dtype)
+    nl = LT.norm_launch(h.shape[1])
+    LT.rms_norm_rows_kernel[(h.shape[0],)](h, torch.from_numpy(inp["g"]), x, float(inp["eps"]), **nl["consts"],
+                                           num_warps=nl["warps"])
+    return {"x": x.numpy()}
 
 
 def run_tiles(inp: dict) -> dict:
@@ -178,6 +201,8 @@ def run(inp: dict) -> dict:
         return run_linear(inp)
     if "gate_up" in inp:
         return run_silu_mul(inp)
+    if "norm_rows" in inp:
+        return run_norm_rows(inp)
     import torch
 
     from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
