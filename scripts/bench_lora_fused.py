@@ -236,9 +236,89 @@ def _pair_configs(LT, pt):
     return shrinks, expands
 
 
+def _xs_configs(LT, pt, producer):
+    """Launches of the rank columns route's shrink into [x | s] (x made of `producer`) at pt.T tokens,
+    the compiled one first: token tiles of 16-64, input steps of 64-128, splits aimed at 1-4 blocks
+    an SM (up to 16), 4 or 8 warps."""
+    T, in_f, widths = pt.T, pt.in_f, pt.widths
+    go = LT.xs_launch(T, in_f, widths, pt.mod_ids, len(widths), pt.r, 8, None, producer)
+    out = [dict(go, warps=go["shrink_warps"])]
+    for bm in (16, 32, 64):
+        for bk in (64, 128):
+            for target in (132, 264, 528):
+                for warps in (4, 8):
+                    steps, tiles = in_f // bk, -(-T // bm)
+                    split = min(16, max(1, -(-target // tiles)), max(1, steps // LT.MIN_STEPS))
+                    per = -(-steps // split)
+                    split = -(-steps // per)
+                    cs = dict(go["shrink"], BM=bm, BK=bk, SPLIT_MAX=16 if split > LT.SPLIT_MAX else LT.SPLIT_MAX)
+                    g = dict(go, shrink=cs, split=split, chunk=per * bk, shrink_grid=(tiles, split), warps=warps)
+                    if all((g["shrink"], g["split"], warps) != (x["shrink"], x["split"], x["warps"]) for x in out):
+                        out.append(g)
+    return out
+
+
+def _xs_group(torch, LT, pt, name):
+    """The route's shrink into [x | s] per launch of _xs_configs (each checked against the compiled
+    one's [x | s]), beside what it replaces: the pair's shrink, and for q|k|v and gate|up torch's
+    RMSNorm (standing in for the norm kernel the shrink takes in)."""
+    producer = "rms_norm" if name in ("qkv", "gate_up") else "copy"
+    cfgs = _xs_configs(LT, pt, producer)
+    K, T = pt.in_f, pt.T
+    h = [torch.randn((T, K), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
+    gain = (torch.rand((K,), device="cuda") + 0.5).to(pt.x[0].dtype)
+    xe = torch.empty((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype)
+    v = torch.empty((16 * T * len(pt.widths) * LT.RANK_COLUMNS,), device="cuda", dtype=torch.float32)
+
+    def launch(i, g):
+        LT.lora_shrink_xs_kernel[g["shrink_grid"]](
+            h[i] if producer == "rms_norm" else pt.x[i], gain, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe,
+            v, pt.cnt, T, pt.N, 0, g["chunk"], g["split"], 1e-5, **g["shrink"], num_warps=g["warps"])
+
+    launch(0, cfgs[0])
+    torch.cuda.synchronize()
+    want = xe.clone()
+    group = {}
+    for g in cfgs:
+        c = g["shrink"]
+        label = f"BM{c['BM']} BK{c['BK']} split{g['split']} w{g['warps']}"
+        launch(0, g)
+        torch.cuda.synchronize()
+        if not torch.allclose(xe.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.float().abs().max())):
+            raise RuntimeError(f"{name} T={T} shrink·xs {label}: [x | s] differs from the compiled launch's")
+        group[label] = lambda i, g=g: launch(i, g)
+    go = LT.cols_launch(T, K, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
+    group["the pair's shrink"] = lambda i: pt.launch_shrink(i, go)
+    if producer == "rms_norm":
+        group["torch rms_norm"] = lambda i: torch.nn.functional.rms_norm(h[i], (K,), gain, 1e-5)
+    return group
+
+
+def _norm_group(torch, LT, pt):
+    """The rank columns route's RMSNorm of rows (up to FUSED_MAX_TOKENS, a row per block) beside
+    torch's, checked against it."""
+    K, T = pt.in_f, pt.T
+    h = [torch.randn((T, K), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
+    gain = (torch.rand((K,), device="cuda") + 0.5).to(pt.x[0].dtype)
+    x = torch.empty_like(h[0])
+    nl = LT.norm_launch(K)
+
+    def rows(i):
+        LT.rms_norm_rows_kernel[(T,)](h[i], gain, x, 1e-5, **nl["consts"], num_warps=nl["warps"])
+
+    rows(0)
+    want = torch.nn.functional.rms_norm(h[0].float(), (K,), gain.float(), 1e-5)
+    if not torch.allclose(x.float(), want, rtol=1e-2, atol=1e-2):
+        raise RuntimeError(f"rms_norm_rows_kernel at T={T}: x differs from torch's RMSNorm")
+    return {"rms_norm_rows_kernel": rows,
+            "torch rms_norm": lambda i: torch.nn.functional.rms_norm(h[i], (K,), gain, 1e-5)}
+
+
 def tune(a) -> int:  # pylint: disable=too-many-locals
     """Every tile shape of `_linear_configs` / `_pair_configs` per linear and token count, timed
-    together (harness.timing.compare); prints the compiled one against the best."""
+    together (harness.timing.compare); prints the compiled one against the best. Also: the rank
+    columns route's shrink into [x | s] (`_xs_group`, past FUSED_MAX_TOKENS) and its RMSNorm of rows
+    (`_norm_group`, up to it), each beside what it replaces."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -261,6 +341,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                 pair = _pair_configs(LT, pt)[0][0]
                 pt.launch_shrink(0, pair)
                 groups["linear"]["cublas + pair"] = lambda i, g=pair: pt.launch_pair(i, g)
+                if name in ("qkv", "gate_up"):  # the route's x up to FUSED_MAX_TOKENS: its RMSNorm of rows
+                    groups["norm"] = _norm_group(torch, LT, pt)
             else:
                 shrinks, expands = _pair_configs(LT, pt)
                 pt.launch_shrink(0, shrinks[0])
@@ -271,6 +353,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                 # the whole linear: cuBLAS, then the pair adding into y, against cuBLAS alone
                 groups["linear"] = {"cublas + pair": lambda i, g=shrinks[0]: pt.launch_pair(i, g),
                                     "cublas": pt.launch_gemm}
+                # the rank columns route's shrink into [x | s] (the RMSNorm inside it for q|k|v, gate|up)
+                groups["shrink·xs"] = _xs_group(torch, LT, pt, name)
             for kind, fns in groups.items():
                 ok = {}
                 for label, fn in fns.items():

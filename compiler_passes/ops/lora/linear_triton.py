@@ -475,7 +475,8 @@ if triton is not None:
                               M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
                               m2: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                               RS: tl.constexpr, SC: tl.constexpr, SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr,
-                              ALIGN: tl.constexpr, PROD: tl.constexpr, SHRINK: tl.constexpr):
+                              ALIGN: tl.constexpr, PROD: tl.constexpr, SHRINK: tl.constexpr,
+                              BKN: tl.constexpr):
         """Grid (token tiles, split): xe (n, KE) = [x | s], x = the producer's output (PRODUCERS:
         x itself, the RMSNorm of h with gain g and eps, silu(gate) * up of y = [gate | up]);
         with SHRINK s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p))) for
@@ -499,8 +500,8 @@ if triton is not None:
         rstd = tl.full((BM,), 1.0, tl.float32)
         if PROD == 1:
             ss = tl.zeros((BM,), tl.float32)
-            for k0 in tl.range(0, K, BK, num_stages=STAGES):
-                ht = tl.load(x_rows + k0 + tl.arange(0, BK)[None, :], mask=rmask[:, None], other=0.0)
+            for k0 in tl.range(0, K, BKN, num_stages=STAGES):  # (BKN: wider steps, fewer round trips)
+                ht = tl.load(x_rows + k0 + tl.arange(0, BKN)[None, :], mask=rmask[:, None], other=0.0)
                 ht = ht.to(tl.float32)
                 ss += tl.sum(ht * ht, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
@@ -576,6 +577,7 @@ SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
 # hidden state h (gain g, eps; in float32, rounded once); silu(gate) * up of the gate|up output
 # (as ops/activation_triton.py). The two producers take the place of the kernel before the linear.
 PRODUCERS = ("copy", "rms_norm", "silu_mul")
+NORM_STEP = 512  # inputs per step of the shrink's RMSNorm pass over its tokens' rows
 # The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (one per SM of an
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
 TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 132, 8, 4
@@ -690,7 +692,7 @@ def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
                   aoff_ptr="*i32", xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32",
                   split="i32", eps="fp32")
     shrink.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "RS", "SC",
-                                             "SPLIT_MAX", "STAGES", "ALIGN", "PROD", "SHRINK")})
+                                             "SPLIT_MAX", "STAGES", "ALIGN", "PROD", "SHRINK", "BKN")})
     return fill, shrink
 
 
@@ -709,8 +711,10 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
                 RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
+    # the RMSNorm's mean square: steps of up to NORM_STEP inputs
+    bkn = next(b for b in (NORM_STEP, 256, 128, 64, 32, 16) if b <= NORM_STEP and in_f % b == 0)
     consts = dict(go["shrink"], KE=ke if shrink else in_f, SPLIT_MAX=SPLIT_MAX, PROD=PRODUCERS.index(producer),
-                  SHRINK=int(shrink))
+                  SHRINK=int(shrink), BKN=bkn)
     return dict(fill=fill, shrink=consts, split=go["split"], chunk=go["chunk"], fill_grid=(sum(widths) // bn,),
                 shrink_grid=go["shrink_grid"], fill_warps=4, shrink_warps=go["shrink_warps"], cols=ke)
 

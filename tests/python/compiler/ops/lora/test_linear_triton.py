@@ -210,17 +210,18 @@ def test_rank_columns_wrapper_builds_to_cubin_for_sm90(cubin_cache):
         LT.linear_wrapper(4096, (4096,), (0,), 2, 16, 7, "float16", 8, "sm_90a", w_cols=4096 + 96)
 
 
-@pytest.mark.parametrize("producer,shrink,dtype", [
-    ("rms_norm", True, np.float16), ("silu_mul", True, np.float16), ("rms_norm", False, np.float16),
-    ("silu_mul", False, np.float16), ("rms_norm", True, np.float32)])
-def test_producer_makes_x_beside_its_shrink(tmp_path, producer, shrink, dtype):
+@pytest.mark.parametrize("producer,shrink,dtype,K", [
+    ("rms_norm", True, np.float16, 576), ("silu_mul", True, np.float16, 576), ("rms_norm", False, np.float16, 576),
+    ("silu_mul", False, np.float16, 576), ("rms_norm", True, np.float32, 576), ("rms_norm", True, np.float16, 1024)])
+def test_producer_makes_x_beside_its_shrink(tmp_path, producer, shrink, dtype, K):
     """The rank columns route's shrink with x's producer folded in (an RMSNorm of the hidden state,
     silu(gate) * up): [x | s] and the GEMM over it equal linear_ref of the producer's x (float64,
     rounded once to the dtype); without the shrink the kernel writes x alone (the one-kernel linear
     reads it up to FUSED_MAX_TOKENS). Two input splits: every block of a tile takes the RMSNorm's
-    mean square over the whole row."""
+    mean square over the whole row (in steps of 64 inputs for 576, NORM_STEP for 1024)."""
     rng = np.random.default_rng(5)
-    widths, mods, R, K, n = (64, 32, 32), (0, -1, 2), 16, 576, 70
+    widths, mods, R, n = (64, 32, 32), (0, -1, 2), 16, 70
+    assert LT.xs_launch(n, K, widths, mods, 4, R, 8, None, producer)["shrink"]["BKN"] == (64 if K == 576 else 512)
     assert LT.cols_launch(n, K, widths, mods, 4, R, 8, "small")["split"] == 2
     c = _case(rng, dtype, n, K, widths, [8, 16, 0, 4], R)
     h = (rng.standard_normal((n, 2 * K if producer == "silu_mul" else K)) * 3).astype(dtype)
