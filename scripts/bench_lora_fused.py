@@ -247,10 +247,7 @@ def _xs_configs(LT, pt, producer):
         for bk in (64, 128):
             for target in (132, 264, 528):
                 for warps in (4, 8):
-                    steps, tiles = in_f // bk, -(-T // bm)
-                    split = min(16, max(1, -(-target // tiles)), max(1, steps // LT.MIN_STEPS))
-                    per = -(-steps // split)
-                    split = -(-steps // per)
+                    tiles, per, split = LT.shrink_split(T, in_f // bk, bm, target=target, most=16)
                     cs = dict(go["shrink"], BM=bm, BK=bk, SPLIT_MAX=16 if split > LT.SPLIT_MAX else LT.SPLIT_MAX)
                     g = dict(go, shrink=cs, split=split, chunk=per * bk, shrink_grid=(tiles, split), warps=warps)
                     if all((g["shrink"], g["split"], warps) != (x["shrink"], x["split"], x["warps"]) for x in out):

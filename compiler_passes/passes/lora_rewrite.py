@@ -260,12 +260,12 @@ class _Rewriter(relax.PyExprMutator):
         self.rewritten += 1
         return impl.emit(self.ctx, y, x2, layer, parts, self.inputs)
 
-
     def _producer(self, x: relax.Expr, in_f: int) -> tuple | None:
         """What the rank columns route's shrink makes x of, in place of x's own producer
-        (linear_triton.PRODUCERS): ("rms_norm", h (n, in_f), g, eps) for an RMSNorm over the last
-        axis, ("silu_mul", y (n, 2 in_f)) for silu(gate) * up over split(y, 2); None for anything
-        else (the shrink then copies x). x's producer stays for other uses of x, if any."""
+        (linear_triton.PRODUCERS), as FusedLinear.emit takes it: ("rms_norm", [h (n, in_f), g], eps)
+        for an RMSNorm over the last axis, ("silu_mul", [y (n, 2 in_f)], 0.0) for silu(gate) * up
+        over split(y, 2); None for anything else (the shrink then copies x). x's producer stays for
+        other uses of x, if any."""
         bb = self.builder_
         bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
         if not isinstance(bound, relax.Call):
@@ -276,11 +276,11 @@ class _Rewriter(relax.PyExprMutator):
             if [int(a) % ndim for a in bound.attrs.axes] != [ndim - 1] or str(h.ty.dtype) != str(g.ty.dtype):
                 return None
             h2 = bb.emit(relax.op.reshape(h, relax.ShapeExpr([self.n_tok, in_f])))
-            return ("rms_norm", h2, g, float(bound.attrs.epsilon))
+            return ("rms_norm", [h2, g], float(bound.attrs.epsilon))
         y = gate_up_of(bound, self.lookup_binding) if FOLD_SILU_MUL else None
         if y is None or y.ty.shape is None or int(y.ty.shape.values[-1]) != 2 * in_f:
             return None
-        return ("silu_mul", bb.emit(relax.op.reshape(y, relax.ShapeExpr([self.n_tok, 2 * in_f]))))
+        return ("silu_mul", [bb.emit(relax.op.reshape(y, relax.ShapeExpr([self.n_tok, 2 * in_f])))], 0.0)
 
 
 def _prod(values):

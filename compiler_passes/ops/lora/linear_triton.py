@@ -438,6 +438,11 @@ if triton is not None:
                      mask=rmask[:, None])
 
     @triton.jit
+    def _rstd(ss, K: tl.constexpr, eps):
+        """The RMSNorm's scale of rows whose squares sum to ss (fp32)."""
+        return 1.0 / tl.sqrt(ss / K + eps)
+
+    @triton.jit
     def _produce(x_ptrs, g_ptr, kk, rmask, rstd, K: tl.constexpr, PROD: tl.constexpr):
         """x's tile (BM x BK, x's dtype) from the producer's input at x_ptrs (as PRODUCERS says)."""
         if PROD == 1:
@@ -466,7 +471,7 @@ if triton is not None:
         else:
             h = tl.load(h_row, mask=cols < K, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        x = (h * (1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)) * g).to(x_ptr.dtype.element_ty)
+        x = (h * _rstd(tl.sum(h * h, axis=0), K, eps) * g).to(x_ptr.dtype.element_ty)
         tl.store(x_ptr + tl.program_id(0).to(tl.int64) * K + cols, x, mask=cols < K)
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "x_ptr"))
@@ -504,7 +509,7 @@ if triton is not None:
                 ht = tl.load(x_rows + k0 + tl.arange(0, BKN)[None, :], mask=rmask[:, None], other=0.0)
                 ht = ht.to(tl.float32)
                 ss += tl.sum(ht * ht, axis=1)
-            rstd = 1.0 / tl.sqrt(ss / K + eps)
+            rstd = _rstd(ss, K, eps)
         acc0 = tl.zeros((BM, RS), dtype=tl.float32)
         acc1 = tl.zeros((BM, RS), dtype=tl.float32)
         acc2 = tl.zeros((BM, RS), dtype=tl.float32)
@@ -613,11 +618,12 @@ def cols_constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_mo
     return shrink, expand
 
 
-def shrink_split(n, steps: int, bm: int, lo=max, hi=min, target: int = TARGET_BLOCKS):
+def shrink_split(n, steps: int, bm: int, lo=max, hi=min, target: int = TARGET_BLOCKS, most: int = SPLIT_MAX):
     """(blocks of tokens, input steps per split, splits) of the shrink for n tokens; `steps` = the
-    inputs / BK. Python ints, or TIR expressions with lo/hi = tvm.tirx.max/min (the wrapper)."""
+    inputs / BK; at most `most` splits. Python ints, or TIR expressions with lo/hi =
+    tvm.tirx.max/min (the wrapper)."""
     tiles = (n + bm - 1) // bm
-    split = hi(hi(SPLIT_MAX, lo(1, (target + tiles - 1) // tiles)), max(1, steps // MIN_STEPS))
+    split = hi(hi(most, lo(1, (target + tiles - 1) // tiles)), max(1, steps // MIN_STEPS))
     per = (steps + split - 1) // split
     return tiles, per, (steps + per - 1) // per
 
@@ -1095,7 +1101,8 @@ class FusedLinear:
         FUSED_MAX_TOKENS; of in + rank_rows(P) columns: the rank columns route's); parts: ops/lora
         Parts; counters: the function's (COUNTER_SLOTS,) int32 zeros (`counters()`), shared by its
         linears; producer (a weight with spare columns only): x's producer for the wrapper to run
-        instead of reading x, ("rms_norm", h, g, eps) or ("silu_mul", y) (linear_wrapper)."""
+        instead of reading x, (kind, its inputs, eps): ("rms_norm", [h, g], eps) or ("silu_mul",
+        [y], 0.0) (linear_wrapper)."""
         from tvm import relax  # pylint: disable=import-outside-toplevel
 
         from .stage import layer_arg, tokens  # pylint: disable=import-outside-toplevel
@@ -1110,7 +1117,7 @@ class FusedLinear:
             raise ValueError(f"weight of {w_rows} rows for a linear of {W} outputs (or {W} + "
                              f"{rank_rows(len(widths))} reserved rank rows)")
         rows, cols = w_rows != W, w_cols != in_f
-        kind, eps = (producer[0], producer[3] if producer[0] == "rms_norm" else 0.0) if producer else ("copy", 0.0)
+        kind, head, eps = producer or ("copy", [x], 0.0)
         key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols, kind, eps)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
 
@@ -1135,7 +1142,6 @@ class FusedLinear:
             outs += [relax.TensorType([n, in_f], dtype)] if producer else []
         else:
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
-        head = list(producer[1:3] if kind == "rms_norm" else producer[1:2]) if producer else [x]
         out = bb.emit(relax.call_tir(fn, head + [w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
                                                  t["lora_scale"], t["lora_a_off"], t["lora_b_off"], layer_arg(layer),
                                                  counters], outs))
