@@ -255,21 +255,21 @@ def _xs_configs(LT, pt, producer):
     return out
 
 
-def _xs_group(torch, LT, pt, name):
-    """The route's shrink into [x | s] per launch of _xs_configs (each checked against the compiled
-    one's [x | s]), beside what it replaces: the pair's shrink, and for q|k|v and gate|up torch's
-    RMSNorm (standing in for the norm kernel the shrink takes in)."""
-    producer = "rms_norm" if name in ("qkv", "gate_up") else "copy"
+def _xs_group(torch, LT, pt, name, producer):
+    """The route's shrink into [x | s] with x made of `producer` per launch of _xs_configs (each
+    checked against the compiled one's [x | s]), beside what it replaces: the pair's shrink, and
+    torch's RMSNorm or silu(gate) * up (standing in for the kernel the shrink takes in)."""
     cfgs = _xs_configs(LT, pt, producer)
     K, T = pt.in_f, pt.T
-    h = [torch.randn((T, K), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
+    width = 2 * K if producer == "silu_mul" else K
+    h = [torch.randn((T, width), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
     gain = (torch.rand((K,), device="cuda") + 0.5).to(pt.x[0].dtype)
     xe = torch.empty((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype)
     v = torch.empty((16 * T * len(pt.widths) * LT.RANK_COLUMNS,), device="cuda", dtype=torch.float32)
 
     def launch(i, g):
         LT.lora_shrink_xs_kernel[g["shrink_grid"]](
-            h[i] if producer == "rms_norm" else pt.x[i], gain, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe,
+            pt.x[i] if producer == "copy" else h[i], gain, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe,
             v, pt.cnt, T, pt.N, 0, g["chunk"], g["split"], 1e-5, **g["shrink"], num_warps=g["warps"])
 
     launch(0, cfgs[0])
@@ -282,12 +282,15 @@ def _xs_group(torch, LT, pt, name):
         launch(0, g)
         torch.cuda.synchronize()
         if not torch.allclose(xe.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.float().abs().max())):
-            raise RuntimeError(f"{name} T={T} shrink·xs {label}: [x | s] differs from the compiled launch's")
+            print(f"  {name} T={T} shrink·xs {label}: [x | s] differs from the compiled launch's: left out")
+            continue
         group[label] = lambda i, g=g: launch(i, g)
     go = LT.cols_launch(T, K, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
     group["the pair's shrink"] = lambda i: pt.launch_shrink(i, go)
     if producer == "rms_norm":
         group["torch rms_norm"] = lambda i: torch.nn.functional.rms_norm(h[i], (K,), gain, 1e-5)
+    if producer == "silu_mul":
+        group["torch silu * up"] = lambda i: torch.nn.functional.silu(h[i][:, :K]) * h[i][:, K:]
     return group
 
 
@@ -351,7 +354,10 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                 groups["linear"] = {"cublas + pair": lambda i, g=shrinks[0]: pt.launch_pair(i, g),
                                     "cublas": pt.launch_gemm}
                 # the rank columns route's shrink into [x | s] (the RMSNorm inside it for q|k|v, gate|up)
-                groups["shrink·xs"] = _xs_group(torch, LT, pt, name)
+                groups["shrink·xs"] = _xs_group(torch, LT, pt, name, "rms_norm" if name in ("qkv", "gate_up")
+                                                else "copy")
+                if name == "down":  # the activation before down inside its shrink (built, off)
+                    groups["shrink·xs silu"] = _xs_group(torch, LT, pt, name, "silu_mul")
             for kind, fns in groups.items():
                 ok = {}
                 for label, fn in fns.items():
