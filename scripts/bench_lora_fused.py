@@ -266,11 +266,15 @@ def _xs_group(torch, LT, pt, name, producer):
     gain = (torch.rand((K,), device="cuda") + 0.5).to(pt.x[0].dtype)
     xe = torch.empty((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype)
     v = torch.empty((16 * T * len(pt.widths) * LT.RANK_COLUMNS,), device="cuda", dtype=torch.float32)
+    r = torch.empty((T,), device="cuda", dtype=torch.float32)
+    nc = LT.norm_launch(K, scale_only=True)
 
-    def launch(i, g):
+    def launch(i, g):  # (the RMSNorm's rows' scales first, as the wrapper launches them)
+        if producer == "rms_norm":
+            LT.rms_norm_rows_kernel[(T,)](h[i], gain, r, 1e-5, **nc["consts"], num_warps=nc["warps"])
         LT.lora_shrink_xs_kernel[g["shrink_grid"]](
-            pt.x[i] if producer == "copy" else h[i], gain, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe,
-            v, pt.cnt, T, pt.N, 0, g["chunk"], g["split"], 1e-5, **g["shrink"], num_warps=g["warps"])
+            pt.x[i] if producer == "copy" else h[i], gain, r, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe,
+            v, pt.cnt, T, pt.N, 0, g["chunk"], g["split"], **g["shrink"], num_warps=g["warps"])
 
     launch(0, cfgs[0])
     torch.cuda.synchronize()
@@ -289,6 +293,8 @@ def _xs_group(torch, LT, pt, name, producer):
     group["the pair's shrink"] = lambda i: pt.launch_shrink(i, go)
     if producer == "rms_norm":
         group["torch rms_norm"] = lambda i: torch.nn.functional.rms_norm(h[i], (K,), gain, 1e-5)
+        group["the rows' scales"] = lambda i: LT.rms_norm_rows_kernel[(T,)](h[i], gain, r, 1e-5, **nc["consts"],
+                                                                            num_warps=nc["warps"])
     if producer == "silu_mul":
         group["torch silu * up"] = lambda i: torch.nn.functional.silu(h[i][:, :K]) * h[i][:, K:]
     return group
@@ -358,6 +364,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                                                 else "copy")
                 if name == "down":  # the activation before down inside its shrink (built, off)
                     groups["shrink·xs silu"] = _xs_group(torch, LT, pt, name, "silu_mul")
+                elif name in ("qkv", "gate_up"):  # what the shrink costs without its RMSNorm pass (x given)
+                    groups["shrink·xs copy"] = _xs_group(torch, LT, pt, name, "copy")
             for kind, fns in groups.items():
                 ok = {}
                 for label, fn in fns.items():
@@ -430,19 +438,24 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
 
             def shrink_xs(i):  # the compiled route's shrink into [x | s]
                 LT.lora_shrink_xs_kernel[go_xs["shrink_grid"]](
-                    pt.x[i], pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt, T,
-                    pt.N, 0, go_xs["chunk"], go_xs["split"], 0.0, **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
+                    pt.x[i], pt.x[i], pt.v, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt,
+                    T, pt.N, 0, go_xs["chunk"], go_xs["split"], **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
 
             for c in range(pt.copies):
                 w_ext[c].zero_()
                 w_ext[c][:, :pt.in_f].copy_(pt.w[c])
                 fill_cols(c)
 
-            def prod(i, shrink=False):
+            r = torch.empty((T,), device="cuda", dtype=torch.float32)
+            nc = LT.norm_launch(pt.in_f, scale_only=True)
+
+            def prod(i, shrink=False):  # (the RMSNorm's rows' scales first, as the wrapper launches them)
                 xe, gp = (x_ext[i], go_prod[True]) if shrink else (pt.x[i], go_prod[False])
+                if producer == "rms_norm":
+                    LT.rms_norm_rows_kernel[(T,)](h[i], gain, r, 1e-5, **nc["consts"], num_warps=nc["warps"])
                 LT.lora_shrink_xs_kernel[gp["shrink_grid"]](
-                    h[i], gain, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe, pt.v, pt.cnt, T, pt.N, 0,
-                    gp["chunk"], gp["split"], 1e-5, **gp["shrink"], num_warps=gp["shrink_warps"])
+                    h[i], gain, r, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe, pt.v, pt.cnt, T, pt.N, 0,
+                    gp["chunk"], gp["split"], **gp["shrink"], num_warps=gp["shrink_warps"])
 
             def overlap(i):
                 cur = torch.cuda.current_stream()

@@ -458,11 +458,13 @@ if triton is not None:
             xt = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
         return xt
 
-    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_rms_norm", "h_ptr"))
-    def rms_norm_rows_kernel(h_ptr, g_ptr, x_ptr, eps, K: tl.constexpr, BK: tl.constexpr):
-        """Grid (n,): x[t] = the RMSNorm of h[t] (PRODUCERS' "rms_norm"), one row per block, the
-        row loaded once (BK: K rounded up to a power of two). The rank columns route's x up to
-        FUSED_MAX_TOKENS, where the one-kernel linear reads x."""
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_rms_norm", "out_ptr"))
+    def rms_norm_rows_kernel(h_ptr, g_ptr, out_ptr, eps, K: tl.constexpr, BK: tl.constexpr,
+                             SCALE_ONLY: tl.constexpr):
+        """Grid (n,), one row per block, the row loaded once (BK: K rounded up to a power of two):
+        out[t] = the RMSNorm of h[t] (PRODUCERS' "rms_norm"; the rank columns route's x up to
+        FUSED_MAX_TOKENS, where the one-kernel linear reads x); with SCALE_ONLY out (n,) fp32,
+        out[t] = the row's scale 1 / sqrt(mean(h[t]^2) + eps) (past it, where the shrink makes x)."""
         cols = tl.arange(0, BK)
         h_row = h_ptr + tl.program_id(0).to(tl.int64) * K + cols
         if BK == K:
@@ -471,25 +473,28 @@ if triton is not None:
         else:
             h = tl.load(h_row, mask=cols < K, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        x = (h * _rstd(tl.sum(h * h, axis=0), K, eps) * g).to(x_ptr.dtype.element_ty)
-        tl.store(x_ptr + tl.program_id(0).to(tl.int64) * K + cols, x, mask=cols < K)
+        rstd = _rstd(tl.sum(h * h, axis=0), K, eps)
+        if SCALE_ONLY:
+            tl.store(out_ptr + tl.program_id(0), rstd)
+        else:
+            x = (h * rstd * g).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + tl.program_id(0).to(tl.int64) * K + cols, x, mask=cols < K)
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "x_ptr"))
-    def lora_shrink_xs_kernel(x_ptr, g_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr,
-                              cnt_ptr, n, S, base, chunk, split, eps, K: tl.constexpr, KE: tl.constexpr,
+    def lora_shrink_xs_kernel(x_ptr, g_ptr, r_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr,
+                              v_ptr, cnt_ptr, n, S, base, chunk, split, K: tl.constexpr, KE: tl.constexpr,
                               M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
                               m2: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                               RS: tl.constexpr, SC: tl.constexpr, SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr,
-                              ALIGN: tl.constexpr, PROD: tl.constexpr, SHRINK: tl.constexpr,
-                              BKN: tl.constexpr):
+                              ALIGN: tl.constexpr, PROD: tl.constexpr, SHRINK: tl.constexpr):
         """Grid (token tiles, split): xe (n, KE) = [x | s], x = the producer's output (PRODUCERS:
-        x itself, the RMSNorm of h with gain g and eps, silu(gate) * up of y = [gate | up]);
+        x itself, the RMSNorm of h with gain g and the rows' scales r (fp32, rms_norm_rows_kernel's
+        SCALE_ONLY), silu(gate) * up of y = [gate | up]);
         with SHRINK s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p))) for
         token t's own slot's live columns, else 0 (without: xe is x alone, KE = K). Split k writes
         its `chunk` inputs of x into xe and sums its part of the products into v; with split > 1
         the block of a tile that counts last in cnt[tile] sums the splits in order (the same bits
-        whichever block is last), writes s and sets cnt[tile] back to 0. The RMSNorm's mean square
-        is each block's own pass over its tokens' whole rows."""
+        whichever block is last), writes s and sets cnt[tile] back to 0."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -504,12 +509,7 @@ if triton is not None:
         xe_rows = xe_ptr + rows[:, None].to(tl.int64) * KE
         rstd = tl.full((BM,), 1.0, tl.float32)
         if PROD == 1:
-            ss = tl.zeros((BM,), tl.float32)
-            for k0 in tl.range(0, K, BKN, num_stages=STAGES):  # (BKN: wider steps, fewer round trips)
-                ht = tl.load(x_rows + k0 + tl.arange(0, BKN)[None, :], mask=rmask[:, None], other=0.0)
-                ht = ht.to(tl.float32)
-                ss += tl.sum(ht * ht, axis=1)
-            rstd = _rstd(ss, K, eps)
+            rstd = tl.load(r_ptr + rows, mask=rmask, other=1.0)
         acc0 = tl.zeros((BM, RS), dtype=tl.float32)
         acc1 = tl.zeros((BM, RS), dtype=tl.float32)
         acc2 = tl.zeros((BM, RS), dtype=tl.float32)
@@ -582,11 +582,15 @@ SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
 # hidden state h (gain g, eps; in float32, rounded once); silu(gate) * up of the gate|up output
 # (as ops/activation_triton.py). The two producers take the place of the kernel before the linear.
 PRODUCERS = ("copy", "rms_norm", "silu_mul")
-NORM_STEP = 512  # inputs per step of the shrink's RMSNorm pass over its tokens' rows
 # The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (one per SM of an
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
 TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 132, 8, 4
 EXPAND_BM, EXPAND_WARPS = 32, 4
+# The rank columns route's shrink into [x | s] per variant (SHRINK_SMALL_MAX_TOKENS parts them):
+# tokens per block, the input step (at most), the blocks it aims at and the most input splits
+# (shrink_split), warps.
+XS_PLAN = {"small": dict(BM=16, BK=128, target=TARGET_BLOCKS, most=SPLIT_MAX, warps=4),
+           "large": dict(BM=64, BK=128, target=TARGET_BLOCKS, most=SPLIT_MAX, warps=4)}
 
 
 def _cols_signatures(dtype: str) -> tuple[dict, dict]:
@@ -694,11 +698,11 @@ def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
     fill = dict(arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32", w_ptr=e, S="i32", base="i64")
     fill.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "W0", "W1", "BN", "RS", "SC",
                                            "ALIGN")})
-    shrink = dict(x_ptr=e, g_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32",
+    shrink = dict(x_ptr=e, g_ptr=e, r_ptr="*fp32", arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32",
                   aoff_ptr="*i32", xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32",
-                  split="i32", eps="fp32")
+                  split="i32")
     shrink.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "RS", "SC",
-                                             "SPLIT_MAX", "STAGES", "ALIGN", "PROD", "SHRINK", "BKN")})
+                                             "SPLIT_MAX", "STAGES", "ALIGN", "PROD", "SHRINK")})
     return fill, shrink
 
 
@@ -709,7 +713,11 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids, warps. The shrink's
     blocks and splits are the pair's (cols_launch). `producer` (PRODUCERS) is what the shrink
     kernel makes x of; without `shrink` it writes x alone, (n, in_f)."""
-    go = cols_launch(n, in_f, widths, mods, num_modules, max_rank, align, variant)
+    variant = variant or ("small" if n <= SHRINK_SMALL_MAX_TOKENS else "large")
+    plan = XS_PLAN[variant]
+    cs, _ = cols_constants(in_f, widths, mods, num_modules, max_rank, variant, align)
+    bk = next(b for b in (128, 64, 32, 16) if b <= plan["BK"] and in_f % b == 0)
+    tiles, per, split = shrink_split(n, in_f // bk, plan["BM"], target=plan["target"], most=plan["most"])
     m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     w = (list(widths) + [0] * MAX_PARTS)[:2]
     P = len(widths)
@@ -717,28 +725,29 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
                 RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
-    # the RMSNorm's mean square: steps of up to NORM_STEP inputs
-    bkn = next(b for b in (NORM_STEP, 256, 128, 64, 32, 16) if b <= NORM_STEP and in_f % b == 0)
-    consts = dict(go["shrink"], KE=ke if shrink else in_f, SPLIT_MAX=SPLIT_MAX, PROD=PRODUCERS.index(producer),
-                  SHRINK=int(shrink), BKN=bkn)
-    return dict(fill=fill, shrink=consts, split=go["split"], chunk=go["chunk"], fill_grid=(sum(widths) // bn,),
-                shrink_grid=go["shrink_grid"], fill_warps=4, shrink_warps=go["shrink_warps"], cols=ke)
+    consts = dict(cs, BM=plan["BM"], BK=bk, KE=ke if shrink else in_f, SPLIT_MAX=plan["most"],
+                  PROD=PRODUCERS.index(producer), SHRINK=int(shrink))
+    return dict(fill=fill, shrink=consts, split=split, chunk=per * bk, fill_grid=(sum(widths) // bn,),
+                shrink_grid=(tiles, split), fill_warps=4, shrink_warps=plan["warps"], cols=ke,
+                plan=(plan["BM"], bk, in_f // bk, plan["target"], plan["most"]))
 
 
-def norm_launch(in_f: int) -> dict:
-    """Constants and warps of rms_norm_rows_kernel for rows of in_f inputs."""
+def norm_launch(in_f: int, scale_only: bool = False) -> dict:
+    """Constants and warps of rms_norm_rows_kernel for rows of in_f inputs (x, or with
+    `scale_only` the rows' scales)."""
     bk = 1 << (in_f - 1).bit_length()
-    return dict(consts=dict(K=in_f, BK=bk), warps=4 if bk <= 4096 else 8)
+    return dict(consts=dict(K=in_f, BK=bk, SCALE_ONLY=int(scale_only)), warps=4 if bk <= 4096 else 8)
 
 
-def _norm_signature(dtype: str) -> dict:
+def _norm_signature(dtype: str, scale_only: bool = False) -> dict:
     e = triton_build.PTR[dtype]
-    return dict(h_ptr=e, g_ptr=e, x_ptr=e, eps="fp32", K="constexpr", BK="constexpr")
+    return dict(h_ptr=e, g_ptr=e, out_ptr="*fp32" if scale_only else e, eps="fp32", K="constexpr", BK="constexpr",
+                SCALE_ONLY="constexpr")
 
 
 def scratch_elems(n, widths: Sequence[int]):
     """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes)."""
-    return SPLIT_MAX * n * len(widths) * RANK_COLUMNS
+    return max(SPLIT_MAX, *(p["most"] for p in XS_PLAN.values())) * n * len(widths) * RANK_COLUMNS
 
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
@@ -796,24 +805,28 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             gv = xs_launch(1, in_f, widths, mods, M, R, align, variant, producer)
             name, threads, shared, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
                                                                   gv["shrink_warps"], arch, Path(__file__))
-            shrinks[variant] = (name, threads, shared, gv["shrink"]["BM"])
+            shrinks[variant] = (name, threads, shared, gv["plan"])
             mods_out.append(mod)
         rn, rth, rsh, pn, pth, psh, p_bm = "", 0, 0, "", 0, 0, 1  # (the producer's kernel below)
-        if producer == "rms_norm":  # up to FUSED_MAX_TOKENS: x alone, for the one-kernel linear
+        cn, cth, csh = "", 0, 0
+        if producer == "rms_norm":  # up to FUSED_MAX_TOKENS x alone, for the one-kernel linear; past it the scales
             nl = norm_launch(in_f)
             rn, rth, rsh, mod = triton_build.cuda_module(rms_norm_rows_kernel, _norm_signature(dtype), nl["consts"],
                                                          nl["warps"], arch, Path(__file__))
-            mods_out.append(mod)
+            nc = norm_launch(in_f, scale_only=True)
+            cn, cth, csh, cmod = triton_build.cuda_module(rms_norm_rows_kernel, _norm_signature(dtype, True),
+                                                          nc["consts"], nc["warps"], arch, Path(__file__))
+            mods_out += [mod, cmod]
         elif producer != "copy":
             gv = xs_launch(1, in_f, widths, mods, M, R, align, "small", producer, shrink=False)
             pn, pth, psh, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
                                                          gv["shrink_warps"], arch, Path(__file__))
             p_bm = gv["shrink"]["BM"]
             mods_out.append(mod)
-        bk = go["shrink"]["BK"]
+        bk = go["shrink"]["BK"]  # (the silu producer's launch up to FUSED_MAX_TOKENS)
         steps = in_f // bk
-        qn, qth, qsh, q_bm = shrinks["small"]
-        gn, gth, gsh, g_bm = shrinks["large"]
+        qn, qth, qsh, q_plan = shrinks["small"]
+        gn, gth, gsh, g_plan = shrinks["large"]
     else:  # past FUSED_MAX_TOKENS: cuBLAS, then the shrink (two variants) and the in-place expand
         sig_s, sig_e = _cols_signatures(dtype)
         shrinks = {}
@@ -839,6 +852,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     def hi(a, b):
         return T.min(T.int64(a), b) if isinstance(a, int) else T.min(a, b)
 
+    def xs_split(n, plan):
+        return shrink_split(n, plan[2], plan[0], lo, hi, plan[3], plan[4])
+
     # The split is computed inline in the launches: a local variable in this host function would
     # be a scalar buffer, which the lowering allocates in device memory.
 
@@ -856,15 +872,16 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
 
     @T.macro
-    def shrink_xs(name, bm, threads, shared, n, S, size, layer, x, g, arena, slot, rank, scale, a_off, xe, v, cnt):
-        """The shrink variant `name` (blocks of bm tokens) into xe = [x | s], x made of x's producer's
-        input (g: its gain, any buffer where it has none)."""
-        T.call_packed(name, x.data, g.data, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data,
+    def shrink_xs(name, plan, threads, shared, n, S, size, layer, x, g, r, arena, slot, rank, scale, a_off, xe, v,
+                  cnt):
+        """The shrink variant `name` into xe = [x | s], x made of x's producer's input (g: its gain,
+        r: the rows' scales, for the RMSNorm; any buffer where it has none); plan: its (BM, BK, input
+        steps, target, most) (xs_launch)."""
+        T.call_packed(name, x.data, g.data, r, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data,
                       v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[1] * bk),
-                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), T.float32(eps), T.int64(0),
-                      T.int64(0), T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[0]),
-                      T.Cast("int32", shrink_split(n, steps, bm, lo, hi)[2]), threads, shared)
+                      T.Cast("int32", xs_split(n, plan)[1] * plan[1]), T.Cast("int32", xs_split(n, plan)[2]),
+                      T.int64(0), T.int64(0), T.Cast("int32", xs_split(n, plan)[0]),
+                      T.Cast("int32", xs_split(n, plan)[2]), threads, shared)
 
     @T.macro
     def fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):
@@ -939,10 +956,10 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                     fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:  # (the spare columns hold the kept adapters' B rows: fill_wrapper)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
-                        shrink_xs(qn, q_bm, qth, qsh, n, S, size, layer, x, x, arena, slot, rank, scale, a_off, xe,
+                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, x, x, v.data, arena, slot, rank, scale, a_off, xe,
                                   v, cnt)
                     else:
-                        shrink_xs(gn, g_bm, gth, gsh, n, S, size, layer, x, x, arena, slot, rank, scale, a_off, xe,
+                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, x, x, v.data, arena, slot, rank, scale, a_off, xe,
                                   v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
@@ -958,18 +975,21 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                         T.call_packed(rn, h.data, g.data, x.data, T.float32(eps), T.int64(0), T.int64(0), n, 1,
                                       rth, rsh)
                     else:
-                        T.call_packed(pn, h.data, g.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                                      x.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                                      layer * (size // L), T.int32(bk), T.int32(steps), T.float32(eps), T.int64(0),
+                        T.call_packed(pn, h.data, g.data, v.data, arena.data, slot.data, rank.data, scale.data,
+                                      a_off.data, x.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                                      layer * (size // L), T.int32(bk), T.int32(steps), T.int64(0),
                                       T.int64(0), T.Cast("int32", (n + p_bm - 1) // p_bm), T.int32(steps), pth, psh)
                     fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-                else:
+                else:  # (the RMSNorm: the rows' scales first, into v's last n elements)
+                    if producer == "rms_norm":
+                        T.call_packed(cn, h.data, g.data, T.address_of(v[v.shape[0] - n]), T.float32(eps),
+                                      T.int64(0), T.int64(0), n, 1, cth, csh)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
-                        shrink_xs(qn, q_bm, qth, qsh, n, S, size, layer, h, g, arena, slot, rank, scale, a_off, xe,
-                                  v, cnt)
+                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, h, g, T.address_of(v[v.shape[0] - n]),
+                                  arena, slot, rank, scale, a_off, xe, v, cnt)
                     else:
-                        shrink_xs(gn, g_bm, gth, gsh, n, S, size, layer, h, g, arena, slot, rank, scale, a_off, xe,
-                                  v, cnt)
+                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, h, g, T.address_of(v[v.shape[0] - n]),
+                                  arena, slot, rank, scale, a_off, xe, v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
         @T.prim_func(s_tir=True)
@@ -1136,8 +1156,9 @@ class FusedLinear:
         if rows:  # no shrink partials; e = x @ [W; rank rows].T
             outs += [relax.TensorType([max(1, split_scratch_elems(in_f, widths))], "float32"),
                      relax.TensorType([n, w_rows], dtype)]
-        elif cols:  # the shrink's partial sums; xe = [x | s]; x, where the wrapper makes it
-            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32"),
+        elif cols:  # the shrink's partial sums (and the RMSNorm's n scales last); xe = [x | s]; x, where the
+            # wrapper makes it
+            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths) + n], "float32"),
                      relax.TensorType([n, w_cols], dtype)]
             outs += [relax.TensorType([n, in_f], dtype)] if producer else []
         else:

@@ -217,12 +217,11 @@ def test_producer_makes_x_beside_its_shrink(tmp_path, producer, shrink, dtype, K
     """The rank columns route's shrink with x's producer folded in (an RMSNorm of the hidden state,
     silu(gate) * up): [x | s] and the GEMM over it equal linear_ref of the producer's x (float64,
     rounded once to the dtype); without the shrink the kernel writes x alone (the one-kernel linear
-    reads it up to FUSED_MAX_TOKENS). Two input splits: every block of a tile takes the RMSNorm's
-    mean square over the whole row (in steps of 64 inputs for 576, NORM_STEP for 1024)."""
+    reads it up to FUSED_MAX_TOKENS). Two input splits, each block scaling its part of the rows by
+    the RMSNorm's scales (rms_norm_rows_kernel's, before the shrink)."""
     rng = np.random.default_rng(5)
     widths, mods, R, n = (64, 32, 32), (0, -1, 2), 16, 70
-    assert LT.xs_launch(n, K, widths, mods, 4, R, 8, None, producer)["shrink"]["BKN"] == (64 if K == 576 else 512)
-    assert LT.cols_launch(n, K, widths, mods, 4, R, 8, "small")["split"] == 2
+    assert LT.xs_launch(n, K, widths, mods, 4, R, 8, "small", producer)["split"] == 2
     c = _case(rng, dtype, n, K, widths, [8, 16, 0, 4], R)
     h = (rng.standard_normal((n, 2 * K if producer == "silu_mul" else K)) * 3).astype(dtype)
     g = rng.uniform(0.5, 1.5, K).astype(dtype)
@@ -246,15 +245,17 @@ def test_producer_makes_x_beside_its_shrink(tmp_path, producer, shrink, dtype, K
 
 
 def test_launch_arguments_keep_their_scalar_types():
-    """TVM's CUDA module packs each launch argument by its declared type: the producer's eps is a
+    """TVM's CUDA module packs each launch argument by its declared type: the RMSNorm's eps is a
     float32 (declared int32 it would reach the kernel as an integer's bits), the scratch pointers
     come last; a scalar type the launch cannot pack is refused by name."""
     from mlc_lora.compiler_passes.ops import triton_build
 
     _, shrink = LT._cols_route_signatures("float16")  # pylint: disable=protected-access
+    norm = LT._norm_signature("float16", scale_only=True)  # pylint: disable=protected-access
     types = triton_build.arg_types(shrink)
     launched = [k for k, t in shrink.items() if t != "constexpr"]
-    assert types[launched.index("eps")] == "float32" and types[launched.index("base")] == "int64"
+    assert triton_build.arg_types(norm)[:4] == ["handle", "handle", "handle", "float32"]
+    assert types[launched.index("base")] == "int64"
     assert types[launched.index("n")] == "int32" and types[-2:] == ["int64", "int64"]
     with pytest.raises(ValueError, match="f: fp64"):
         triton_build.arg_types({"x": "*fp16", "f": "fp64"})
@@ -263,11 +264,14 @@ def test_launch_arguments_keep_their_scalar_types():
 @pytest.mark.parametrize("K", [576, 512])
 def test_rms_norm_rows_matches_reference(tmp_path, K):
     """The RMSNorm the rank columns route's wrapper runs up to FUSED_MAX_TOKENS (a row per block):
-    producer_ref's, rounded once, for rows of a power of two and not (the masked tail)."""
+    producer_ref's, rounded once, for rows of a power of two and not (the masked tail); and the
+    rows' scales alone (past it, for the shrink) against numpy's."""
     rng = np.random.default_rng(7)
     h = (rng.standard_normal((5, K)) * 3).astype(np.float16)
     g = rng.uniform(0.5, 1.5, K).astype(np.float16)
     out = interpret(tmp_path, norm_rows=h, g=g, eps=1e-5)
+    hf = h.astype(np.float64)
+    np.testing.assert_allclose(out["scale"], 1 / np.sqrt((hf * hf).mean(axis=1) + 1e-5), rtol=1e-6)
     ref = LT.producer_ref("rms_norm", h, g, 1e-5)
     np.testing.assert_allclose(out["x"].astype(np.float64), ref.astype(np.float16).astype(np.float64),
                                rtol=2 * np.finfo(np.float16).eps, atol=1e-6)

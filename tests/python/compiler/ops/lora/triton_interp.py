@@ -111,7 +111,8 @@ def run_xs(inp: dict) -> dict:
     tables keep), the shrink into [x | s] (xe and the partial sums NaN before, the counters zeros),
     then [x | s] @ [W | B cols].T (as cuBLAS: fp32 sums, rounded to the dtype), launched as
     fill_wrapper and the linear's TIR wrapper launch them. With `producer` (h: its input, g: its
-    gain, eps) the kernel makes x of h; without `shrink` it writes x alone (only xe comes back)."""
+    gain, eps) the kernel makes x of h (the RMSNorm's rows' scales first, by rms_norm_rows_kernel);
+    without `shrink` it writes x alone (only xe comes back)."""
     import torch
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
@@ -137,9 +138,13 @@ def run_xs(inp: dict) -> dict:
     xe = torch.full((n, go["shrink"]["KE"]), float("nan"), dtype=w_ext.dtype)
     v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
     cnt = torch.zeros((LT.COUNTER_SLOTS,), dtype=torch.int32)
+    r = torch.full((n,), float("nan"), dtype=torch.float32)
+    if producer == "rms_norm":
+        nc = LT.norm_launch(K, scale_only=True)
+        LT.rms_norm_rows_kernel[(n,)](t(src), t(inp["g"]), r, float(inp["eps"]), **nc["consts"], num_warps=nc["warps"])
     LT.lora_shrink_xs_kernel[go["shrink_grid"]](
-        t(src), t(inp.get("g", src)), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]),
-        xe, v, cnt, n, S, base, go["chunk"], go["split"], float(inp.get("eps", 0.0)), **go["shrink"],
+        t(src), t(inp.get("g", src)), r, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale),
+        t(inp["a_off"]), xe, v, cnt, n, S, base, go["chunk"], go["split"], **go["shrink"],
         num_warps=go["shrink_warps"])
     if not shrink:  # x alone
         return {"xe": xe.numpy(), "cnt": cnt.numpy()}
@@ -163,19 +168,21 @@ def run_silu_mul(inp: dict) -> dict:
 
 
 def run_norm_rows(inp: dict) -> dict:
-    """linear_triton's RMSNorm of rows (the rank columns route's x up to FUSED_MAX_TOKENS), launched
-    as the linear's TIR wrapper launches it."""
+    """linear_triton's RMSNorm of rows (the rank columns route's x up to FUSED_MAX_TOKENS, the rows'
+    scales past it), launched as the linear's TIR wrapper launches it."""
     import torch
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
 
     _interpreter_scalars()
     h = torch.from_numpy(np.ascontiguousarray(inp["norm_rows"]))
+    g = torch.from_numpy(inp["g"])
     x = torch.full(h.shape, float("nan"), dtype=h.dtype)
-    nl = LT.norm_launch(h.shape[1])
-    LT.rms_norm_rows_kernel[(h.shape[0],)](h, torch.from_numpy(inp["g"]), x, float(inp["eps"]), **nl["consts"],
-                                           num_warps=nl["warps"])
-    return {"x": x.numpy()}
+    r = torch.full(h.shape[:1], float("nan"), dtype=torch.float32)
+    for out, scale_only in ((x, False), (r, True)):
+        nl = LT.norm_launch(h.shape[1], scale_only)
+        LT.rms_norm_rows_kernel[(h.shape[0],)](h, g, out, float(inp["eps"]), **nl["consts"], num_warps=nl["warps"])
+    return {"x": x.numpy(), "scale": r.numpy()}
 
 
 def run_tiles(inp: dict) -> dict:
