@@ -586,11 +586,16 @@ PRODUCERS = ("copy", "rms_norm", "silu_mul")
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
 TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 132, 8, 4
 EXPAND_BM, EXPAND_WARPS = 32, 4
-# The rank columns route's shrink into [x | s] per variant (SHRINK_SMALL_MAX_TOKENS parts them):
-# tokens per block, the input step (at most), the blocks it aims at and the most input splits
-# (shrink_split), warps.
-XS_PLAN = {"small": dict(BM=16, BK=128, target=TARGET_BLOCKS, most=SPLIT_MAX, warps=4),
-           "large": dict(BM=64, BK=128, target=TARGET_BLOCKS, most=SPLIT_MAX, warps=4)}
+# The rank columns route's shrink into [x | s] per variant (SHRINK_SMALL_MAX_TOKENS parts them) and
+# width of its inputs (wide: more than XS_WIDE_INPUTS): tokens per block, the input step (at most),
+# the blocks it aims at and the most input splits (shrink_split), warps. Tuned on an H100
+# (`bench_lora_fused.py tune`, Llama-2-7B's q|k|v and down at 128 and 512 tokens): many splits of
+# short steps; blocks of 64 tokens for the wide inputs (fewer passes over the A rows).
+XS_WIDE_INPUTS = 4096
+XS_PLAN = {("small", False): dict(BM=16, BK=64, target=264, most=16, warps=4),
+           ("small", True): dict(BM=64, BK=64, target=TARGET_BLOCKS, most=16, warps=4),
+           ("large", False): dict(BM=64, BK=64, target=264, most=16, warps=4),
+           ("large", True): dict(BM=64, BK=64, target=264, most=16, warps=4)}
 
 
 def _cols_signatures(dtype: str) -> tuple[dict, dict]:
@@ -714,7 +719,7 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     blocks and splits are the pair's (cols_launch). `producer` (PRODUCERS) is what the shrink
     kernel makes x of; without `shrink` it writes x alone, (n, in_f)."""
     variant = variant or ("small" if n <= SHRINK_SMALL_MAX_TOKENS else "large")
-    plan = XS_PLAN[variant]
+    plan = XS_PLAN[variant, in_f > XS_WIDE_INPUTS]
     cs, _ = cols_constants(in_f, widths, mods, num_modules, max_rank, variant, align)
     bk = next(b for b in (128, 64, 32, 16) if b <= plan["BK"] and in_f % b == 0)
     tiles, per, split = shrink_split(n, in_f // bk, plan["BM"], target=plan["target"], most=plan["most"])
