@@ -715,9 +715,9 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
               align: int, variant: str | None = None, producer: str = "copy", shrink: bool = True) -> dict:
     """How the rank columns route launches for n tokens (the fill of the spare columns, by
     fill_wrapper when the kept columns change; the shrink into [x | s] and cuBLAS over K + P *
-    RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids, warps. The shrink's
-    blocks and splits are the pair's (cols_launch). `producer` (PRODUCERS) is what the shrink
-    kernel makes x of; without `shrink` it writes x alone, (n, in_f)."""
+    RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids, warps; `plan`, the
+    shrink's (BM, BK, input steps, target, most) for the wrapper's split (XS_PLAN). `producer`
+    (PRODUCERS) is what the shrink kernel makes x of; without `shrink` it writes x alone, (n, in_f)."""
     variant = variant or ("small" if n <= SHRINK_SMALL_MAX_TOKENS else "large")
     plan = XS_PLAN[variant, in_f > XS_WIDE_INPUTS]
     cs, _ = cols_constants(in_f, widths, mods, num_modules, max_rank, variant, align)
@@ -751,7 +751,8 @@ def _norm_signature(dtype: str, scale_only: bool = False) -> dict:
 
 
 def scratch_elems(n, widths: Sequence[int]):
-    """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes)."""
+    """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes: the
+    pair's SPLIT_MAX splits, the rank columns route's XS_PLAN ones)."""
     return max(SPLIT_MAX, *(p["most"] for p in XS_PLAN.values())) * n * len(widths) * RANK_COLUMNS
 
 
@@ -769,8 +770,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     spare columns (the rank columns route) adds xe (n, w_cols) [scratch]; with a `producer` other
     than "copy" (PRODUCERS; only there) the wrapper takes the producer's input instead of x (h
     (n, in_f) and the gain g (in_f,) for "rms_norm" with `eps`, y = [gate | up] (n, 2 in_f) for
-    "silu_mul") and makes x itself: into xe with the shrink past FUSED_MAX_TOKENS, else into one
-    more output, x (n, in_f) [scratch], which the one-kernel linear reads."""
+    "silu_mul") and makes x itself: into xe with the shrink past FUSED_MAX_TOKENS (the RMSNorm's
+    rows' scales first, into v's last n elements), else into one more output, x (n, in_f)
+    [scratch], which the one-kernel linear reads."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     from ..gemv.gemv_cuda import CUBLAS_GEMM  # pylint: disable=import-outside-toplevel
@@ -961,11 +963,11 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                     fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:  # (the spare columns hold the kept adapters' B rows: fill_wrapper)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
-                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, x, x, v.data, arena, slot, rank, scale, a_off, xe,
-                                  v, cnt)
+                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, x, x, v.data, arena, slot, rank, scale,
+                                  a_off, xe, v, cnt)
                     else:
-                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, x, x, v.data, arena, slot, rank, scale, a_off, xe,
-                                  v, cnt)
+                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, x, x, v.data, arena, slot, rank, scale,
+                                  a_off, xe, v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
         if producer == "copy":
