@@ -10,6 +10,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each pytest-xdist worker runs its share of the cores: torch's and TVM's thread pools (TVM reads
+# OMP_NUM_THREADS too) spin while they wait, and workers that each start a thread per core slow one
+# another down several times over.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 # Build steps that need a tool this machine may lack skip with one reason, the same everywhere.
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build cubin")
