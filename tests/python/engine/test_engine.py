@@ -239,10 +239,10 @@ def test_bad_requests_error_and_engine_keeps_serving(engine):
     assert s["running"] == 0 and s["kv_pages_free"] == s["kv_pages_total"]
 
 
-def test_chat_template_like_transformers(tiny_chat, engine):
+def test_chat_template_like_transformers(tiny_chat_hf, engine):
     from transformers import PreTrainedTokenizerFast
 
-    hf_dir = tiny_chat[1].parent / "hf"
+    hf_dir = tiny_chat_hf[1]
     ref = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
     ref.chat_template = engine.tokenizer.chat_template
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlc_lora.compile import CompileOptions, compile_model
+from mlc_lora.compile import CompileOptions
 from mlc_lora.engine import LLMEngine, SamplingParams
 from mlc_lora.engine.scheduler import Status
 from mlc_lora.serve.metrics import Metrics, tokens_served
@@ -22,15 +22,14 @@ SLOTS = 2  # max_num_seqs: the flood holds every place
 
 
 @pytest.fixture(scope="module")
-def two_adapters(tmp_path_factory):
+def two_adapters(tmp_path_factory, compile_once):
     root = tmp_path_factory.mktemp("fair")
     base = make_tiny_hf_model(root / "hf", "gqa")
     refs = {"heavy": save_adapter(base, root / "heavy", 11, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
             "light": save_adapter(base, root / "light", 12, r=4, lora_alpha=8,
                                   target_modules=["o_proj", "down_proj"])}
-    lib = compile_model(root / "hf", root / "lib", CompileOptions(prefill_chunk_size=64, max_batch_size=8,
-                                                                  lora_pool_pages=64, max_lora_rank=8),
-                        progress=False)
+    lib = compile_once(root / "hf", CompileOptions(prefill_chunk_size=64, max_batch_size=8, lora_pool_pages=64,
+                                                   max_lora_rank=8))
     return lib, root, refs
 
 

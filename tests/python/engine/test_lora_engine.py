@@ -14,7 +14,7 @@ import torch
 
 from mlc_lora import AsyncMLCEngine, MLCEngine
 from mlc_lora.engine import LLMEngine, SamplingParams
-from mlc_lora.compile import CompileOptions, compile_model
+from mlc_lora.compile import CompileOptions
 from mlc_lora.errors import LoraError, PoolExhaustedError, UnknownAdapterError
 
 from ..conftest import make_tiny_hf_model, save_adapter
@@ -108,12 +108,12 @@ def test_mixed_adapter_batch_matches_peft_and_single_agrees(lora_setup):  # noqa
 
 
 @pytest.fixture(scope="module")
-def small(lora_setup, tmp_path_factory):  # noqa: F811
+def small(lora_setup, tmp_path_factory, compile_once):  # noqa: F811
     """A library with LoRA on q/v only, a pool of SMALL_POOL pages; adapters for it."""
     cfg, root, refs, _ = lora_setup
-    lib = compile_model(root / "hf", root / "lora-small", CompileOptions(
+    lib = compile_once(root / "hf", CompileOptions(
         prefill_chunk_size=64, max_batch_size=8, lora_pool_pages=SMALL_POOL, max_lora_rank=64,
-        lora_target_modules=["q_proj", "v_proj"]), progress=False)
+        lora_target_modules=["q_proj", "v_proj"]))
     base = refs[None]
     d = tmp_path_factory.mktemp("small-adapters")
     qv = dict(target_modules=["q_proj", "v_proj"])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlc_lora import MLCEngine
-from mlc_lora.compile import CompileOptions, compile_model
+from mlc_lora.compile import CompileOptions
 from mlc_lora.contract import PAGE_SIZE
 from mlc_lora.engine import LLMEngine, SamplingParams
 from mlc_lora.errors import PoolExhaustedError
@@ -29,7 +29,7 @@ ADAPTERS = {"a1": dict(seed=1, r=8, lora_alpha=16, target_modules=["q_proj", "k_
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, compile_once):
     """(libraries by pool size, adapter folders, PEFT references by adapter name, None: base)."""
     root = tmp_path_factory.mktemp("prefix")
     base = make_tiny_hf_model(root / "hf", "gqa")
@@ -38,9 +38,8 @@ def setup(tmp_path_factory):
         kw = dict(kw)
         folders[name] = root / name
         refs[name] = save_adapter(base, folders[name], kw.pop("seed"), **kw)
-    libs = {pages: compile_model(root / "hf", root / f"lib{pages}", CompileOptions(
-        prefill_chunk_size=64, max_batch_size=8, lora_pool_pages=pages, max_lora_rank=8), progress=False)
-        for pages in (64, 20)}
+    libs = {pages: compile_once(root / "hf", CompileOptions(
+        prefill_chunk_size=64, max_batch_size=8, lora_pool_pages=pages, max_lora_rank=8)) for pages in (64, 20)}
     return libs, folders, refs
 
 

@@ -38,7 +38,7 @@ DECODE_STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def lora_setup(tmp_path_factory):
+def lora_setup(tmp_path_factory, compile_once):
     root = tmp_path_factory.mktemp("lora")
     base = make_tiny_hf_model(root / "hf", "gqa")
     cfg = LlamaConfig.from_dict(json.loads((root / "hf" / "config.json").read_text()))
@@ -47,10 +47,8 @@ def lora_setup(tmp_path_factory):
         refs[aid] = save_adapter(base, root / f"adapter{aid}", 100 + aid, **kw)
     compiled = {}
     for kernel in ("gather", "single", "sgmv"):
-        compiled[kernel] = compile_model(
-            root / "hf", root / f"lora-{kernel}",
-            CompileOptions(prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96,
-                           max_lora_rank=64, lora_kernel=kernel), progress=False)
+        compiled[kernel] = compile_once(root / "hf", CompileOptions(
+            prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96, max_lora_rank=64, lora_kernel=kernel))
     return cfg, root, refs, compiled
 
 

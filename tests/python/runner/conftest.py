@@ -14,16 +14,16 @@ ADAPTERS = {"qv8": (1, 8, 16, {}), "qv4": (2, 4, 4, {"use_rslora": True}), "qv64
 
 
 @pytest.fixture(scope="session")
-def qv_models(tmp_path_factory):
+def qv_models(tmp_path_factory, compile_once):
     """(root, {shards: compiled dir}, {name: PEFT reference}) for K = 1 and 2."""
-    from mlc_lora.compile import CompileOptions, compile_model
+    from mlc_lora.compile import CompileOptions
 
     root = tmp_path_factory.mktemp("runner-qv")
     base = make_tiny_hf_model(root / "hf", "gqa")
     refs = {None: base}
     for name, (seed, r, alpha, extra) in ADAPTERS.items():
         refs[name] = save_adapter(base, root / name, seed, r=r, lora_alpha=alpha, **QV, **extra)
-    compiled = {k: compile_model(root / "hf", root / f"k{k}", CompileOptions(
+    compiled = {k: compile_once(root / "hf", CompileOptions(
         prefill_chunk_size=64, max_batch_size=8, lora_pool_pages=POOL_PAGES, max_lora_rank=64,
-        lora_target_modules=["q_proj", "v_proj"], tensor_parallel_shards=k), progress=False) for k in (1, 2)}
+        lora_target_modules=["q_proj", "v_proj"], tensor_parallel_shards=k)) for k in (1, 2)}
     return root, compiled, refs

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from ..engine.conftest import make_chat_model, tiny_chat  # noqa: F401  (the tiny chat model, reused)
+from ..engine.conftest import make_chat_model, tiny_chat, tiny_chat_hf  # noqa: F401  (the tiny chat model, reused)
 
 API_KEY = "sk-test-mlc-lora"
 STARTUP_TIMEOUT_S = 180

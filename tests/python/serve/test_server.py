@@ -34,10 +34,10 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(tiny_chat):
+def hf_tokenizer(tiny_chat_hf):
     import transformers
 
-    return transformers.PreTrainedTokenizerFast.from_pretrained(tiny_chat[1].parent / "hf")
+    return transformers.PreTrainedTokenizerFast.from_pretrained(tiny_chat_hf[1])
 
 
 def test_api_key_required(server):

@@ -1,6 +1,7 @@
 """Shared by the Triton kernel tests: running kernels under Triton's interpreter in a process of
 their own, and a cubin cache for building them here."""
 
+import atexit
 import os
 import subprocess
 import sys
@@ -9,19 +10,34 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+_interpreter: list[subprocess.Popen] = []  # the process serving interpret(), once started
+
 
 def interpret(tmp_path, **inp) -> dict:
     """triton_interp.py's outputs for `inp`, run in a process with TRITON_INTERPRET=1 (Triton's own
-    jit'd library functions are interpreted only when it is set before triton is imported)."""
+    jit'd library functions are interpreted only when it is set before triton is imported): one
+    process (`triton_interp --serve`) runs the requests in turn, a fresh one after a failed request."""
     np.savez(tmp_path / "in.npz", **inp)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[5]
-    proc = subprocess.run([sys.executable, "-m", "tests.python.compiler.ops.lora.triton_interp",
-                           str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                          cwd=root, env=env, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if not _interpreter or _interpreter[0].poll() is not None:
+        root = Path(__file__).resolve().parents[5]
+        _interpreter[:] = [subprocess.Popen(
+            [sys.executable, "-m", "tests.python.compiler.ops.lora.triton_interp", "--serve"], cwd=root,
+            env={**os.environ, "TRITON_INTERPRET": "1"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)]
+    proc, log = _interpreter[0], tmp_path / "interpret.log"
+    proc.stdin.write(f"{tmp_path / 'in.npz'}\t{tmp_path / 'out.npz'}\t{log}\n")
+    proc.stdin.flush()
+    if proc.stdout.readline() != "ok\n":
+        proc.wait()
+        raise AssertionError(log.read_text()[-3000:] if log.exists() else f"the interpreter exited: {proc.returncode}")
     with np.load(tmp_path / "out.npz") as f:
         return dict(f)
+
+
+@atexit.register
+def _stop_interpreter():
+    for proc in _interpreter:
+        proc.stdin.close()
+        proc.wait()
 
 
 @pytest.fixture

@@ -1,9 +1,12 @@
 """Runs the Triton kernels under Triton's interpreter (the CPU emulation of the kernels):
 `python -m tests.python.compiler.ops.lora.triton_interp IN.npz OUT.npz` with TRITON_INTERPRET=1 set
 before triton is imported (Triton's own jit'd library functions are interpreted only then), so
-test_sgmv_triton.py runs it in a process of its own."""
+test_sgmv_triton.py runs it in a process of its own; `... triton_interp --serve` runs one request
+after another in one such process (conftest.interpret)."""
 
+import os
 import sys
+import traceback
 
 import numpy as np
 
@@ -13,11 +16,14 @@ def _interpreter_scalars():
     import triton.runtime.interpreter as interp
 
     orig = interp._patch_lang_tensor  # pylint: disable=protected-access
+    if getattr(orig, "scalars", False):  # patched already (an earlier request of --serve)
+        return
 
     def patched(tensor, scope):
         orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
+    patched.scalars = True
     interp._patch_lang_tensor = patched  # pylint: disable=protected-access
 
 
@@ -239,7 +245,37 @@ def run(inp: dict) -> dict:
     return {"v": v.numpy(), "y": y.numpy(), "tiles": tiles.numpy()}
 
 
-if __name__ == "__main__":
-    with np.load(sys.argv[1]) as f:
+def main(inp_path, out_path) -> None:
+    with np.load(inp_path) as f:
         out = run(dict(f))
-    np.savez(sys.argv[2], **out)
+    np.savez(out_path, **out)
+
+
+def serve() -> None:
+    """Requests `IN.npz OUT.npz LOG` (tab-separated), one a line on stdin, until its end; each runs
+    as main() does, its output and traceback into LOG, and is answered "ok" or "failed" on stdout.
+    The process ends after a failed one (a fresh one serves the next)."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    for line in sys.stdin:
+        inp_path, out_path, log = line.rstrip("\n").split("\t")
+        with open(log, "w", encoding="utf-8") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            try:
+                main(inp_path, out_path)
+                ok = True
+            except BaseException:  # pylint: disable=broad-except  (reported to the test)
+                traceback.print_exc()
+                ok = False
+            sys.stdout.flush()
+            sys.stderr.flush()
+        answers.write("ok\n" if ok else "failed\n")
+        if not ok:
+            return
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(sys.argv[1], sys.argv[2])
