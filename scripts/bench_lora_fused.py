@@ -265,13 +265,16 @@ def _xs_group(torch, LT, pt, name, producer):
     h = [torch.randn((T, width), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
     gain = (torch.rand((K,), device="cuda") + 0.5).to(pt.x[0].dtype)
     xe = torch.empty((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype)
-    v = torch.empty((16 * T * len(pt.widths) * LT.RANK_COLUMNS,), device="cuda", dtype=torch.float32)
+    v = torch.empty((LT.scratch_elems(T, pt.widths),), device="cuda", dtype=torch.float32)
     r = torch.empty((T,), device="cuda", dtype=torch.float32)
     nc = LT.norm_launch(K, scale_only=True)
 
-    def launch(i, g):  # (the RMSNorm's rows' scales first, as the wrapper launches them)
+    def scales(i):  # the RMSNorm's rows' scales
+        LT.rms_norm_rows_kernel[(T,)](h[i], gain, r, 1e-5, **nc["consts"], num_warps=nc["warps"])
+
+    def launch(i, g):  # (the rows' scales first, as the wrapper launches them)
         if producer == "rms_norm":
-            LT.rms_norm_rows_kernel[(T,)](h[i], gain, r, 1e-5, **nc["consts"], num_warps=nc["warps"])
+            scales(i)
         LT.lora_shrink_xs_kernel[g["shrink_grid"]](
             pt.x[i] if producer == "copy" else h[i], gain, r, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe,
             v, pt.cnt, T, pt.N, 0, g["chunk"], g["split"], **g["shrink"], num_warps=g["warps"])
@@ -293,8 +296,7 @@ def _xs_group(torch, LT, pt, name, producer):
     group["the pair's shrink"] = lambda i: pt.launch_shrink(i, go)
     if producer == "rms_norm":
         group["torch rms_norm"] = lambda i: torch.nn.functional.rms_norm(h[i], (K,), gain, 1e-5)
-        group["the rows' scales"] = lambda i: LT.rms_norm_rows_kernel[(T,)](h[i], gain, r, 1e-5, **nc["consts"],
-                                                                            num_warps=nc["warps"])
+        group["the rows' scales"] = scales
     if producer == "silu_mul":
         group["torch silu * up"] = lambda i: torch.nn.functional.silu(h[i][:, :K]) * h[i][:, K:]
     return group
@@ -359,12 +361,13 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                 # the whole linear: cuBLAS, then the pair adding into y, against cuBLAS alone
                 groups["linear"] = {"cublas + pair": lambda i, g=shrinks[0]: pt.launch_pair(i, g),
                                     "cublas": pt.launch_gemm}
-                # the rank columns route's shrink into [x | s] (the RMSNorm inside it for q|k|v, gate|up)
+                # the rank columns route's shrink into [x | s] (for q|k|v, gate|up: x the RMSNorm of h, its
+                # rows' scales first)
                 groups["shrink·xs"] = _xs_group(torch, LT, pt, name, "rms_norm" if name in ("qkv", "gate_up")
                                                 else "copy")
                 if name == "down":  # the activation before down inside its shrink (built, off)
                     groups["shrink·xs silu"] = _xs_group(torch, LT, pt, name, "silu_mul")
-                elif name in ("qkv", "gate_up"):  # what the shrink costs without its RMSNorm pass (x given)
+                elif name in ("qkv", "gate_up"):  # what the shrink costs without the RMSNorm (x given)
                     groups["shrink·xs copy"] = _xs_group(torch, LT, pt, name, "copy")
             for kind, fns in groups.items():
                 ok = {}

@@ -438,11 +438,6 @@ if triton is not None:
                      mask=rmask[:, None])
 
     @triton.jit
-    def _rstd(ss, K: tl.constexpr, eps):
-        """The RMSNorm's scale of rows whose squares sum to ss (fp32)."""
-        return 1.0 / tl.sqrt(ss / K + eps)
-
-    @triton.jit
     def _produce(x_ptrs, g_ptr, kk, rmask, rstd, K: tl.constexpr, PROD: tl.constexpr):
         """x's tile (BM x BK, x's dtype) from the producer's input at x_ptrs (as PRODUCERS says)."""
         if PROD == 1:
@@ -473,7 +468,7 @@ if triton is not None:
         else:
             h = tl.load(h_row, mask=cols < K, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        rstd = _rstd(tl.sum(h * h, axis=0), K, eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
         if SCALE_ONLY:
             tl.store(out_ptr + tl.program_id(0), rstd)
         else:
@@ -590,7 +585,8 @@ EXPAND_BM, EXPAND_WARPS = 32, 4
 # width of its inputs (wide: more than XS_WIDE_INPUTS): tokens per block, the input step (at most),
 # the blocks it aims at and the most input splits (shrink_split), warps. Tuned on an H100
 # (`bench_lora_fused.py tune`, Llama-2-7B's q|k|v and down at 128 and 512 tokens): many splits of
-# short steps; blocks of 64 tokens for the wide inputs (fewer passes over the A rows).
+# short steps; blocks of 64 tokens for the wide inputs (fewer passes over the A rows). The "large"
+# plans (past 512 tokens) follow from those, not yet timed there.
 XS_WIDE_INPUTS = 4096
 XS_PLAN = {("small", False): dict(BM=16, BK=64, target=264, most=16, warps=4),
            ("small", True): dict(BM=64, BK=64, target=TARGET_BLOCKS, most=16, warps=4),
