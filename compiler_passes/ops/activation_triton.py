@@ -57,8 +57,9 @@ def supported(dtype: str, inter: int) -> str | None:
 if triton is not None:
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_silu_mul", "y_ptr"))
-    def silu_mul_kernel(y_ptr, h_ptr, n, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        """Grid (token tiles, I / BN): h = silu(gate) * up."""
+    def silu_mul_kernel(y_ptr, h_ptr, n, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LDH: tl.constexpr):
+        """Grid (token tiles, I / BN): h = silu(gate) * up, h's rows LDH apart (I; or the width of
+        the rank columns route's [x | s], whose first I columns h is)."""
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         rmask = rows < n
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -66,19 +67,21 @@ if triton is not None:
         g = tl.load(p, mask=rmask[:, None], other=0.0).to(tl.float32)
         u = tl.load(p + I, mask=rmask[:, None], other=0.0).to(tl.float32)
         h = g / (1.0 + tl.exp(-g)) * u
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + cols[None, :], h.to(h_ptr.dtype.element_ty),
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * LDH + cols[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=rmask[:, None])
 
 
 def _signature(dtype: str) -> dict:
     e = triton_build.PTR[dtype]
-    return dict(y_ptr=e, h_ptr=e, n="i32", I="constexpr", BM="constexpr", BN="constexpr")
+    return dict(y_ptr=e, h_ptr=e, n="i32", I="constexpr", BM="constexpr", BN="constexpr", LDH="constexpr")
 
 
-def build(inter: int, dtype: str, arch: str):
-    """(kernel name, threads, shared bytes, TVM CUDA module) of the kernel for one intermediate size."""
-    return triton_build.cuda_module(silu_mul_kernel, _signature(dtype), dict(I=inter, BM=BM, BN=block_cols(inter)),
-                                    WARPS, arch, Path(__file__))
+def build(inter: int, dtype: str, arch: str, ldh: int | None = None):
+    """(kernel name, threads, shared bytes, TVM CUDA module) of the kernel for one intermediate size,
+    h's rows `ldh` apart (default: inter)."""
+    return triton_build.cuda_module(silu_mul_kernel, _signature(dtype),
+                                    dict(I=inter, BM=BM, BN=block_cols(inter), LDH=ldh or inter), WARPS, arch,
+                                    Path(__file__))
 
 
 def wrapper(inter: int, dtype: str, arch: str):

@@ -25,9 +25,9 @@ from .dispatch_cublas import reserved_weight_of
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 _RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
-# silu(gate) * up folded into down's rank columns shrink (linear_triton.PRODUCERS): built and tested,
-# off: on an H100 that kernel took 54-94 us at 16-512 tokens where the activation kernel and the
-# shrink's copy of x take ~15 (docs/SGMV.md, "The RMSNorm inside the shrink")
+# silu(gate) * up as down's producer in the rank columns route (linear_triton.PRODUCERS: the wrapper
+# runs the activation kernel into [x | s] itself; off: the activation's own kernel, the shrink copying
+# its output into [x | s])
 FOLD_SILU_MUL = False
 
 
@@ -261,11 +261,11 @@ class _Rewriter(relax.PyExprMutator):
         return impl.emit(self.ctx, y, x2, layer, parts, self.inputs)
 
     def _producer(self, x: relax.Expr, in_f: int) -> tuple | None:
-        """What the rank columns route's shrink makes x of, in place of x's own producer
-        (linear_triton.PRODUCERS), as FusedLinear.emit takes it: ("rms_norm", [h (n, in_f), g], eps)
-        for an RMSNorm over the last axis, ("silu_mul", [y (n, 2 in_f)], 0.0) for silu(gate) * up
-        over split(y, 2); None for anything else (the shrink then copies x). x's producer stays for
-        other uses of x, if any."""
+        """x's producer for the rank columns route's wrapper to run in its place (writing x into
+        [x | s]; linear_triton.PRODUCERS), as FusedLinear.emit takes it: ("rms_norm", [h (n, in_f),
+        g], eps) for an RMSNorm over the last axis, ("silu_mul", [y (n, 2 in_f)], 0.0) for
+        silu(gate) * up over split(y, 2); None for anything else (the shrink then copies x). x's
+        producer stays for other uses of x, if any."""
         bb = self.builder_
         bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
         if not isinstance(bound, relax.Call):

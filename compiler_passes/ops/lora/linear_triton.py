@@ -15,8 +15,10 @@ weight with rank_rows(P) spare rows below its own) the batches past FUSED_MAX_TO
 With the rank columns route (weights stored with 32 spare columns per part, ReserveRankColumns)
 the batches past FUSED_MAX_TOKENS run `lora_shrink_xs_kernel` (xe = [x | s]) and one cuBLAS GEMM
 over [x | s] and [W | B columns] (`lora_fill_cols_kernel` fills those when the pool's kept adapters
-change); that shrink can make x itself of x's producer (PRODUCERS: the RMSNorm before q|k|v and
-gate|up, whose kernel LoraRewrite then drops), `rms_norm_rows_kernel` giving x up to FUSED_MAX_TOKENS.
+change). Where LoraRewrite hands the linear x's producer's input instead of x (PRODUCERS: the
+RMSNorm before q|k|v and gate|up, silu(gate) * up before down), the wrapper runs the producer's
+kernel itself (`rms_norm_rows_kernel`, activation_triton's): into x up to FUSED_MAX_TOKENS, past it
+into [x | s]'s first columns, where the shrink reads x in place and adds s (no copy of x).
 LoraRewrite builds the wrapper into `prefill_fused` and `decode_fused` (contract.FUSED_FUNCTION_SUFFIX),
 which the runner picks for a batch whose adapters' ranks sum to at most RANK_COLUMNS over at most
 SLOT_COLUMNS slots; other batches run `prefill`/`decode` (cuBLAS + the sgmv stage).
@@ -49,6 +51,7 @@ from typing import Mapping, Sequence  # noqa: F401
 import numpy as np
 
 from .. import triton_build
+from .. import activation_triton as ACT
 from ..activation_triton import silu_mul_ref
 
 try:
@@ -437,29 +440,12 @@ if triton is not None:
             tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
                      mask=rmask[:, None])
 
-    @triton.jit
-    def _produce(x_ptrs, g_ptr, kk, rmask, rstd, K: tl.constexpr, PROD: tl.constexpr):
-        """x's tile (BM x BK, x's dtype) from the producer's input at x_ptrs (as PRODUCERS says)."""
-        if PROD == 1:
-            g = tl.load(g_ptr + kk).to(tl.float32)
-            ht = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-            xt = (ht.to(tl.float32) * rstd[:, None] * g[None, :]).to(ht.dtype)
-        elif PROD == 2:
-            gt = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-            u = tl.load(x_ptrs + K, mask=rmask[:, None], other=0.0).to(tl.float32)
-            gf = gt.to(tl.float32)
-            xt = (gf / (1.0 + tl.exp(-gf)) * u).to(gt.dtype)
-        else:
-            xt = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
-        return xt
-
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_rms_norm", "out_ptr"))
-    def rms_norm_rows_kernel(h_ptr, g_ptr, out_ptr, eps, K: tl.constexpr, BK: tl.constexpr,
-                             SCALE_ONLY: tl.constexpr):
+    def rms_norm_rows_kernel(h_ptr, g_ptr, out_ptr, eps, K: tl.constexpr, BK: tl.constexpr, LDO: tl.constexpr):
         """Grid (n,), one row per block, the row loaded once (BK: K rounded up to a power of two):
-        out[t] = the RMSNorm of h[t] (PRODUCERS' "rms_norm"; the rank columns route's x up to
-        FUSED_MAX_TOKENS, where the one-kernel linear reads x); with SCALE_ONLY out (n,) fp32,
-        out[t] = the row's scale 1 / sqrt(mean(h[t]^2) + eps) (past it, where the shrink makes x)."""
+        out[t * LDO : + K] = the RMSNorm of h[t] (PRODUCERS' "rms_norm": the rank columns route's x
+        for the one-kernel linear, LDO = K; past FUSED_MAX_TOKENS [x | s]'s first columns, LDO = its
+        width)."""
         cols = tl.arange(0, BK)
         h_row = h_ptr + tl.program_id(0).to(tl.int64) * K + cols
         if BK == K:
@@ -469,27 +455,22 @@ if triton is not None:
             h = tl.load(h_row, mask=cols < K, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
-        if SCALE_ONLY:
-            tl.store(out_ptr + tl.program_id(0), rstd)
-        else:
-            x = (h * rstd * g).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + tl.program_id(0).to(tl.int64) * K + cols, x, mask=cols < K)
+        x = (h * rstd * g).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * LDO + cols, x, mask=cols < K)
 
-    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "x_ptr"))
-    def lora_shrink_xs_kernel(x_ptr, g_ptr, r_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr,
-                              v_ptr, cnt_ptr, n, S, base, chunk, split, K: tl.constexpr, KE: tl.constexpr,
-                              M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
-                              m2: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                              RS: tl.constexpr, SC: tl.constexpr, SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr,
-                              ALIGN: tl.constexpr, PROD: tl.constexpr, SHRINK: tl.constexpr):
-        """Grid (token tiles, split): xe (n, KE) = [x | s], x = the producer's output (PRODUCERS:
-        x itself, the RMSNorm of h with gain g and the rows' scales r (fp32, rms_norm_rows_kernel's
-        SCALE_ONLY), silu(gate) * up of y = [gate | up]);
-        with SHRINK s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p))) for
-        token t's own slot's live columns, else 0 (without: xe is x alone, KE = K). Split k writes
-        its `chunk` inputs of x into xe and sums its part of the products into v; with split > 1
-        the block of a tile that counts last in cnt[tile] sums the splits in order (the same bits
-        whichever block is last), writes s and sets cnt[tile] back to 0."""
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "xe_ptr"))
+    def lora_shrink_xs_kernel(x_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr, n, S,
+                              base, chunk, split, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr,
+                              R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, P: tl.constexpr,
+                              BM: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
+                              SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
+                              IN_PLACE: tl.constexpr):
+        """Grid (token tiles, split): xe (n, KE) = [x | s], s[t, p x RS + c] = round(scale[s, m_p] *
+        (x[t] . A(column c of part p))) for token t's own slot's live columns, else 0. x is copied
+        from x_ptr (n, K), or with IN_PLACE read where its producer wrote it, xe's first K columns.
+        Split k takes its `chunk` inputs of x (and copies them) and sums its part of the products
+        into v; with split > 1 the block of a tile that counts last in cnt[tile] sums the splits in
+        order (the same bits whichever block is last), writes s and sets cnt[tile] back to 0."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -500,52 +481,51 @@ if triton is not None:
         a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK
         kk = k_start + tl.arange(0, BK)
-        x_rows = x_ptr + rows[:, None].to(tl.int64) * (2 * K if PROD == 2 else K)
         xe_rows = xe_ptr + rows[:, None].to(tl.int64) * KE
-        rstd = tl.full((BM,), 1.0, tl.float32)
-        if PROD == 1:
-            rstd = tl.load(r_ptr + rows, mask=rmask, other=1.0)
+        if IN_PLACE:
+            x_rows = xe_rows
+        else:
+            x_rows = x_ptr + rows[:, None].to(tl.int64) * K
         acc0 = tl.zeros((BM, RS), dtype=tl.float32)
         acc1 = tl.zeros((BM, RS), dtype=tl.float32)
         acc2 = tl.zeros((BM, RS), dtype=tl.float32)
         for k0 in tl.range(0, tl.minimum(chunk, K - k_start), BK, num_stages=STAGES):
-            xt = _produce(x_rows + (kk + k0)[None, :], g_ptr + k0, kk, rmask, rstd, K, PROD)
-            tl.store(xe_rows + (kk + k0)[None, :], xt, mask=rmask[:, None])
-            if SHRINK:
-                ka = (kk + k0)[:, None]
-                acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
-                if P > 1:
-                    acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
-                if P > 2:
-                    acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
-        if SHRINK:
-            c = tl.arange(0, RS)
-            last = split == 1
-            if split > 1:
-                mine = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
-                tl.store(mine, acc0, mask=rmask[:, None])
-                if P > 1:
-                    tl.store(mine + RS, acc1, mask=rmask[:, None])
-                if P > 2:
-                    tl.store(mine + 2 * RS, acc2, mask=rmask[:, None])
-                tl.debug_barrier()  # every thread's partial stored before the count (released by it)
-                last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu") == split - 1
-                if last:
-                    acc0 = tl.zeros((BM, RS), dtype=tl.float32)
-                    acc1 = tl.zeros((BM, RS), dtype=tl.float32)
-                    acc2 = tl.zeros((BM, RS), dtype=tl.float32)
-                    for k in tl.static_range(SPLIT_MAX):
-                        part = v_ptr + ((k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
-                        on = rmask[:, None] & (k < split)
-                        acc0 += tl.load(part, mask=on, other=0.0, cache_modifier=".cg")
-                        if P > 1:
-                            acc1 += tl.load(part + RS, mask=on, other=0.0, cache_modifier=".cg")
-                        if P > 2:
-                            acc2 += tl.load(part + 2 * RS, mask=on, other=0.0, cache_modifier=".cg")
-                    tl.atomic_xchg(cnt_ptr + pid_m, 0)
+            xt = tl.load(x_rows + (kk + k0)[None, :], mask=rmask[:, None], other=0.0)
+            if not IN_PLACE:
+                tl.store(xe_rows + (kk + k0)[None, :], xt, mask=rmask[:, None])
+            ka = (kk + k0)[:, None]
+            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
+            if P > 1:
+                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
+            if P > 2:
+                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
+        c = tl.arange(0, RS)
+        last = split == 1
+        if split > 1:
+            mine = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
+            tl.store(mine, acc0, mask=rmask[:, None])
+            if P > 1:
+                tl.store(mine + RS, acc1, mask=rmask[:, None])
+            if P > 2:
+                tl.store(mine + 2 * RS, acc2, mask=rmask[:, None])
+            tl.debug_barrier()  # every thread's partial stored before the count (released by it)
+            last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu") == split - 1
             if last:
-                _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
-                               K, M, R, P, RS, SC)
+                acc0 = tl.zeros((BM, RS), dtype=tl.float32)
+                acc1 = tl.zeros((BM, RS), dtype=tl.float32)
+                acc2 = tl.zeros((BM, RS), dtype=tl.float32)
+                for k in tl.static_range(SPLIT_MAX):
+                    part = v_ptr + ((k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
+                    on = rmask[:, None] & (k < split)
+                    acc0 += tl.load(part, mask=on, other=0.0, cache_modifier=".cg")
+                    if P > 1:
+                        acc1 += tl.load(part + RS, mask=on, other=0.0, cache_modifier=".cg")
+                    if P > 2:
+                        acc2 += tl.load(part + 2 * RS, mask=on, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + pid_m, 0)
+        if last:
+            _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
+                           K, M, R, P, RS, SC)
 
 
 def _signature(dtype: str) -> dict:
@@ -573,9 +553,10 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
 
 SHRINK_BM = {"small": 16, "large": 64}  # tokens per shrink block
 SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
-# What the rank columns route's shrink makes x of (its PROD): x itself; the RMSNorm of the model's
-# hidden state h (gain g, eps; in float32, rounded once); silu(gate) * up of the gate|up output
-# (as ops/activation_triton.py). The two producers take the place of the kernel before the linear.
+# x's producer, which the rank columns route's wrapper runs itself in place of the kernel before the
+# linear (LoraRewrite hands it the producer's input): none ("copy": the linear takes x, the shrink
+# copies it into [x | s]); the RMSNorm of the model's hidden state h (gain g, eps; in float32,
+# rounded once); silu(gate) * up of the gate|up output (ops/activation_triton.py).
 PRODUCERS = ("copy", "rms_norm", "silu_mul")
 # The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (one per SM of an
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
@@ -586,7 +567,8 @@ EXPAND_BM, EXPAND_WARPS = 32, 4
 # the blocks it aims at and the most input splits (shrink_split), warps. Tuned on an H100
 # (`bench_lora_fused.py tune`, Llama-2-7B's q|k|v and down at 128 and 512 tokens): many splits of
 # short steps; blocks of 64 tokens for the wide inputs (fewer passes over the A rows). The "large"
-# plans (past 512 tokens) follow from those, not yet timed there.
+# plans (past 512 tokens) follow from those, not yet timed there; nor the in-place shrink's (tuned
+# as the shrink that made x itself: `bench_lora_fused.py producers` times its plans).
 XS_WIDE_INPUTS = 4096
 XS_PLAN = {("small", False): dict(BM=16, BK=64, target=264, most=16, warps=4),
            ("small", True): dict(BM=64, BK=64, target=TARGET_BLOCKS, most=16, warps=4),
@@ -699,21 +681,20 @@ def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
     fill = dict(arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32", w_ptr=e, S="i32", base="i64")
     fill.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "W0", "W1", "BN", "RS", "SC",
                                            "ALIGN")})
-    shrink = dict(x_ptr=e, g_ptr=e, r_ptr="*fp32", arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32",
-                  aoff_ptr="*i32", xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32",
-                  split="i32")
+    shrink = dict(x_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32",
+                  xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32", split="i32")
     shrink.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "RS", "SC",
-                                             "SPLIT_MAX", "STAGES", "ALIGN", "PROD", "SHRINK")})
+                                             "SPLIT_MAX", "STAGES", "ALIGN", "IN_PLACE")})
     return fill, shrink
 
 
 def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
-              align: int, variant: str | None = None, producer: str = "copy", shrink: bool = True) -> dict:
+              align: int, variant: str | None = None, in_place: bool = False) -> dict:
     """How the rank columns route launches for n tokens (the fill of the spare columns, by
     fill_wrapper when the kept columns change; the shrink into [x | s] and cuBLAS over K + P *
     RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids, warps; `plan`, the
-    shrink's (BM, BK, input steps, target, most) for the wrapper's split (XS_PLAN). `producer`
-    (PRODUCERS) is what the shrink kernel makes x of; without `shrink` it writes x alone, (n, in_f)."""
+    shrink's (BM, BK, input steps, target, most) for the wrapper's split (XS_PLAN). `in_place`: the
+    shrink reads x from [x | s]'s first columns (x's producer wrote it there), else copies it there."""
     variant = variant or ("small" if n <= SHRINK_SMALL_MAX_TOKENS else "large")
     plan = XS_PLAN[variant, in_f > XS_WIDE_INPUTS]
     cs, _ = cols_constants(in_f, widths, mods, num_modules, max_rank, variant, align)
@@ -726,30 +707,39 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
                 RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
-    consts = dict(cs, BM=plan["BM"], BK=bk, KE=ke if shrink else in_f, SPLIT_MAX=plan["most"],
-                  PROD=PRODUCERS.index(producer), SHRINK=int(shrink))
+    consts = dict(cs, BM=plan["BM"], BK=bk, KE=ke, SPLIT_MAX=plan["most"], IN_PLACE=int(in_place))
     return dict(fill=fill, shrink=consts, split=split, chunk=per * bk, fill_grid=(sum(widths) // bn,),
                 shrink_grid=(tiles, split), fill_warps=4, shrink_warps=plan["warps"], cols=ke,
                 plan=(plan["BM"], bk, in_f // bk, plan["target"], plan["most"]))
 
 
-def norm_launch(in_f: int, scale_only: bool = False) -> dict:
-    """Constants and warps of rms_norm_rows_kernel for rows of in_f inputs (x, or with
-    `scale_only` the rows' scales)."""
+def norm_launch(in_f: int, ldo: int | None = None) -> dict:
+    """Constants and warps of rms_norm_rows_kernel for rows of in_f inputs, x's rows `ldo` apart
+    (default in_f; [x | s]'s width for its first columns)."""
     bk = 1 << (in_f - 1).bit_length()
-    return dict(consts=dict(K=in_f, BK=bk, SCALE_ONLY=int(scale_only)), warps=4 if bk <= 4096 else 8)
+    return dict(consts=dict(K=in_f, BK=bk, LDO=ldo or in_f), warps=4 if bk <= 4096 else 8)
 
 
-def _norm_signature(dtype: str, scale_only: bool = False) -> dict:
+def _norm_signature(dtype: str) -> dict:
     e = triton_build.PTR[dtype]
-    return dict(h_ptr=e, g_ptr=e, out_ptr="*fp32" if scale_only else e, eps="fp32", K="constexpr", BK="constexpr",
-                SCALE_ONLY="constexpr")
+    return dict(h_ptr=e, g_ptr=e, out_ptr=e, eps="fp32", K="constexpr", BK="constexpr", LDO="constexpr")
 
 
 def scratch_elems(n, widths: Sequence[int]):
     """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes: the
     pair's SPLIT_MAX splits, the rank columns route's XS_PLAN ones)."""
     return max(SPLIT_MAX, *(p["most"] for p in XS_PLAN.values())) * n * len(widths) * RANK_COLUMNS
+
+
+def producer_module(producer: str, in_f: int, ld: int, dtype: str, arch: str):
+    """(kernel name, threads, shared bytes, CUDA module) of x's producer (PRODUCERS: the RMSNorm of
+    rows, silu(gate) * up of ops/activation_triton.py) writing x's rows `ld` apart (in_f: x alone;
+    the width of [x | s]: its first columns)."""
+    if producer == "rms_norm":
+        nl = norm_launch(in_f, ldo=ld)
+        return triton_build.cuda_module(rms_norm_rows_kernel, _norm_signature(dtype), nl["consts"], nl["warps"], arch,
+                                        Path(__file__))
+    return ACT.build(in_f, dtype, arch, ld)
 
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
@@ -766,8 +756,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     spare columns (the rank columns route) adds xe (n, w_cols) [scratch]; with a `producer` other
     than "copy" (PRODUCERS; only there) the wrapper takes the producer's input instead of x (h
     (n, in_f) and the gain g (in_f,) for "rms_norm" with `eps`, y = [gate | up] (n, 2 in_f) for
-    "silu_mul") and makes x itself: into xe with the shrink past FUSED_MAX_TOKENS (the RMSNorm's
-    rows' scales first, into v's last n elements), else into one more output, x (n, in_f)
+    "silu_mul") and runs the producer's kernel itself: into xe's first columns past
+    FUSED_MAX_TOKENS (the shrink then reads x there), else into one more output, x (n, in_f)
     [scratch], which the one-kernel linear reads."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
@@ -802,32 +792,20 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         f_grid, x_nt = go["fill_grid"], go["expand_grid"][1]
     elif cols:  # past FUSED_MAX_TOKENS: the shrink into [x | s], cuBLAS over [x | s] and [W | B columns]
         _, sig_s = _cols_route_signatures(dtype)
-        go = xs_launch(1, in_f, widths, mods, M, R, align)
         shrinks = {}
-        for variant in SHRINK_BM:
-            gv = xs_launch(1, in_f, widths, mods, M, R, align, variant, producer)
+        for variant in SHRINK_BM:  # (x's producer, if any, writes x into xe; the shrink adds s in place)
+            gv = xs_launch(1, in_f, widths, mods, M, R, align, variant, producer != "copy")
             name, threads, shared, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
                                                                   gv["shrink_warps"], arch, Path(__file__))
             shrinks[variant] = (name, threads, shared, gv["plan"])
             mods_out.append(mod)
-        rn, rth, rsh, pn, pth, psh, p_bm = "", 0, 0, "", 0, 0, 1  # (the producer's kernel below)
-        cn, cth, csh = "", 0, 0
-        if producer == "rms_norm":  # up to FUSED_MAX_TOKENS x alone, for the one-kernel linear; past it the scales
-            nl = norm_launch(in_f)
-            rn, rth, rsh, mod = triton_build.cuda_module(rms_norm_rows_kernel, _norm_signature(dtype), nl["consts"],
-                                                         nl["warps"], arch, Path(__file__))
-            nc = norm_launch(in_f, scale_only=True)
-            cn, cth, csh, cmod = triton_build.cuda_module(rms_norm_rows_kernel, _norm_signature(dtype, True),
-                                                          nc["consts"], nc["warps"], arch, Path(__file__))
+        # x's producer: into x up to FUSED_MAX_TOKENS (the one-kernel linear reads it), into xe's first
+        # columns past it
+        rn, rth, rsh, cn, cth, csh = "", 0, 0, "", 0, 0
+        if producer != "copy":
+            (rn, rth, rsh, mod), (cn, cth, csh, cmod) = (producer_module(producer, in_f, ld, dtype, arch)
+                                                         for ld in (in_f, KW))
             mods_out += [mod, cmod]
-        elif producer != "copy":
-            gv = xs_launch(1, in_f, widths, mods, M, R, align, "small", producer, shrink=False)
-            pn, pth, psh, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
-                                                         gv["shrink_warps"], arch, Path(__file__))
-            p_bm = gv["shrink"]["BM"]
-            mods_out.append(mod)
-        bk = go["shrink"]["BK"]  # (the silu producer's launch up to FUSED_MAX_TOKENS)
-        steps = in_f // bk
         qn, qth, qsh, q_plan = shrinks["small"]
         gn, gth, gsh, g_plan = shrinks["large"]
     else:  # past FUSED_MAX_TOKENS: cuBLAS, then the shrink (two variants) and the in-place expand
@@ -875,13 +853,11 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
 
     @T.macro
-    def shrink_xs(name, plan, threads, shared, n, S, size, layer, x, g, r, arena, slot, rank, scale, a_off, xe, v,
-                  cnt):
-        """The shrink variant `name` into xe = [x | s], x made of x's producer's input (g: its gain,
-        r: the rows' scales, for the RMSNorm; any buffer where it has none); plan: its (BM, BK, input
-        steps, target, most) (xs_launch)."""
-        T.call_packed(name, x.data, g.data, r, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data,
-                      v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+    def shrink_xs(name, plan, threads, shared, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v, cnt):
+        """The shrink variant `name` into xe = [x | s] (x copied from x, or read in place: the
+        variant's IN_PLACE); plan: its (BM, BK, input steps, target, most) (xs_launch)."""
+        T.call_packed(name, x.data, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data, v.data,
+                      cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
                       T.Cast("int32", xs_split(n, plan)[1] * plan[1]), T.Cast("int32", xs_split(n, plan)[2]),
                       T.int64(0), T.int64(0), T.Cast("int32", xs_split(n, plan)[0]),
                       T.Cast("int32", xs_split(n, plan)[2]), threads, shared)
@@ -959,40 +935,43 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                     fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:  # (the spare columns hold the kept adapters' B rows: fill_wrapper)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
-                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, x, x, v.data, arena, slot, rank, scale,
-                                  a_off, xe, v, cnt)
+                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe,
+                                  v, cnt)
                     else:
-                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, x, x, v.data, arena, slot, rank, scale,
-                                  a_off, xe, v, cnt)
+                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe,
+                                  v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
         if producer == "copy":
             return lora_linear_cols, mods_out
 
         @T.macro
+        def produce(name, threads, shared, n, h, g, out):
+            """x's producer of h (g: the RMSNorm's gain) into out (x, or xe's first columns)."""
+            if producer == "rms_norm":  # a row per block
+                T.call_packed(name, h.data, g.data, out.data, T.float32(eps), T.int64(0), T.int64(0), n, 1, threads,
+                              shared)
+            else:
+                T.call_packed(name, h.data, out.data, T.Cast("int32", n), T.int64(0), T.int64(0),
+                              T.Cast("int32", (n + ACT.BM - 1) // ACT.BM), in_f // ACT.block_cols(in_f), threads,
+                              shared)
+
+        @T.macro
         def produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x):
-            """The producer into x and the one-kernel linear, or the producer's shrink into xe and cuBLAS."""
+            """The producer into x and the one-kernel linear, or the producer into xe, the shrink adding
+            s in place and cuBLAS."""
             if n > 0:
-                if n <= FUSED_MAX_TOKENS:  # x alone (the RMSNorm: a row per block; else every input step)
-                    if producer == "rms_norm":
-                        T.call_packed(rn, h.data, g.data, x.data, T.float32(eps), T.int64(0), T.int64(0), n, 1,
-                                      rth, rsh)
-                    else:
-                        T.call_packed(pn, h.data, g.data, v.data, arena.data, slot.data, rank.data, scale.data,
-                                      a_off.data, x.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                                      layer * (size // L), T.int32(bk), T.int32(steps), T.int64(0),
-                                      T.int64(0), T.Cast("int32", (n + p_bm - 1) // p_bm), T.int32(steps), pth, psh)
+                if n <= FUSED_MAX_TOKENS:
+                    produce(rn, rth, rsh, n, h, g, x)
                     fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-                else:  # (the RMSNorm: the rows' scales first, into v's last n elements)
-                    if producer == "rms_norm":
-                        T.call_packed(cn, h.data, g.data, T.address_of(v[v.shape[0] - n]), T.float32(eps),
-                                      T.int64(0), T.int64(0), n, 1, cth, csh)
+                else:
+                    produce(cn, cth, csh, n, h, g, xe)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
-                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, h, g, T.address_of(v[v.shape[0] - n]),
-                                  arena, slot, rank, scale, a_off, xe, v, cnt)
+                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, xe, arena, slot, rank, scale, a_off,
+                                  xe, v, cnt)
                     else:
-                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, h, g, T.address_of(v[v.shape[0] - n]),
-                                  arena, slot, rank, scale, a_off, xe, v, cnt)
+                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, xe, arena, slot, rank, scale, a_off,
+                                  xe, v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
         @T.prim_func(s_tir=True)
@@ -1159,9 +1138,8 @@ class FusedLinear:
         if rows:  # no shrink partials; e = x @ [W; rank rows].T
             outs += [relax.TensorType([max(1, split_scratch_elems(in_f, widths))], "float32"),
                      relax.TensorType([n, w_rows], dtype)]
-        elif cols:  # the shrink's partial sums (and the RMSNorm's n scales last); xe = [x | s]; x, where the
-            # wrapper makes it
-            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths) + n], "float32"),
+        elif cols:  # the shrink's partial sums; xe = [x | s]; x, where the wrapper makes it
+            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32"),
                      relax.TensorType([n, w_cols], dtype)]
             outs += [relax.TensorType([n, in_f], dtype)] if producer else []
         else:

@@ -210,38 +210,58 @@ def test_rank_columns_wrapper_builds_to_cubin_for_sm90(cubin_cache):
         LT.linear_wrapper(4096, (4096,), (0,), 2, 16, 7, "float16", 8, "sm_90a", w_cols=4096 + 96)
 
 
-@pytest.mark.parametrize("producer,shrink,dtype,K", [
-    ("rms_norm", True, np.float16, 576), ("silu_mul", True, np.float16, 576), ("rms_norm", False, np.float16, 576),
-    ("silu_mul", False, np.float16, 576), ("rms_norm", True, np.float32, 576), ("rms_norm", True, np.float16, 1024)])
-def test_producer_makes_x_beside_its_shrink(tmp_path, producer, shrink, dtype, K):
-    """The rank columns route's shrink with x's producer folded in (an RMSNorm of the hidden state,
-    silu(gate) * up): [x | s] and the GEMM over it equal linear_ref of the producer's x (float64,
-    rounded once to the dtype); without the shrink the kernel writes x alone (the one-kernel linear
-    reads it up to FUSED_MAX_TOKENS). Several input splits (2 for 576 inputs, 4 for 1024), each block
-    scaling its part of the rows by the RMSNorm's scales (rms_norm_rows_kernel's, before the shrink)."""
+@pytest.mark.parametrize("producer,kernel", [("rms_norm", "mlc_lora_triton_rms_norm_fp16"),
+                                             ("silu_mul", "mlc_lora_triton_silu_mul_fp16")])
+def test_rank_columns_wrapper_runs_the_producer_into_xs(cubin_cache, producer, kernel):
+    """With x's producer (the RMSNorm, silu(gate) * up) the wrapper takes the producer's input and
+    runs the producer's kernel itself: into x (rows in_f apart) for the one-kernel linear, into the
+    first columns of [x | s] (rows in_f + 96 apart) before the shrink, which reads x there and adds
+    s in place (IN_PLACE)."""
+    fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a",
+                                 w_cols=4096 + 96, producer=producer, eps=1e-5)
+    assert len(mods) == 6
+    script = fn.script()
+    names = {ln.split('"')[1] for ln in script.splitlines() if "T.call_packed(\"mlc_lora_triton" in ln}
+    ld = "LDO" if producer == "rms_norm" else "LDH"
+    produced = sorted(n for n in names if n.startswith(kernel))
+    assert len(produced) == 2 and [f"_{ld}4096_" in n + "_" for n in produced].count(True) == 1, produced
+    assert [f"_{ld}4192_" in n + "_" for n in produced].count(True) == 1, produced
+    shrinks = [n for n in names if "shrink_xs" in n]
+    assert len(shrinks) == 2 and all("_IN_PLACE1_" in n for n in shrinks), shrinks
+    assert script.count("mlc_lora.runtime.cublas_gemm") == 1
+
+
+@pytest.mark.parametrize("producer,dtype,K", [
+    ("rms_norm", np.float16, 576), ("silu_mul", np.float16, 576), ("rms_norm", np.float32, 576),
+    ("rms_norm", np.float16, 1024), ("silu_mul", np.float32, 1024)])
+def test_producer_writes_x_beside_its_shrink(tmp_path, producer, dtype, K):
+    """The rank columns route with x's producer (an RMSNorm of the hidden state, silu(gate) * up):
+    its kernel writes x into [x | s]'s first columns, the shrink reads x there and adds s; [x | s]
+    and the GEMM over it equal linear_ref of the producer's x (float64, rounded once to the dtype).
+    Several input splits (2 for 576 inputs, 4 for 1024)."""
     rng = np.random.default_rng(5)
     widths, mods, R, n = (64, 32, 32), (0, -1, 2), 16, 70
-    assert LT.xs_launch(n, K, widths, mods, 4, R, 8, "small", producer)["split"] == (2 if K == 576 else 4)
+    assert LT.xs_launch(n, K, widths, mods, 4, R, 8, "small", True)["split"] == (2 if K == 576 else 4)
     c = _case(rng, dtype, n, K, widths, [8, 16, 0, 4], R)
     h = (rng.standard_normal((n, 2 * K if producer == "silu_mul" else K)) * 3).astype(dtype)
     g = rng.uniform(0.5, 1.5, K).astype(dtype)
     x = LT.producer_ref(producer, h, g, 1e-5).astype(dtype)
-    out = interpret(tmp_path, **{**c, "x": x}, h=h, g=g, eps=1e-5, producer=producer, shrink=int(shrink),
+    # the shrink's own x input is NaN: in place it reads nothing but [x | s]
+    out = interpret(tmp_path, **{**c, "x": np.full_like(x, np.nan)}, h=h, g=g, eps=1e-5, producer=producer,
                     mods=np.array(mods), widths=np.array(widths), R=R, bm=64, variant="xs-small",
                     fill_slots=len(c["rank"]))
     tol = 1e-5 if dtype == np.float32 else 4e-3
     got_x = out["xe"][:, :K].astype(np.float64)
-    assert out["xe"].shape == (n, K + 96 if shrink else K) and np.isfinite(out["xe"]).all()
+    assert out["xe"].shape == (n, K + 96) and np.isfinite(out["xe"]).all()
     assert not out["cnt"].any()
     # x: the reference rounded once; the kernel's float32 sums may round the other way (one ulp)
     np.testing.assert_allclose(got_x, x.astype(np.float64), rtol=2 * np.finfo(dtype).eps, atol=1e-6)
-    if shrink:
-        ref = LT.linear_ref(x, c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
-                            c["b_off"], mods, widths)
-        base_only = x.astype(np.float64) @ c["w"].astype(np.float64).T
-        got = out["y"].astype(np.float64)
-        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
-        assert np.linalg.norm((got - base_only) - (ref - base_only)) / np.linalg.norm(ref - base_only) < 3 * tol
+    ref = LT.linear_ref(x, c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
+                        c["b_off"], mods, widths)
+    base_only = x.astype(np.float64) @ c["w"].astype(np.float64).T
+    got = out["y"].astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
+    assert np.linalg.norm((got - base_only) - (ref - base_only)) / np.linalg.norm(ref - base_only) < 3 * tol
 
 
 def test_launch_arguments_keep_their_scalar_types():
@@ -251,7 +271,7 @@ def test_launch_arguments_keep_their_scalar_types():
     from mlc_lora.compiler_passes.ops import triton_build
 
     _, shrink = LT._cols_route_signatures("float16")  # pylint: disable=protected-access
-    norm = LT._norm_signature("float16", scale_only=True)  # pylint: disable=protected-access
+    norm = LT._norm_signature("float16")  # pylint: disable=protected-access
     types = triton_build.arg_types(shrink)
     launched = [k for k, t in shrink.items() if t != "constexpr"]
     assert triton_build.arg_types(norm)[:4] == ["handle", "handle", "handle", "float32"]
@@ -261,17 +281,17 @@ def test_launch_arguments_keep_their_scalar_types():
         triton_build.arg_types({"x": "*fp16", "f": "fp64"})
 
 
-@pytest.mark.parametrize("K", [576, 512])
-def test_rms_norm_rows_matches_reference(tmp_path, K):
-    """The RMSNorm the rank columns route's wrapper runs up to FUSED_MAX_TOKENS (a row per block):
-    producer_ref's, rounded once, for rows of a power of two and not (the masked tail); and the
-    rows' scales alone (past it, for the shrink) against numpy's."""
+@pytest.mark.parametrize("K,ldo", [(576, 576), (512, 512), (576, 576 + 96)])
+def test_rms_norm_rows_matches_reference(tmp_path, K, ldo):
+    """The RMSNorm the rank columns route's wrapper runs (a row per block; into x up to
+    FUSED_MAX_TOKENS, into [x | s]'s first columns past it): producer_ref's, rounded once, for rows
+    of a power of two and not (the masked tail), also into wider rows (the columns past K left
+    alone)."""
     rng = np.random.default_rng(7)
     h = (rng.standard_normal((5, K)) * 3).astype(np.float16)
     g = rng.uniform(0.5, 1.5, K).astype(np.float16)
-    out = interpret(tmp_path, norm_rows=h, g=g, eps=1e-5)
-    hf = h.astype(np.float64)
-    np.testing.assert_allclose(out["scale"], 1 / np.sqrt((hf * hf).mean(axis=1) + 1e-5), rtol=1e-6)
+    out = interpret(tmp_path, norm_rows=h, g=g, eps=1e-5, ldo=ldo)
     ref = LT.producer_ref("rms_norm", h, g, 1e-5)
-    np.testing.assert_allclose(out["x"].astype(np.float64), ref.astype(np.float16).astype(np.float64),
+    np.testing.assert_allclose(out["x"][:, :K].astype(np.float64), ref.astype(np.float16).astype(np.float64),
                                rtol=2 * np.finfo(np.float16).eps, atol=1e-6)
+    assert np.isnan(out["x"][:, K:]).all()

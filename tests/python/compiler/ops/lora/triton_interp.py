@@ -116,11 +116,11 @@ def run_xs(inp: dict) -> dict:
     of the kept slots (`fill_slots` of them: not the stale one past them, which the forward's
     tables keep), the shrink into [x | s] (xe and the partial sums NaN before, the counters zeros),
     then [x | s] @ [W | B cols].T (as cuBLAS: fp32 sums, rounded to the dtype), launched as
-    fill_wrapper and the linear's TIR wrapper launch them. With `producer` (h: its input, g: its
-    gain, eps) the kernel makes x of h (the RMSNorm's rows' scales first, by rms_norm_rows_kernel);
-    without `shrink` it writes x alone (only xe comes back)."""
+    fill_wrapper and the linear's TIR wrapper launch them. With a `producer` (h: its input, g: its
+    gain, eps) its kernel writes x into xe's first columns first and the shrink reads x there."""
     import torch
 
+    from mlc_lora.compiler_passes.ops import activation_triton as AT
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
 
     _interpreter_scalars()
@@ -128,10 +128,9 @@ def run_xs(inp: dict) -> dict:
     x, w, scale = inp["x"], inp["w"], inp["scale"]
     mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
     n, K = x.shape
-    producer, shrink = str(inp.get("producer", "copy")), bool(inp.get("shrink", True))
-    src = inp.get("h", x)  # the producer's input (x itself for "copy")
-    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, str(inp["variant"])[3:], producer,
-                      shrink)
+    producer = str(inp.get("producer", "copy"))
+    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, str(inp["variant"])[3:],
+                      producer != "copy")
     w_ext = torch.zeros((sum(widths), go["cols"]), dtype=t(x).dtype)
     w_ext[:, :K] = t(w)
     o = 0
@@ -141,19 +140,21 @@ def run_xs(inp: dict) -> dict:
     S, base, F = len(inp["rank"]), int(inp["base"]), int(inp["fill_slots"])
     LT.lora_fill_cols_kernel[go["fill_grid"]](t(inp["arena"]), t(inp["rank"][:F]), t(scale[:F]), t(inp["b_off"][:F]),
                                               w_ext, F, base, **go["fill"], num_warps=go["fill_warps"])
-    xe = torch.full((n, go["shrink"]["KE"]), float("nan"), dtype=w_ext.dtype)
+    ke = go["shrink"]["KE"]
+    xe = torch.full((n, ke), float("nan"), dtype=w_ext.dtype)
     v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
     cnt = torch.zeros((LT.COUNTER_SLOTS,), dtype=torch.int32)
-    r = torch.full((n,), float("nan"), dtype=torch.float32)
-    if producer == "rms_norm":
-        nc = LT.norm_launch(K, scale_only=True)
-        LT.rms_norm_rows_kernel[(n,)](t(src), t(inp["g"]), r, float(inp["eps"]), **nc["consts"], num_warps=nc["warps"])
+    if producer == "rms_norm":  # the producer's kernel as the wrapper launches it, into xe's first columns
+        nl = LT.norm_launch(K, ke)
+        LT.rms_norm_rows_kernel[(n,)](t(inp["h"]), t(inp["g"]), xe, float(inp["eps"]), **nl["consts"],
+                                      num_warps=nl["warps"])
+    elif producer == "silu_mul":
+        bn = AT.block_cols(K)
+        AT.silu_mul_kernel[(-(-n // AT.BM), K // bn)](t(inp["h"]), xe, n, I=K, BM=AT.BM, BN=bn, LDH=ke,
+                                                      num_warps=AT.WARPS)
     LT.lora_shrink_xs_kernel[go["shrink_grid"]](
-        t(src), t(inp.get("g", src)), r, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale),
-        t(inp["a_off"]), xe, v, cnt, n, S, base, go["chunk"], go["split"], **go["shrink"],
-        num_warps=go["shrink_warps"])
-    if not shrink:  # x alone
-        return {"xe": xe.numpy(), "cnt": cnt.numpy()}
+        t(x), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt, n, S, base,
+        go["chunk"], go["split"], **go["shrink"], num_warps=go["shrink_warps"])
     y = (xe.numpy().astype(np.float32) @ w_ext.numpy().astype(np.float32).T).astype(x.dtype)
     return {"y": y, "cnt": cnt.numpy(), "cols": w_ext[:, K:].numpy(), "xe": xe.numpy()}
 
@@ -167,9 +168,11 @@ def run_silu_mul(inp: dict) -> dict:
     _interpreter_scalars()
     y = torch.from_numpy(np.ascontiguousarray(inp["gate_up"]))
     n, inter = y.shape[0], y.shape[1] // 2
-    h = torch.full((n, inter), float("nan"), dtype=y.dtype)
+    ldh = int(inp.get("ldh", inter))  # h's rows ldh apart: the first columns of a wider buffer
+    h = torch.full((n, ldh), float("nan"), dtype=y.dtype)
     bn = AT.block_cols(inter)
-    AT.silu_mul_kernel[(-(-n // AT.BM), inter // bn)](y, h, n, I=inter, BM=AT.BM, BN=bn, num_warps=AT.WARPS)
+    AT.silu_mul_kernel[(-(-n // AT.BM), inter // bn)](y, h, n, I=inter, BM=AT.BM, BN=bn, LDH=ldh,
+                                                      num_warps=AT.WARPS)
     return {"h": h.numpy()}
 
 
@@ -183,12 +186,11 @@ def run_norm_rows(inp: dict) -> dict:
     _interpreter_scalars()
     h = torch.from_numpy(np.ascontiguousarray(inp["norm_rows"]))
     g = torch.from_numpy(inp["g"])
-    x = torch.full(h.shape, float("nan"), dtype=h.dtype)
-    r = torch.full(h.shape[:1], float("nan"), dtype=torch.float32)
-    for out, scale_only in ((x, False), (r, True)):
-        nl = LT.norm_launch(h.shape[1], scale_only)
-        LT.rms_norm_rows_kernel[(h.shape[0],)](h, g, out, float(inp["eps"]), **nl["consts"], num_warps=nl["warps"])
-    return {"x": x.numpy(), "scale": r.numpy()}
+    ldo = int(inp.get("ldo", h.shape[1]))  # x's rows ldo apart: the first columns of a wider buffer
+    x = torch.full((h.shape[0], ldo), float("nan"), dtype=h.dtype)
+    nl = LT.norm_launch(h.shape[1], ldo)
+    LT.rms_norm_rows_kernel[(h.shape[0],)](h, g, x, float(inp["eps"]), **nl["consts"], num_warps=nl["warps"])
+    return {"x": x.numpy()}
 
 
 def run_tiles(inp: dict) -> dict:
