@@ -4,7 +4,7 @@ CUDA graph of n calls over rotated copies of every input, the median replay / n)
 
   python scripts/bench_lora_fused.py run [--tokens 1,16,64,128,256,1024,4096] [--adapters 4x8,2x16] \
       [--dtypes bfloat16,float16] [--out bench_lora_fused.json]          # the GPU
-  python scripts/bench_lora_fused.py tune | routes [--tokens ...] [--linears ...]  # the GPU
+  python scripts/bench_lora_fused.py tune | routes | producers [--tokens ...] [--linears ...]  # the GPU
   python scripts/bench_lora_fused.py plot bench_lora_fused.json          # here
 
 Ours is compiler_passes/ops/lora/linear_triton.py as its TIR wrapper runs it, with the constants the
@@ -236,12 +236,12 @@ def _pair_configs(LT, pt):
     return shrinks, expands
 
 
-def _xs_configs(LT, pt, producer):
-    """Launches of the rank columns route's shrink into [x | s] (x made of `producer`) at pt.T tokens,
-    the compiled one first: token tiles of 16-64, input steps of 64-128, splits aimed at 1-4 blocks
-    an SM (up to 16), 4 or 8 warps."""
+def _xs_configs(LT, pt, in_place):
+    """Launches of the rank columns route's shrink into [x | s] (x copied there, or read in place) at
+    pt.T tokens, the compiled one first: token tiles of 16-64, input steps of 64-128, splits aimed at
+    1-4 blocks an SM (up to 16), 4 or 8 warps."""
     T, in_f, widths = pt.T, pt.in_f, pt.widths
-    go = LT.xs_launch(T, in_f, widths, pt.mod_ids, len(widths), pt.r, 8, None, producer)
+    go = LT.xs_launch(T, in_f, widths, pt.mod_ids, len(widths), pt.r, 8, None, in_place)
     out = [dict(go, warps=go["shrink_warps"])]
     for bm in (16, 32, 64):
         for bk in (64, 128):
@@ -255,50 +255,37 @@ def _xs_configs(LT, pt, producer):
     return out
 
 
-def _xs_group(torch, LT, pt, name, producer):
-    """The route's shrink into [x | s] with x made of `producer` per launch of _xs_configs (each
-    checked against the compiled one's [x | s]), beside what it replaces: the pair's shrink, and
-    torch's RMSNorm or silu(gate) * up (standing in for the kernel the shrink takes in)."""
-    cfgs = _xs_configs(LT, pt, producer)
-    K, T = pt.in_f, pt.T
-    width = 2 * K if producer == "silu_mul" else K
-    h = [torch.randn((T, width), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
-    gain = (torch.rand((K,), device="cuda") + 0.5).to(pt.x[0].dtype)
-    xe = torch.empty((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype)
+def _xs_group(torch, LT, pt, name, in_place):
+    """The route's shrink into [x | s] (x copied from pt.x, or read in place where its producer
+    wrote it) per launch of _xs_configs, each checked against the compiled one's [x | s], beside the
+    pair's shrink."""
+    cfgs = _xs_configs(LT, pt, in_place)
+    T = pt.T
+    xe = [torch.empty((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
+    for i in range(pt.copies):
+        xe[i][:, :pt.in_f].copy_(pt.x[i])
     v = torch.empty((LT.scratch_elems(T, pt.widths),), device="cuda", dtype=torch.float32)
-    r = torch.empty((T,), device="cuda", dtype=torch.float32)
-    nc = LT.norm_launch(K, scale_only=True)
 
-    def scales(i):  # the RMSNorm's rows' scales
-        LT.rms_norm_rows_kernel[(T,)](h[i], gain, r, 1e-5, **nc["consts"], num_warps=nc["warps"])
-
-    def launch(i, g):  # (the rows' scales first, as the wrapper launches them)
-        if producer == "rms_norm":
-            scales(i)
+    def launch(i, g):
         LT.lora_shrink_xs_kernel[g["shrink_grid"]](
-            pt.x[i] if producer == "copy" else h[i], gain, r, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe,
-            v, pt.cnt, T, pt.N, 0, g["chunk"], g["split"], **g["shrink"], num_warps=g["warps"])
+            pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], v, pt.cnt, T, pt.N, 0, g["chunk"],
+            g["split"], **g["shrink"], num_warps=g["warps"])
 
     launch(0, cfgs[0])
     torch.cuda.synchronize()
-    want = xe.clone()
+    want = xe[0].clone()
     group = {}
     for g in cfgs:
         c = g["shrink"]
         label = f"BM{c['BM']} BK{c['BK']} split{g['split']} w{g['warps']}"
         launch(0, g)
         torch.cuda.synchronize()
-        if not torch.allclose(xe.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.float().abs().max())):
+        if not torch.allclose(xe[0].float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.float().abs().max())):
             print(f"  {name} T={T} shrink·xs {label}: [x | s] differs from the compiled launch's: left out")
             continue
         group[label] = lambda i, g=g: launch(i, g)
-    go = LT.cols_launch(T, K, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
+    go = LT.cols_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
     group["the pair's shrink"] = lambda i: pt.launch_shrink(i, go)
-    if producer == "rms_norm":
-        group["torch rms_norm"] = lambda i: torch.nn.functional.rms_norm(h[i], (K,), gain, 1e-5)
-        group["the rows' scales"] = scales
-    if producer == "silu_mul":
-        group["torch silu * up"] = lambda i: torch.nn.functional.silu(h[i][:, :K]) * h[i][:, K:]
     return group
 
 
@@ -325,8 +312,9 @@ def _norm_group(torch, LT, pt):
 def tune(a) -> int:  # pylint: disable=too-many-locals
     """Every tile shape of `_linear_configs` / `_pair_configs` per linear and token count, timed
     together (harness.timing.compare); prints the compiled one against the best. Also: the rank
-    columns route's shrink into [x | s] (`_xs_group`, past FUSED_MAX_TOKENS) and its RMSNorm of rows
-    (`_norm_group`, up to it), each beside what it replaces."""
+    columns route's shrink into [x | s] (`_xs_group`, past FUSED_MAX_TOKENS: x copied, and for the
+    linears whose x has a producer, read in place) beside the pair's shrink, and its RMSNorm of rows
+    (`_norm_group`, up to it) beside torch's."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -363,12 +351,9 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                                     "cublas": pt.launch_gemm}
                 # the rank columns route's shrink into [x | s] (for q|k|v, gate|up: x the RMSNorm of h, its
                 # rows' scales first)
-                groups["shrink·xs"] = _xs_group(torch, LT, pt, name, "rms_norm" if name in ("qkv", "gate_up")
-                                                else "copy")
-                if name == "down":  # the activation before down inside its shrink (built, off)
-                    groups["shrink·xs silu"] = _xs_group(torch, LT, pt, name, "silu_mul")
-                elif name in ("qkv", "gate_up"):  # what the shrink costs without the RMSNorm (x given)
-                    groups["shrink·xs copy"] = _xs_group(torch, LT, pt, name, "copy")
+                groups["shrink·xs"] = _xs_group(torch, LT, pt, name, False)
+                if name != "o":  # x's producer writes x into [x | s] (the RMSNorm, silu * up)
+                    groups["shrink·xs in place"] = _xs_group(torch, LT, pt, name, True)
             for kind, fns in groups.items():
                 ok = {}
                 for label, fn in fns.items():
@@ -404,12 +389,10 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     (the batch's A rows below W's: the shrink inside the GEMM), alone and with the fill and the
     expand from its output (the compiled route); and the pair's shrink, its expand and the rows
     route's fill alone (what a route that folds one of them into the GEMM saves or adds); and the
-    producer of x (an RMSNorm before qkv and gate_up, a copy before o and down) alone, before cuBLAS,
-    before cuBLAS + the pair, and with the shrink folded in (the compiled shrink's producers) before
-    cuBLAS over K + P x RANK_COLUMNS inputs, with and without the fill of the batch's B rows into the weight's spare
-    columns: the rank columns route with no separate LoRA launch but the fill; and the rank columns
-    route as compiled (`lora_spare_columns`): its shrink into [x | s], then cuBLAS over both (its
-    fill, which runs when the pool's kept columns change, timed alone as `fill(cols)`)."""
+    rank columns route as compiled for a linear whose x has no producer of its own (o:
+    `lora_spare_columns`): its shrink copying x into [x | s], then cuBLAS over both (its fill, which
+    runs when the pool's kept columns change, timed alone as `fill(cols)`). With x's producer
+    writing x into [x | s]: `producers`."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -425,14 +408,6 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             k_ext = pt.in_f + len(pt.widths) * LT.RANK_COLUMNS
             w_ext = [torch.empty((pt.out_f, k_ext), device="cuda", dtype=pt.w[0].dtype) for _ in range(pt.copies)]
             x_ext = [torch.zeros((T, k_ext), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
-            # the producer of x with the shrink folded in (the compiled shrink's PRODUCERS): an RMSNorm
-            # for qkv and gate_up, a copy standing in for the attention / the activation before o and
-            # down; the fill of the batch's B rows into the weight's spare columns
-            h = [torch.randn((T, pt.in_f), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
-            gain = (torch.rand((pt.in_f,), device="cuda") + 0.5).to(pt.x[0].dtype)
-            producer = "rms_norm" if name in ("qkv", "gate_up") else "copy"
-            go_prod = {sh: LT.xs_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8, None, producer,
-                                        sh) for sh in (False, True)}
             go_xs = LT.xs_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
 
             def fill_cols(i):  # the compiled route's fill (when the kept columns change)
@@ -441,24 +416,13 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
 
             def shrink_xs(i):  # the compiled route's shrink into [x | s]
                 LT.lora_shrink_xs_kernel[go_xs["shrink_grid"]](
-                    pt.x[i], pt.x[i], pt.v, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt,
-                    T, pt.N, 0, go_xs["chunk"], go_xs["split"], **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
+                    pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt, T, pt.N, 0,
+                    go_xs["chunk"], go_xs["split"], **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
 
             for c in range(pt.copies):
                 w_ext[c].zero_()
                 w_ext[c][:, :pt.in_f].copy_(pt.w[c])
                 fill_cols(c)
-
-            r = torch.empty((T,), device="cuda", dtype=torch.float32)
-            nc = LT.norm_launch(pt.in_f, scale_only=True)
-
-            def prod(i, shrink=False):  # (the RMSNorm's rows' scales first, as the wrapper launches them)
-                xe, gp = (x_ext[i], go_prod[True]) if shrink else (pt.x[i], go_prod[False])
-                if producer == "rms_norm":
-                    LT.rms_norm_rows_kernel[(T,)](h[i], gain, r, 1e-5, **nc["consts"], num_warps=nc["warps"])
-                LT.lora_shrink_xs_kernel[gp["shrink_grid"]](
-                    h[i], gain, r, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe, pt.v, pt.cnt, T, pt.N, 0,
-                    gp["chunk"], gp["split"], **gp["shrink"], num_warps=gp["shrink_warps"])
 
             def overlap(i):
                 cur = torch.cuda.current_stream()
@@ -486,20 +450,14 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                      # the pair's parts alone: what a route that folds one of them away saves
                      "shrink": lambda i: pt.launch_shrink(i, go), "expand": lambda i: pt.launch_expand(i, go),
                      "fill(rows)": lambda i: pt.launch_fill_rows(i, go_rows),
-                     "prod": prod, "prod + cublas": lambda i: (prod(i), pt.launch_gemm(i)),
-                     "prod + cublas + pair": lambda i: (prod(i), pt.launch_pair(i, go)),
-                     "prod·shrink": lambda i: prod(i, True),
-                     "prod·shrink + cublas(K+cols)": lambda i: (prod(i, True), gemm_ext(i)),
                      "fill(cols)": fill_cols,
-                     "fill(cols) + prod·shrink + cublas(K+cols)": lambda i: (fill_cols(i), prod(i, True), gemm_ext(i)),
                      # the compiled rank columns route (--spare columns), its fill kept out (it runs
                      # when the pool's kept columns change)
                      "shrink·xs": shrink_xs, "shrink·xs + cublas(K+cols)": lambda i: (shrink_xs(i), gemm_ext(i))}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
-            prod(0)  # x = the producer's output of h: what every route below reads, and the reference
             for label in ("cublas + pair", "cublas || shrink, expand", "fill + cublas(N+rows) + expand",
-                          "fill(cols) + prod·shrink + cublas(K+cols)", "shrink·xs + cublas(K+cols)") + (
+                          "shrink·xs + cublas(K+cols)") + (
                     ("one-kernel linear",) if T <= LT.FUSED_MAX_TOKENS else ()):
                 cands[label](0)
                 cands[label](0)  # twice: the split tiles' counters were left at zero
@@ -509,7 +467,7 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
             print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
             out.append(dict(linear=name, T=T, us=us))
-            del w_ext, x_ext, h, pt
+            del w_ext, x_ext, pt
             torch.cuda.empty_cache()
     print("\nOne layer (the four linears), us:")
     labels = list(out[0]["us"])
@@ -519,6 +477,113 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
         rows = [r["us"] for r in out if r["T"] == T]
         print(f"| {T} | " + " | ".join(f"{sum(r.get(k, float('nan')) for r in rows):.1f}" for k in labels) + " |")
     cli.write_results(Path(a.out), {"routes": out})
+    return 0
+
+
+def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
+    """The rank columns route with x written by its producer straight into [x | s] (as compiled),
+    against x copied there by the shrink and the pair, per linear and token count (4 x r8), timed
+    together. x's producer: the RMSNorm before q|k|v and gate|up (rms_norm_rows_kernel),
+    silu(gate) * up before down (ops/activation_triton.py), the attention before o (not ours to
+    change here: x given, in [x | s] already for the in-place route). Candidates: `base` (the
+    producer into x, cuBLAS), `pair` (the same, then the shrink and the in-place expand),
+    `route·copy` (the producer into x, the shrink copying it into [x | s], cuBLAS over both),
+    `route·in place` (the producer into [x | s]'s first columns, the shrink adding s there, cuBLAS
+    over both); and the parts: the producer into x and into [x | s], the pair's shrink and expand,
+    cuBLAS over [x | s], the in-place shrink per launch plan (the compiled one first)."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.compiler_passes.ops import activation_triton as AT  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
+
+    out = []
+    for name in a.linears.split(","):
+        for T in map(int, a.tokens.split(",")):
+            pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
+            K, P = pt.in_f, len(pt.widths)
+            ke = K + LT.rank_rows(P)
+            dt = pt.x[0].dtype
+            go = LT.cols_launch(T, K, pt.widths, pt.mod_ids, P, pt.r, 8)
+            w_ext = [torch.zeros((pt.out_f, ke), device="cuda", dtype=dt) for _ in range(pt.copies)]
+            xe = [torch.zeros((T, ke), device="cuda", dtype=dt) for _ in range(pt.copies)]
+            norm = name in ("qkv", "gate_up")
+            h = [torch.randn((T, 2 * K if name == "down" else K), device="cuda").to(dt) for _ in range(pt.copies)]
+            gain = (torch.rand((K,), device="cuda") + 0.5).to(dt)
+            nl = {K: LT.norm_launch(K), ke: LT.norm_launch(K, ke)}
+            bn = AT.block_cols(K)
+
+            def before(i, out, ld):  # x's producer into out (rows ld apart); o: x is given
+                if norm:
+                    LT.rms_norm_rows_kernel[(T,)](h[i], gain, out, 1e-5, **nl[ld]["consts"], num_warps=nl[ld]["warps"])
+                elif name == "down":
+                    AT.silu_mul_kernel[(-(-T // AT.BM), K // bn)](h[i], out, T, I=K, BM=AT.BM, BN=bn, LDH=ld,
+                                                                   num_warps=AT.WARPS)
+
+            def xs(i, g):
+                LT.lora_shrink_xs_kernel[g["shrink_grid"]](
+                    pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], pt.v, pt.cnt, T, pt.N, 0,
+                    g["chunk"], g["split"], **g["shrink"], num_warps=g["shrink_warps"])
+
+            def gemm_ext(i):
+                torch.matmul(xe[i], w_ext[i].t(), out=pt.y[i % 2])
+
+            go_copy, go_ip = (LT.xs_launch(T, K, pt.widths, pt.mod_ids, P, pt.r, 8, None, ip) for ip in (False, True))
+            for c in range(pt.copies):
+                w_ext[c][:, :K].copy_(pt.w[c])
+                LT.lora_fill_cols_kernel[go_ip["fill_grid"]](pt.arena, pt.rank, pt.scale, pt.b_off[c], w_ext[c], pt.N,
+                                                             0, **go_ip["fill"], num_warps=go_ip["fill_warps"])
+                before(c, pt.x[c], K)  # x = the producer's output: what every route reads, and the reference
+                xe[c][:, :K].copy_(pt.x[c])  # (o: the attention would write x there)
+
+            def in_place(i, g=go_ip):
+                before(i, xe[i], ke)
+                xs(i, g)
+                gemm_ext(i)
+
+            cands = {"base": lambda i: (before(i, pt.x[i], K), pt.launch_gemm(i)),
+                     "pair": lambda i: (before(i, pt.x[i], K), pt.launch_pair(i, go)),
+                     "route·copy": lambda i: (before(i, pt.x[i], K), xs(i, go_copy), gemm_ext(i)),
+                     "route·in place": in_place,
+                     "producer": lambda i: before(i, pt.x[i], K), "producer·xe": lambda i: before(i, xe[i], ke),
+                     "pair's shrink": lambda i: pt.launch_shrink(i, go), "expand": lambda i: pt.launch_expand(i, go),
+                     "cublas(K+cols)": gemm_ext, "shrink·copy": lambda i: xs(i, go_copy)}
+            plans = [(go_ip["shrink"]["BM"], go_ip["shrink"]["BK"], go_ip["split"])]
+            cands[f"shrink·in place BM{plans[0][0]} BK{plans[0][1]} split{plans[0][2]} (compiled)"] = (
+                lambda i: xs(i, go_ip))
+            for bm in (16, 32, 64):
+                for bk in (64, 128):
+                    for target in (132, 264, 528):
+                        tiles, per, split = LT.shrink_split(T, K // bk, bm, target=target, most=16)
+                        g = dict(go_ip, shrink=dict(go_ip["shrink"], BM=bm, BK=bk, SPLIT_MAX=16), split=split,
+                                 chunk=per * bk, shrink_grid=(tiles, split))
+                        if (bm, bk, split) not in plans:
+                            plans.append((bm, bk, split))
+                            cands[f"shrink·in place BM{bm} BK{bk} split{split}"] = lambda i, g=g: xs(i, g)
+            for label in ("pair", "route·copy", "route·in place"):
+                cands[label](0)
+                cands[label](0)  # twice: the split tiles' counters were left at zero
+                torch.cuda.synchronize()
+                if not pt.error() < TOL:
+                    raise SystemExit(f"{name} T={T} {label}: its LoRA delta is off: error {pt.error():.3g}")
+            us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
+            shr = {k: v for k, v in us.items() if k.startswith("shrink·in place")}
+            best = min(shr, key=shr.get)
+            print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items() if k not in shr) +
+                  f"; in-place shrink: compiled {shr[next(iter(shr))]:.1f}, best [{best}] {shr[best]:.1f}", flush=True)
+            out.append(dict(linear=name, T=T, us=us))
+            del w_ext, xe, h, pt
+            torch.cuda.empty_cache()
+    print("\nOne layer (the four linears), us:")
+    labels = ["base", "pair", "route·copy", "route·in place"]
+    print("| T | " + " | ".join(labels) + " | pair - base | copy - base | in place - base |")
+    print("|---|" + "---|" * (len(labels) + 3))
+    for T in sorted({r["T"] for r in out}):
+        rows = [r["us"] for r in out if r["T"] == T]
+        tot = {k: sum(r[k] for r in rows) for k in labels}
+        print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) +
+              f" | {tot['pair'] - tot['base']:.1f} | {tot['route·copy'] - tot['base']:.1f} | "
+              f"{tot['route·in place'] - tot['base']:.1f} |")
+    cli.write_results(Path(a.out), {"producers": out})
     return 0
 
 
@@ -626,10 +691,15 @@ def main(argv=None) -> int:
     o.add_argument("--linears", default=",".join(LINEARS))
     o.add_argument("--dtype", default="float16")
     o.add_argument("--out", default="bench_lora_fused_routes.json")
+    q = sub.add_parser("producers", help="the rank columns route with x's producer writing into [x | s] (the GPU)")
+    q.add_argument("--tokens", default="128,256,512,1024")
+    q.add_argument("--linears", default=",".join(LINEARS))
+    q.add_argument("--dtype", default="float16")
+    q.add_argument("--out", default="bench_lora_fused_producers.json")
     p = sub.add_parser("plot", help="tables and chart of a results file (here)")
     p.add_argument("results")
     a = cli.parse(ap, argv)
-    return {"run": run, "tune": tune, "routes": routes, "plot": plot}[a.cmd](a)
+    return {"run": run, "tune": tune, "routes": routes, "producers": producers, "plot": plot}[a.cmd](a)
 
 
 if __name__ == "__main__":
