@@ -378,6 +378,17 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
     return 0
 
 
+def _check_deltas(torch, pt, name, cands, labels):
+    """Each labelled candidate's output (copy 0's, run twice: the split tiles' counters were left at
+    zero) against float64; stops the benchmark on one that is off."""
+    for label in labels:
+        cands[label](0)
+        cands[label](0)
+        torch.cuda.synchronize()
+        if not pt.error() < TOL:
+            raise SystemExit(f"{name} T={pt.T} {label}: its LoRA delta is off: error {pt.error():.3g}")
+
+
 def routes(a) -> int:  # pylint: disable=too-many-locals
     """The routes a linear could take with its LoRA delta, timed together per linear and token count
     (4 x r8): the compiled ones (the one-kernel linear up to FUSED_MAX_TOKENS, cuBLAS + the pair in
@@ -456,14 +467,9 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                      "shrink·xs": shrink_xs, "shrink·xs + cublas(K+cols)": lambda i: (shrink_xs(i), gemm_ext(i))}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
-            for label in ("cublas + pair", "cublas || shrink, expand", "fill + cublas(N+rows) + expand",
-                          "shrink·xs + cublas(K+cols)") + (
-                    ("one-kernel linear",) if T <= LT.FUSED_MAX_TOKENS else ()):
-                cands[label](0)
-                cands[label](0)  # twice: the split tiles' counters were left at zero
-                torch.cuda.synchronize()
-                if not pt.error() < TOL:
-                    raise SystemExit(f"{name} T={T} {label}: its LoRA delta is off: error {pt.error():.3g}")
+            _check_deltas(torch, pt, name, cands, ("cublas + pair", "cublas || shrink, expand",
+                                                   "fill + cublas(N+rows) + expand", "shrink·xs + cublas(K+cols)") + (
+                ("one-kernel linear",) if T <= LT.FUSED_MAX_TOKENS else ()))
             us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
             print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
             out.append(dict(linear=name, T=T, us=us))
@@ -559,12 +565,7 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                         if (bm, bk, split) not in plans:
                             plans.append((bm, bk, split))
                             cands[f"shrink·in place BM{bm} BK{bk} split{split}"] = lambda i, g=g: xs(i, g)
-            for label in ("pair", "route·copy", "route·in place"):
-                cands[label](0)
-                cands[label](0)  # twice: the split tiles' counters were left at zero
-                torch.cuda.synchronize()
-                if not pt.error() < TOL:
-                    raise SystemExit(f"{name} T={T} {label}: its LoRA delta is off: error {pt.error():.3g}")
+            _check_deltas(torch, pt, name, cands, ("pair", "route·copy", "route·in place"))
             us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
             shr = {k: v for k, v in us.items() if k.startswith("shrink·in place")}
             best = min(shr, key=shr.get)

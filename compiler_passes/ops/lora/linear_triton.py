@@ -285,6 +285,37 @@ if triton is not None:
         _, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
         return tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN), valid
 
+    @triton.jit
+    def _shrink_steps(x_rows, xe_rows, kk, end, rmask, arena_ptr, a0, v0, a1, v1, a2, v2, BM: tl.constexpr,
+                      RS: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, COPY: tl.constexpr):
+        """Of x's rows (x_rows: BM row pointers) over inputs kk + [0, end): acc_p = x @ A_p.T (BM x RS,
+        fp32; A_p the rank columns' rows of part p at a_p, live where v_p); with COPY x's tiles also
+        stored at xe_rows. BK divides K and the split's inputs: the last split ends at K, and no load
+        is masked along the inputs (a mask that varies along the contiguous axis makes scalar loads)."""
+        acc0 = tl.zeros((BM, RS), dtype=tl.float32)
+        acc1 = tl.zeros((BM, RS), dtype=tl.float32)
+        acc2 = tl.zeros((BM, RS), dtype=tl.float32)
+        for k0 in tl.range(0, end, BK, num_stages=STAGES):
+            xt = tl.load(x_rows + (kk + k0)[None, :], mask=rmask[:, None], other=0.0)
+            if COPY:
+                tl.store(xe_rows + (kk + k0)[None, :], xt, mask=rmask[:, None])
+            ka = (kk + k0)[:, None]
+            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
+            if P > 1:
+                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
+            if P > 2:
+                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
+        return acc0, acc1, acc2
+
+    @triton.jit
+    def _store_parts(out, rmask, acc0, acc1, acc2, RS: tl.constexpr, P: tl.constexpr):
+        """A split's partial sums of the P parts side by side at out (BM row pointers, RS apart)."""
+        tl.store(out, acc0, mask=rmask[:, None])
+        if P > 1:
+            tl.store(out + RS, acc1, mask=rmask[:, None])
+        if P > 2:
+            tl.store(out + 2 * RS, acc2, mask=rmask[:, None])
+
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_cols", "x_ptr"))
     def lora_shrink_cols_kernel(x_ptr, arena_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr, n, S, base, chunk,
                                 K: tl.constexpr, M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr,
@@ -303,27 +334,12 @@ if triton is not None:
         a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK (its alignment)
         kk = k_start + tl.arange(0, BK)
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
-        acc0 = tl.zeros((BM, RS), dtype=tl.float32)
-        acc1 = tl.zeros((BM, RS), dtype=tl.float32)
-        acc2 = tl.zeros((BM, RS), dtype=tl.float32)
-        # BK divides K and `chunk`: the last split ends at K, and no load is masked along the inputs
-        # (a mask that varies along the contiguous axis turns the loads into scalar ones)
-        for k0 in tl.range(0, tl.minimum(chunk, K - k_start), BK, num_stages=STAGES):
-            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
-            ka = (kk + k0)[:, None]
-            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
-            if P > 1:
-                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
-            if P > 2:
-                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * K
+        acc0, acc1, acc2 = _shrink_steps(x_rows, x_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0,
+                                         v0, a1, v1, a2, v2, BM, RS, P, BK, STAGES, False)
         c = tl.arange(0, RS)
-        out = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
-        tl.store(out, acc0, mask=rmask[:, None])
-        if P > 1:
-            tl.store(out + RS, acc1, mask=rmask[:, None])
-        if P > 2:
-            tl.store(out + 2 * RS, acc2, mask=rmask[:, None])
+        _store_parts(v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :], rmask, acc0, acc1,
+                     acc2, RS, P)
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_expand_cols", "y_ptr"))
     def lora_expand_cols_kernel(v_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, boff_ptr, y_ptr, n, S, base, split,
@@ -486,28 +502,13 @@ if triton is not None:
             x_rows = xe_rows
         else:
             x_rows = x_ptr + rows[:, None].to(tl.int64) * K
-        acc0 = tl.zeros((BM, RS), dtype=tl.float32)
-        acc1 = tl.zeros((BM, RS), dtype=tl.float32)
-        acc2 = tl.zeros((BM, RS), dtype=tl.float32)
-        for k0 in tl.range(0, tl.minimum(chunk, K - k_start), BK, num_stages=STAGES):
-            xt = tl.load(x_rows + (kk + k0)[None, :], mask=rmask[:, None], other=0.0)
-            if not IN_PLACE:
-                tl.store(xe_rows + (kk + k0)[None, :], xt, mask=rmask[:, None])
-            ka = (kk + k0)[:, None]
-            acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
-            if P > 1:
-                acc1 = tl.dot(xt, tl.load(arena_ptr + a1[None, :] + ka, mask=v1[None, :], other=0.0), acc1)
-            if P > 2:
-                acc2 = tl.dot(xt, tl.load(arena_ptr + a2[None, :] + ka, mask=v2[None, :], other=0.0), acc2)
+        acc0, acc1, acc2 = _shrink_steps(x_rows, xe_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0,
+                                         v0, a1, v1, a2, v2, BM, RS, P, BK, STAGES, not IN_PLACE)
         c = tl.arange(0, RS)
         last = split == 1
         if split > 1:
-            mine = v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
-            tl.store(mine, acc0, mask=rmask[:, None])
-            if P > 1:
-                tl.store(mine + RS, acc1, mask=rmask[:, None])
-            if P > 2:
-                tl.store(mine + 2 * RS, acc2, mask=rmask[:, None])
+            _store_parts(v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :], rmask, acc0, acc1,
+                         acc2, RS, P)
             tl.debug_barrier()  # every thread's partial stored before the count (released by it)
             last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu") == split - 1
             if last:
