@@ -496,7 +496,12 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     `route·copy` (the producer into x, the shrink copying it into [x | s], cuBLAS over both),
     `route·in place` (the producer into [x | s]'s first columns, the shrink adding s there, cuBLAS
     over both); and the parts: the producer into x and into [x | s], the pair's shrink and expand,
-    cuBLAS over [x | s], the in-place shrink per launch plan (the compiled one first)."""
+    cuBLAS over [x | s], the in-place shrink per launch plan (the compiled one first). Up to
+    FUSED_MAX_TOKENS tokens instead: `base`, `one-kernel` (the producer into x, the one-kernel
+    linear over the weight with spare columns, as compiled there by default) and `route·row`
+    (lora_shrink_row_kernel: the producer and each token's own shrink into [x | s], then cuBLAS
+    over both; ROW_SHRINK_MAX_TOKENS), with the row shrink alone. The library runs our gemv
+    rather than cuBLAS at one token, for the base model and the row route alike."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops import activation_triton as AT  # pylint: disable=import-outside-toplevel
@@ -546,6 +551,36 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 xs(i, g)
                 gemm_ext(i)
 
+            if T <= LT.FUSED_MAX_TOKENS:  # the one-kernel linear against the row route
+                kind = "rms_norm" if norm else "silu_mul" if name == "down" else "copy"
+                rl = LT.row_launch(K, pt.widths, pt.mod_ids, P, pt.r, 8, kind)
+                bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
+                consts, warps = LT.constants(K, pt.widths, pt.mod_ids, P, pt.r, bm, 8, ke)
+
+                def one_kernel(i):
+                    before(i, pt.x[i], K)
+                    grid = (-(-T // consts["BM"]) * consts["SPLIT"], pt.out_f // consts["BN"])
+                    LT.lora_linear_kernel[grid](pt.x[i], w_ext[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i],
+                                                pt.b_off[i], pt.y[i % 2], pt.ws, pt.cnt, T, pt.N, 0, **consts,
+                                                num_warps=warps)
+
+                def row(i):
+                    src = pt.x[i] if kind == "copy" else h[i]
+                    LT.lora_shrink_row_kernel[(T, rl["blocks_per_token"])](
+                        src, gain if norm else src, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], pt.v,
+                        pt.cnt, 1e-5, pt.N, 0, **rl["consts"], num_warps=rl["warps"])
+
+                cands = {"base": lambda i: (before(i, pt.x[i], K), pt.launch_gemm(i)), "one-kernel": one_kernel,
+                         "route·row": lambda i: (row(i), gemm_ext(i)), "producer": lambda i: before(i, pt.x[i], K),
+                         "row shrink": row, "cublas(K+cols)": gemm_ext}
+                _check_deltas(torch, pt, name, cands, ("one-kernel", "route·row"))
+                us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
+                print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
+                out.append(dict(linear=name, T=T, us=us))
+                del w_ext, xe, h, pt
+                torch.cuda.empty_cache()
+                continue
+
             cands = {"base": lambda i: (before(i, pt.x[i], K), pt.launch_gemm(i)),
                      "pair": lambda i: (before(i, pt.x[i], K), pt.launch_pair(i, go)),
                      "route·copy": lambda i: (before(i, pt.x[i], K), xs(i, go_copy), gemm_ext(i)),
@@ -574,12 +609,17 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             out.append(dict(linear=name, T=T, us=us))
             del w_ext, xe, h, pt
             torch.cuda.empty_cache()
-    print("\nOne layer (the four linears), us:")
+    print("\nOne layer (the four linears), us (up to FUSED_MAX_TOKENS: the one-kernel linear and the row route):")
     labels = ["base", "pair", "route·copy", "route·in place"]
     print("| T | " + " | ".join(labels) + " | pair - base | copy - base | in place - base |")
     print("|---|" + "---|" * (len(labels) + 3))
     for T in sorted({r["T"] for r in out}):
         rows = [r["us"] for r in out if r["T"] == T]
+        if T <= LT.FUSED_MAX_TOKENS:
+            tot = {k: sum(r[k] for r in rows) for k in ("base", "one-kernel", "route·row")}
+            print(f"| {T} | {tot['base']:.1f} | one-kernel {tot['one-kernel']:.1f} | | row {tot['route·row']:.1f} "
+                  f"| {tot['one-kernel'] - tot['base']:.1f} | | {tot['route·row'] - tot['base']:.1f} |")
+            continue
         tot = {k: sum(r[k] for r in rows) for k in labels}
         print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) +
               f" | {tot['pair'] - tot['base']:.1f} | {tot['route·copy'] - tot['base']:.1f} | "

@@ -212,7 +212,8 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
     harness.torch_llama in float32; returns the largest relative error ||ours - ref|| / ||ref||
     over the rows. Ranks summing to at most the library's fused rank columns run prefill_fused
     (110 tokens: cuBLAS + the shrink/expand pair, or the rank rows route) and decode_fused (3 tokens:
-    the one-kernel linear), others prefill and decode."""
+    the one-kernel linear or the row route; then the first row alone, one token: the row route's
+    gemv), others prefill and decode."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
@@ -252,13 +253,15 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
         return ref_model.prefill(torch.as_tensor([ids], device=tdev), adapter)[0]
 
     worst = 0.0
-    for step in range(3):  # a prefill, then two decode steps (the first captures the graphs)
+    for step in range(4):  # a prefill, two decode steps (the first captures the graphs), the first row alone
         if step == 0:
             got = r.prefill(kv, [0, 1, 2], seqs, lora="pool")
-        else:
+        elif step < 3:
             got = r.decode(kv, [0, 1, 2], [s[-1] for s in seqs], lora="pool")
+        else:
+            got = r.decode(kv, [0], [seqs[0][-1]], lora="pool")
         got = torch.from_dlpack(got).float().to(tdev)
-        for i, (aid, _) in enumerate(rows):
+        for i, (aid, _) in enumerate(rows[:got.shape[0]]):
             want = ref(seqs[i], ads.get(aid))
             err = ((got[i] - want).norm() / want.norm()).item()
             worst = max(worst, err)
@@ -267,7 +270,7 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
                 print(f"check: adapter {aid} moves the logits by {((want - base).norm() / want.norm()).item():.2e} "
                       "(relative), which the errors below must stay well under")
             print(f"check: step {step} row {i} ({'base' if aid is None else f'adapter {aid}'}): rel err {err:.2e}")
-        for s in seqs:
+        for s in seqs[:got.shape[0]]:
             s.append(int(rng.integers(0, r.vocab_size)))
     del kv, r
     gc.collect()

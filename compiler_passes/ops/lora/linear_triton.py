@@ -528,6 +528,75 @@ if triton is not None:
             _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
                            K, M, R, P, RS, SC)
 
+    @triton.jit
+    def _produce(h_row, g_ptr, kk, rstd, K: tl.constexpr, PROD: tl.constexpr, dt: tl.constexpr):
+        """x[kk] of one token (PRODUCERS[PROD] of its row h_row), float32 math rounded once to dt."""
+        if PROD == 1:
+            return (tl.load(h_row + kk).to(tl.float32) * rstd * tl.load(g_ptr + kk).to(tl.float32)).to(dt)
+        if PROD == 2:
+            gate = tl.load(h_row + kk).to(tl.float32)
+            return (gate / (1.0 + tl.exp(-gate)) * tl.load(h_row + K + kk).to(tl.float32)).to(dt)
+        return tl.load(h_row + kk)
+
+    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_row", "xe_ptr"))
+    def lora_shrink_row_kernel(h_ptr, g_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr,
+                               cnt_ptr, eps, S, base, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr,
+                               R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
+                               P: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, KS: tl.constexpr,
+                               RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
+                               PROD: tl.constexpr):
+        """Grid (n, P * KS), for a few tokens: xe[t] = [x | s] of token t = program 0, x =
+        PRODUCERS[PROD] of h[t] (h (n, K) for "copy" and "rms_norm", gain g; (n, 2K) = [gate | up]
+        for "silu_mul"), s as lora_shrink_xs_kernel's (zeros but for t's own slot's live columns).
+        Program 1 = p * KS + k takes part p over inputs [k * CH, (k + 1) * CH) (the last ends at K):
+        it makes x there (part 0's blocks store it), multiplies it by the A rows of t's own slot's
+        columns only (a token needs no other) and, with KS > 1, stores its partial sums in v and
+        counts itself in cnt[t * P + p]; the block that counts last sums the KS partials in order
+        (the same bits whichever block is last), writes s's part p and sets the counter back to 0.
+        "rms_norm" blocks each take the whole row's mean square first (a few KB, from L2)."""
+        t = tl.program_id(0)
+        p = tl.program_id(1) // KS
+        k = tl.program_id(1) % KS
+        dt = xe_ptr.dtype.element_ty
+        m = tl.where(p == 0, m0, tl.where(p == 1, m1, m2))
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
+        own = valid & (jc == tl.load(slot_ptr + t))
+        a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=own, other=0).to(tl.int64) + base, ALIGN)
+        h_row = h_ptr + t.to(tl.int64) * (2 * K if PROD == 2 else K)
+        xe_row = xe_ptr + t.to(tl.int64) * KE
+        kk = tl.arange(0, BK)
+        rstd = 1.0
+        if PROD == 1:
+            sq = tl.zeros((BK,), dtype=tl.float32)
+            for k0 in tl.range(0, K, BK):
+                hv = tl.load(h_row + k0 + kk).to(tl.float32)
+                sq += hv * hv
+            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+        acc = tl.zeros((RS, BK), dtype=tl.float32)
+        k_lo = tl.multiple_of(k * CH, BK)
+        for k0 in tl.range(k_lo, tl.minimum(k_lo + CH, K), BK, num_stages=STAGES):
+            x = _produce(h_row, g_ptr, k0 + kk, rstd, K, PROD, dt)
+            if p == 0:
+                tl.store(xe_row + k0 + kk, x)
+            a = tl.load(arena_ptr + a_row[:, None] + (k0 + kk)[None, :], mask=own[:, None], other=0.0)
+            acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+        part = tl.sum(acc, axis=1)
+        c = tl.arange(0, RS)
+        last = KS == 1
+        if KS > 1:
+            mine = v_ptr + ((t * P + p) * KS).to(tl.int64) * RS
+            tl.store(mine + k * RS + c, part)
+            tl.debug_barrier()  # every thread's partial stored before the count (released by it)
+            last = tl.atomic_add(cnt_ptr + t * P + p, 1, sem="acq_rel", scope="gpu") == KS - 1
+            if last:
+                part = tl.zeros((RS,), dtype=tl.float32)
+                for i in tl.static_range(KS):
+                    part += tl.load(mine + i * RS + c, cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr + t * P + p, 0)
+        if last:
+            tl.store(xe_row + K + p * RS + c, tl.where(own, part * scale_c, 0.0).to(dt))
+
 
 def _signature(dtype: str) -> dict:
     e = triton_build.PTR[dtype]
@@ -714,6 +783,41 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
                 plan=(plan["BM"], bk, in_f // bk, plan["target"], plan["most"]))
 
 
+# The rank columns route below FUSED_MAX_TOKENS: up to this many tokens a linear with spare columns
+# runs lora_shrink_row_kernel (x's producer and each token's own shrink, into [x | s]) and one GEMM
+# over [x | s] (our gemv at one token, cuBLAS above) in place of the one-kernel linear; 0: the
+# one-kernel linear everywhere below FUSED_MAX_TOKENS (the default until timed).
+ROW_SHRINK_MAX_TOKENS = 0
+ROW_CHUNK, ROW_SPLIT_MAX = 512, 16  # about ROW_CHUNK inputs per block, at most ROW_SPLIT_MAX splits
+
+
+def row_launch(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int, align: int,
+               producer: str = "copy") -> dict:
+    """Constants, the splits and warps of lora_shrink_row_kernel for a linear (its grid for n
+    tokens: (n, P x KS)); `producer` one of PRODUCERS (the kernel's PROD)."""
+    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
+    bk = next(b for b in (128, 64, 32, 16) if in_f % b == 0)
+    steps = in_f // bk
+    per = max(1, ROW_CHUNK // bk)
+    if -(-steps // per) > ROW_SPLIT_MAX:
+        per = -(-steps // ROW_SPLIT_MAX)
+    ks = -(-steps // per)
+    P = len(widths)
+    consts = dict(K=in_f, KE=in_f + rank_rows(P), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], P=P,
+                  BK=bk, CH=per * bk, KS=ks, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, STAGES=3, ALIGN=align,
+                  PROD=PRODUCERS.index(producer))
+    return dict(consts=consts, split=ks, warps=4, blocks_per_token=P * ks)
+
+
+def _row_signature(dtype: str) -> dict:
+    e = triton_build.PTR[dtype]
+    sig = dict(h_ptr=e, g_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32",
+               xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", eps="fp32", S="i32", base="i64")
+    sig.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BK", "CH", "KS", "RS", "SC",
+                                         "STAGES", "ALIGN", "PROD")})
+    return sig
+
+
 def norm_launch(in_f: int, ldo: int | None = None) -> dict:
     """Constants and warps of rms_norm_rows_kernel for rows of in_f inputs, x's rows `ldo` apart
     (default in_f; [x | s]'s width for its first columns)."""
@@ -728,8 +832,8 @@ def _norm_signature(dtype: str) -> dict:
 
 def scratch_elems(n, widths: Sequence[int]):
     """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes: the
-    pair's SPLIT_MAX splits, the rank columns route's XS_PLAN ones)."""
-    return max(SPLIT_MAX, *(p["most"] for p in XS_PLAN.values())) * n * len(widths) * RANK_COLUMNS
+    pair's SPLIT_MAX splits, the rank columns route's XS_PLAN ones and its row shrink's)."""
+    return max(SPLIT_MAX, ROW_SPLIT_MAX, *(p["most"] for p in XS_PLAN.values())) * n * len(widths) * RANK_COLUMNS
 
 
 def producer_module(producer: str, in_f: int, ld: int, dtype: str, arch: str):
@@ -745,7 +849,7 @@ def producer_module(producer: str, in_f: int, ld: int, dtype: str, arch: str):
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    align: int, arch: str, rows: bool = False, w_cols: int | None = None, producer: str = "copy",
-                   eps: float = 0.0):
+                   eps: float = 0.0, row_max: int | None = None):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), w (W, w_cols or in_f: a weight's
     columns beside its own are not read), arena (size,), slot (n,),
     rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R), layer: int64, y (n, W) [out],
@@ -759,7 +863,10 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     (n, in_f) and the gain g (in_f,) for "rms_norm" with `eps`, y = [gate | up] (n, 2 in_f) for
     "silu_mul") and runs the producer's kernel itself: into xe's first columns past
     FUSED_MAX_TOKENS (the shrink then reads x there), else into one more output, x (n, in_f)
-    [scratch], which the one-kernel linear reads."""
+    [scratch], which the one-kernel linear reads. With spare columns, up to `row_max` tokens
+    (default ROW_SHRINK_MAX_TOKENS) lora_shrink_row_kernel writes [x | s] (x made of the producer's
+    input, or copied) and one GEMM over [x | s] gives y: our gemv at one token (by name: FusedLinear.emit
+    links ops/gemv's module), cuBLAS above."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     from ..gemv.gemv_cuda import CUBLAS_GEMM  # pylint: disable=import-outside-toplevel
@@ -774,6 +881,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     if producer not in PRODUCERS or (producer != "copy" and not cols):
         raise ValueError(f"producer {producer!r}: one of {PRODUCERS}, other than 'copy' only for a weight with "
                          "spare columns")
+    row_max = (ROW_SHRINK_MAX_TOKENS if row_max is None else row_max) if cols else 0
+    if not 0 <= row_max <= FUSED_MAX_TOKENS or row_max * len(widths) > COUNTER_SLOTS:
+        raise ValueError(f"row_max {row_max}: 0..{FUSED_MAX_TOKENS} tokens")
     built, mods_out = {}, []
     for bm in (16, 64):
         consts, warps = constants(in_f, widths, mods, M, R, bm, align, KW)
@@ -809,6 +919,18 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             mods_out += [mod, cmod]
         qn, qth, qsh, q_plan = shrinks["small"]
         gn, gth, gsh, g_plan = shrinks["large"]
+        wn, wth, wsh, w_blocks, g1, g_grid, g_threads = "", 0, 0, 0, "", 0, 0
+        if row_max:  # up to row_max tokens: the producer and each token's own shrink, one GEMM over [x | s]
+            from ..gemv import gemv_cuda  # pylint: disable=import-outside-toplevel
+
+            rl = row_launch(in_f, widths, mods, M, R, align, producer)
+            wn, wth, wsh, wmod = triton_build.cuda_module(lora_shrink_row_kernel, _row_signature(dtype),
+                                                          rl["consts"], rl["warps"], arch, Path(__file__))
+            mods_out.append(wmod)
+            w_blocks = rl["blocks_per_token"]
+            if gemv_cuda.supported(dtype, KW, 2) is None:
+                g1, g_grid, g_threads = (gemv_cuda.kernel_name(dtype, 1), -(-W // gemv_cuda.ROWS),
+                                         gemv_cuda.launch_threads(KW))
     else:  # past FUSED_MAX_TOKENS: cuBLAS, then the shrink (two variants) and the in-place expand
         sig_s, sig_e = _cols_signatures(dtype)
         shrinks = {}
@@ -913,6 +1035,33 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     if cols:
         KE = KW
 
+        @T.macro
+        def row_route(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, cnt, y, v, xe):
+            """[x | s] of h (or x) by lora_shrink_row_kernel, then y = [x | s] @ [W | B columns].T: our gemv
+            at one token, cuBLAS above."""
+            T.call_packed(wn, h.data, g.data, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data,
+                          v.data, cnt.data, T.float32(eps), T.Cast("int32", S), layer * (size // L), T.int64(0),
+                          T.int64(0), n, w_blocks, wth, wsh)
+            if g1 != "":
+                if n == 1:
+                    T.call_packed(g1, xe.data, w.data, y.data, T.Cast("int32", n), KE, W, KE, g_grid, 1, 1,
+                                  g_threads)
+                else:
+                    T.call_packed(CUBLAS_GEMM, xe, w, y)
+            else:
+                T.call_packed(CUBLAS_GEMM, xe, w, y)
+
+        @T.macro
+        def copied_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe):
+            """x given, n <= FUSED_MAX_TOKENS: the row route up to row_max tokens, else the one-kernel linear."""
+            if row_max > 0:
+                if n <= row_max:
+                    row_route(n, S, size, layer, x, x, w, arena, slot, rank, scale, a_off, cnt, y, v, xe)
+                else:
+                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+            else:
+                fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+
         @T.prim_func(s_tir=True)
         def lora_linear_cols(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
                              scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, cnt_h: T.handle,
@@ -933,7 +1082,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             xe = T.match_buffer(xe_h, (n, KE), dtype)
             if n > 0:
                 if n <= FUSED_MAX_TOKENS:
-                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+                    copied_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe)
                 else:  # (the spare columns hold the kept adapters' B rows: fill_wrapper)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
                         shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe,
@@ -958,13 +1107,27 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                               shared)
 
         @T.macro
+        def produced_small(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x):
+            """n <= FUSED_MAX_TOKENS: the row route up to row_max tokens, else the producer into x and the
+            one-kernel linear."""
+            if row_max > 0:
+                if n <= row_max:
+                    row_route(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, cnt, y, v, xe)
+                else:
+                    produce(rn, rth, rsh, n, h, g, x)
+                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+            else:
+                produce(rn, rth, rsh, n, h, g, x)
+                fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+
+        @T.macro
         def produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x):
             """The producer into x and the one-kernel linear, or the producer into xe, the shrink adding
             s in place and cuBLAS."""
             if n > 0:
                 if n <= FUSED_MAX_TOKENS:
-                    produce(rn, rth, rsh, n, h, g, x)
-                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+                    produced_small(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe,
+                                   x)
                 else:
                     produce(cn, cth, csh, n, h, g, xe)
                     if n <= SHRINK_SMALL_MAX_TOKENS:
@@ -1121,15 +1284,21 @@ class FusedLinear:
                              f"{rank_rows(len(widths))} reserved rank rows)")
         rows, cols = w_rows != W, w_cols != in_f
         kind, head, eps = producer or ("copy", [x], 0.0)
-        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols, kind, eps)
+        row_max = ROW_SHRINK_MAX_TOKENS if cols else 0
+        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols, kind, eps, row_max)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
 
         def make():
             func, mods_ = linear_wrapper(in_f, widths, mods, ctx.num_layers, ctx.max_rank, ctx.num_modules, dtype,
                                          align, str(ctx.target.arch), rows=rows, w_cols=w_cols, producer=kind,
-                                         eps=eps)
+                                         eps=eps, row_max=row_max)
             for i, mod in enumerate(mods_):
                 ctx.external(key + ("module", i), lambda mod=mod: mod)
+            if row_max:  # the row route's gemv at one token: once per library and dtype
+                from ..gemv import gemv_cuda  # pylint: disable=import-outside-toplevel
+
+                ctx.external(("gemv module", dtype),
+                             lambda: gemv_cuda.build_module(dtype, str(ctx.target.arch)))
             return func
 
         name = f"lora_linear_{'rows' if rows else 'cols' if cols else 'triton'}_m{tag}_{in_f}x{W}" + (

@@ -264,6 +264,51 @@ def test_producer_writes_x_beside_its_shrink(tmp_path, producer, dtype, K):
     assert np.linalg.norm((got - base_only) - (ref - base_only)) / np.linalg.norm(ref - base_only) < 3 * tol
 
 
+@pytest.mark.parametrize("producer,dtype,K,n", [
+    ("copy", np.float16, 576, 7), ("rms_norm", np.float16, 576, 1), ("silu_mul", np.float16, 576, 5),
+    ("rms_norm", np.float32, 576, 7), ("copy", np.float32, 1024, 3), ("silu_mul", np.float32, 1024, 2)])
+def test_row_shrink_makes_x_and_each_tokens_own_shrink(tmp_path, producer, dtype, K, n):
+    """The rank columns route for a few tokens (up to row_max): lora_shrink_row_kernel makes x of
+    the producer's input (the RMSNorm, silu(gate) * up, or x copied) and each token's own slot's
+    shrink into [x | s]; the GEMM over [x | s] equals linear_ref of the producer's x (float64,
+    rounded once to the dtype). The inputs split over blocks (2 splits of 8 and 1 steps for 576
+    inputs, 2 of 8 for 1024), the partial sums (NaN before) summed by the last block, the counters
+    left at zero; base-model tokens and the stale slot (rows of NaN) get s = 0."""
+    rng = np.random.default_rng(11 + n)
+    widths, mods, R = (64, 32, 32), (0, -1, 2), 16
+    assert LT.row_launch(K, widths, mods, 4, R, 8, producer)["split"] == 2
+    c = _case(rng, dtype, max(n, 8), K, widths, [8, 16, 0, 4], R)
+    c["x"], c["slot"] = c["x"][:n], rng.integers(-1, 4, n).astype(np.int32)
+    c["slot"][0] = 1  # (at least one token on an adapter: the 16 columns after slot 0's 8)
+    stale = 4
+    c["arena"][c["base"] + 50000: c["base"] + 51000] = np.nan
+    c["rank"] = np.append(c["rank"], 4).astype(np.int32)
+    c["scale"] = np.concatenate([c["scale"], np.ones((1, c["scale"].shape[1]), np.float32)])
+    c["a_off"] = np.concatenate([c["a_off"], np.full((1,) + c["a_off"].shape[1:], 50000, np.int32)])
+    c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
+    h = (rng.standard_normal((n, 2 * K if producer == "silu_mul" else K)) * 3).astype(dtype)
+    g = rng.uniform(0.5, 1.5, K).astype(dtype)
+    x = (LT.producer_ref(producer, h, g, 1e-5) if producer != "copy" else c["x"]).astype(dtype)
+    extra = dict(h=h, g=g, eps=1e-5) if producer != "copy" else {}
+    out = interpret(tmp_path, **{**c, "x": x}, **extra, producer=producer, mods=np.array(mods),
+                    widths=np.array(widths), R=R, bm=64, variant="xs-row", fill_slots=stale)
+    tol = 1e-5 if dtype == np.float32 else 4e-3
+    assert out["xe"].shape == (n, K + 96) and np.isfinite(out["xe"]).all()
+    assert not out["cnt"].any()
+    np.testing.assert_allclose(out["xe"][:, :K].astype(np.float64), x.astype(np.float64),
+                               rtol=2 * np.finfo(dtype).eps, atol=1e-6)
+    s = out["xe"][:, K:]
+    assert (s[c["slot"] < 0] == 0).all()  # base-model tokens: no shrink
+    assert (s[c["slot"] == 1][:, :8] == 0).all() and (s[c["slot"] == 1][:, 8:24] != 0).all()  # slot 1's own 16
+    assert (s[:, 32:64] == 0).all()  # the untargeted part
+    ref = LT.linear_ref(x, c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
+                        c["b_off"], mods, widths)
+    base_only = x.astype(np.float64) @ c["w"].astype(np.float64).T
+    got = out["y"].astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
+    assert np.linalg.norm((got - base_only) - (ref - base_only)) / np.linalg.norm(ref - base_only) < 3 * tol
+
+
 def test_launch_arguments_keep_their_scalar_types():
     """TVM's CUDA module packs each launch argument by its declared type: the RMSNorm's eps is a
     float32 (declared int32 it would reach the kernel as an integer's bits), the scratch pointers
