@@ -27,8 +27,9 @@ _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 _RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
 # silu(gate) * up as down's producer in the rank columns route (linear_triton.PRODUCERS: the wrapper
 # runs the activation kernel into [x | s] itself; off: the activation's own kernel, the shrink copying
-# its output into [x | s])
-FOLD_SILU_MUL = False
+# its output into [x | s]). On: down's route 7.6 us faster at 1024 tokens, 0.6 at 256 (H100,
+# `bench_lora_fused.py producers`, docs/results/2026-12-06-h100-inplace).
+FOLD_SILU_MUL = True
 
 
 def linear_weight_re(linears: dict[str, Sequence[tuple[str, int, int]]]) -> re.Pattern:
@@ -248,11 +249,14 @@ class _Rewriter(relax.PyExprMutator):
             x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
             self.rewritten += 1
             counters = self.ctx.per_function(("fused counters",), lambda: bb.emit(FUSED.counters()))
-            fill = FUSED.fill(self.ctx, parts, in_f, w.ty, str(w.ty.dtype))
+            # the rank columns route where the weight has spare columns and x's producer can write x
+            # into [x | s] (the columns filled by lora_fill_columns); else the pair, the columns unread
             producer = None
-            if fill is not None and self.packed is not None:  # (its spare columns: filled by lora_fill_columns)
-                self.fills[o.param_names.index(name)] = (layer, fill, str(w.ty.dtype))
+            if self.packed is not None and int(w.ty.shape.values[1]) != in_f:
                 producer = self._producer(x, in_f)
+            if producer is not None:
+                fill = FUSED.fill(self.ctx, parts, in_f, w.ty, str(w.ty.dtype))
+                self.fills[o.param_names.index(name)] = (layer, fill, str(w.ty.dtype))
             return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, counters, call.ty.shape, producer)
         y = bb.emit(call)
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))

@@ -13,12 +13,13 @@ weight with rank_rows(P) spare rows below its own) the batches past FUSED_MAX_TO
 (e = x @ W.T beside xa = x @ A_cat.T, the shrink at the GEMM's cost of 32 x P more outputs) and
 `lora_expand_rows_kernel` (y = e's first N columns + the delta from its xa columns).
 With the rank columns route (weights stored with 32 spare columns per part, ReserveRankColumns)
-the batches past FUSED_MAX_TOKENS run `lora_shrink_xs_kernel` (xe = [x | s]) and one cuBLAS GEMM
-over [x | s] and [W | B columns] (`lora_fill_cols_kernel` fills those when the pool's kept adapters
-change). Where LoraRewrite hands the linear x's producer's input instead of x (PRODUCERS: the
-RMSNorm before q|k|v and gate|up, silu(gate) * up before down), the wrapper runs the producer's
-kernel itself (`rms_norm_rows_kernel`, activation_triton's): into x up to FUSED_MAX_TOKENS, past it
-into [x | s]'s first columns, where the shrink reads x in place and adds s (no copy of x).
+and x's producer handed to the linear by LoraRewrite (PRODUCERS: the RMSNorm before q|k|v and
+gate|up, silu(gate) * up before down), the wrapper runs the producer's kernel itself
+(`rms_norm_rows_kernel`, activation_triton's): into x up to FUSED_MAX_TOKENS; past it into
+[x | s]'s first columns, then `lora_shrink_xs_kernel` adds s beside x and one cuBLAS GEMM over
+[x | s] and [W | B columns] gives y (`lora_fill_cols_kernel` fills those columns when the pool's
+kept adapters change). A linear whose x has no producer of ours (o: the attention's output) keeps
+the pair over its weight's first columns.
 LoraRewrite builds the wrapper into `prefill_fused` and `decode_fused` (contract.FUSED_FUNCTION_SUFFIX),
 which the runner picks for a batch whose adapters' ranks sum to at most RANK_COLUMNS over at most
 SLOT_COLUMNS slots; other batches run `prefill`/`decode` (cuBLAS + the sgmv stage).
@@ -286,19 +287,17 @@ if triton is not None:
         return tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN), valid
 
     @triton.jit
-    def _shrink_steps(x_rows, xe_rows, kk, end, rmask, arena_ptr, a0, v0, a1, v1, a2, v2, BM: tl.constexpr,
-                      RS: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, COPY: tl.constexpr):
+    def _shrink_steps(x_rows, kk, end, rmask, arena_ptr, a0, v0, a1, v1, a2, v2, BM: tl.constexpr,
+                      RS: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
         """Of x's rows (x_rows: BM row pointers) over inputs kk + [0, end): acc_p = x @ A_p.T (BM x RS,
-        fp32; A_p the rank columns' rows of part p at a_p, live where v_p); with COPY x's tiles also
-        stored at xe_rows. BK divides K and the split's inputs: the last split ends at K, and no load
-        is masked along the inputs (a mask that varies along the contiguous axis makes scalar loads)."""
+        fp32; A_p the rank columns' rows of part p at a_p, live where v_p). BK divides K and the
+        split's inputs: the last split ends at K, and no load is masked along the inputs (a mask that
+        varies along the contiguous axis makes scalar loads)."""
         acc0 = tl.zeros((BM, RS), dtype=tl.float32)
         acc1 = tl.zeros((BM, RS), dtype=tl.float32)
         acc2 = tl.zeros((BM, RS), dtype=tl.float32)
         for k0 in tl.range(0, end, BK, num_stages=STAGES):
             xt = tl.load(x_rows + (kk + k0)[None, :], mask=rmask[:, None], other=0.0)
-            if COPY:
-                tl.store(xe_rows + (kk + k0)[None, :], xt, mask=rmask[:, None])
             ka = (kk + k0)[:, None]
             acc0 = tl.dot(xt, tl.load(arena_ptr + a0[None, :] + ka, mask=v0[None, :], other=0.0), acc0)
             if P > 1:
@@ -335,8 +334,8 @@ if triton is not None:
         k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK (its alignment)
         kk = k_start + tl.arange(0, BK)
         x_rows = x_ptr + rows[:, None].to(tl.int64) * K
-        acc0, acc1, acc2 = _shrink_steps(x_rows, x_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0,
-                                         v0, a1, v1, a2, v2, BM, RS, P, BK, STAGES, False)
+        acc0, acc1, acc2 = _shrink_steps(x_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0, v0, a1,
+                                         v1, a2, v2, BM, RS, P, BK, STAGES)
         c = tl.arange(0, RS)
         _store_parts(v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :], rmask, acc0, acc1,
                      acc2, RS, P)
@@ -475,18 +474,17 @@ if triton is not None:
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * LDO + cols, x, mask=cols < K)
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "xe_ptr"))
-    def lora_shrink_xs_kernel(x_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr, n, S,
-                              base, chunk, split, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr,
-                              R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, P: tl.constexpr,
+    def lora_shrink_xs_kernel(arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr, n, S, base,
+                              chunk, split, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
+                              m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, P: tl.constexpr,
                               BM: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
-                              SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
-                              IN_PLACE: tl.constexpr):
-        """Grid (token tiles, split): xe (n, KE) = [x | s], s[t, p x RS + c] = round(scale[s, m_p] *
-        (x[t] . A(column c of part p))) for token t's own slot's live columns, else 0. x is copied
-        from x_ptr (n, K), or with IN_PLACE read where its producer wrote it, xe's first K columns.
-        Split k takes its `chunk` inputs of x (and copies them) and sums its part of the products
-        into v; with split > 1 the block of a tile that counts last in cnt[tile] sums the splits in
-        order (the same bits whichever block is last), writes s and sets cnt[tile] back to 0."""
+                              SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr):
+        """Grid (token tiles, split): xe (n, KE) = [x | s], x in its first K columns (its producer
+        wrote it there), s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p)))
+        for token t's own slot's live columns, else 0. Split k takes its `chunk` inputs of x and
+        sums its part of the products into v; with split > 1 the block of a tile that counts last
+        in cnt[tile] sums the splits in order (the same bits whichever block is last), writes s and
+        sets cnt[tile] back to 0."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -498,12 +496,8 @@ if triton is not None:
         k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK
         kk = k_start + tl.arange(0, BK)
         xe_rows = xe_ptr + rows[:, None].to(tl.int64) * KE
-        if IN_PLACE:
-            x_rows = xe_rows
-        else:
-            x_rows = x_ptr + rows[:, None].to(tl.int64) * K
-        acc0, acc1, acc2 = _shrink_steps(x_rows, xe_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0,
-                                         v0, a1, v1, a2, v2, BM, RS, P, BK, STAGES, not IN_PLACE)
+        acc0, acc1, acc2 = _shrink_steps(xe_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0, v0, a1,
+                                         v1, a2, v2, BM, RS, P, BK, STAGES)
         c = tl.arange(0, RS)
         last = split == 1
         if split > 1:
@@ -527,75 +521,6 @@ if triton is not None:
         if last:
             _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
                            K, M, R, P, RS, SC)
-
-    @triton.jit
-    def _produce(h_row, g_ptr, kk, rstd, K: tl.constexpr, PROD: tl.constexpr, dt: tl.constexpr):
-        """x[kk] of one token (PRODUCERS[PROD] of its row h_row), float32 math rounded once to dt."""
-        if PROD == 1:
-            return (tl.load(h_row + kk).to(tl.float32) * rstd * tl.load(g_ptr + kk).to(tl.float32)).to(dt)
-        if PROD == 2:
-            gate = tl.load(h_row + kk).to(tl.float32)
-            return (gate / (1.0 + tl.exp(-gate)) * tl.load(h_row + K + kk).to(tl.float32)).to(dt)
-        return tl.load(h_row + kk)
-
-    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_row", "xe_ptr"))
-    def lora_shrink_row_kernel(h_ptr, g_ptr, arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr,
-                               cnt_ptr, eps, S, base, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr,
-                               R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
-                               P: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, KS: tl.constexpr,
-                               RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
-                               PROD: tl.constexpr):
-        """Grid (n, P * KS), for a few tokens: xe[t] = [x | s] of token t = program 0, x =
-        PRODUCERS[PROD] of h[t] (h (n, K) for "copy" and "rms_norm", gain g; (n, 2K) = [gate | up]
-        for "silu_mul"), s as lora_shrink_xs_kernel's (zeros but for t's own slot's live columns).
-        Program 1 = p * KS + k takes part p over inputs [k * CH, (k + 1) * CH) (the last ends at K):
-        it makes x there (part 0's blocks store it), multiplies it by the A rows of t's own slot's
-        columns only (a token needs no other) and, with KS > 1, stores its partial sums in v and
-        counts itself in cnt[t * P + p]; the block that counts last sums the KS partials in order
-        (the same bits whichever block is last), writes s's part p and sets the counter back to 0.
-        "rms_norm" blocks each take the whole row's mean square first (a few KB, from L2)."""
-        t = tl.program_id(0)
-        p = tl.program_id(1) // KS
-        k = tl.program_id(1) % KS
-        dt = xe_ptr.dtype.element_ty
-        m = tl.where(p == 0, m0, tl.where(p == 1, m1, m2))
-        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
-        scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
-        own = valid & (jc == tl.load(slot_ptr + t))
-        a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=own, other=0).to(tl.int64) + base, ALIGN)
-        h_row = h_ptr + t.to(tl.int64) * (2 * K if PROD == 2 else K)
-        xe_row = xe_ptr + t.to(tl.int64) * KE
-        kk = tl.arange(0, BK)
-        rstd = 1.0
-        if PROD == 1:
-            sq = tl.zeros((BK,), dtype=tl.float32)
-            for k0 in tl.range(0, K, BK):
-                hv = tl.load(h_row + k0 + kk).to(tl.float32)
-                sq += hv * hv
-            rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-        acc = tl.zeros((RS, BK), dtype=tl.float32)
-        k_lo = tl.multiple_of(k * CH, BK)
-        for k0 in tl.range(k_lo, tl.minimum(k_lo + CH, K), BK, num_stages=STAGES):
-            x = _produce(h_row, g_ptr, k0 + kk, rstd, K, PROD, dt)
-            if p == 0:
-                tl.store(xe_row + k0 + kk, x)
-            a = tl.load(arena_ptr + a_row[:, None] + (k0 + kk)[None, :], mask=own[:, None], other=0.0)
-            acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
-        part = tl.sum(acc, axis=1)
-        c = tl.arange(0, RS)
-        last = KS == 1
-        if KS > 1:
-            mine = v_ptr + ((t * P + p) * KS).to(tl.int64) * RS
-            tl.store(mine + k * RS + c, part)
-            tl.debug_barrier()  # every thread's partial stored before the count (released by it)
-            last = tl.atomic_add(cnt_ptr + t * P + p, 1, sem="acq_rel", scope="gpu") == KS - 1
-            if last:
-                part = tl.zeros((RS,), dtype=tl.float32)
-                for i in tl.static_range(KS):
-                    part += tl.load(mine + i * RS + c, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + t * P + p, 0)
-        if last:
-            tl.store(xe_row + K + p * RS + c, tl.where(own, part * scale_c, 0.0).to(dt))
 
 
 def _signature(dtype: str) -> dict:
@@ -632,18 +557,16 @@ PRODUCERS = ("copy", "rms_norm", "silu_mul")
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
 TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 132, 8, 4
 EXPAND_BM, EXPAND_WARPS = 32, 4
-# The rank columns route's shrink into [x | s] per variant (SHRINK_SMALL_MAX_TOKENS parts them) and
-# width of its inputs (wide: more than XS_WIDE_INPUTS): tokens per block, the input step (at most),
-# the blocks it aims at and the most input splits (shrink_split), warps. Tuned on an H100
-# (`bench_lora_fused.py tune`, Llama-2-7B's q|k|v and down at 128 and 512 tokens): many splits of
-# short steps; blocks of 64 tokens for the wide inputs (fewer passes over the A rows). The "large"
-# plans (past 512 tokens) follow from those, not yet timed there; nor the in-place shrink's (tuned
-# as the shrink that made x itself: `bench_lora_fused.py producers` times its plans).
+# The rank columns route's shrink into [x | s] by the width of its inputs (wide: more than
+# XS_WIDE_INPUTS): tokens per block, the input step (at most), the blocks it aims at and the most
+# input splits (shrink_split), warps. Timed on an H100 (`bench_lora_fused.py producers`, the shrink
+# in place, Llama-2-7B's four linears at 256 and 1024 tokens, every plan of BM 16/32/64, BK 64/128
+# and 132/264/528 blocks; docs/results/2026-12-06-h100-inplace): blocks of 16 tokens and 128-input
+# steps are the best or within 3% of it at every point (0.55-0.92x the plans before at 1024 tokens),
+# the wide inputs (down) with twice the blocks.
 XS_WIDE_INPUTS = 4096
-XS_PLAN = {("small", False): dict(BM=16, BK=64, target=264, most=16, warps=4),
-           ("small", True): dict(BM=64, BK=64, target=TARGET_BLOCKS, most=16, warps=4),
-           ("large", False): dict(BM=64, BK=64, target=264, most=16, warps=4),
-           ("large", True): dict(BM=64, BK=64, target=264, most=16, warps=4)}
+XS_PLAN = {False: dict(BM=16, BK=128, target=264, most=16, warps=4),
+           True: dict(BM=16, BK=128, target=528, most=16, warps=4)}
 
 
 def _cols_signatures(dtype: str) -> tuple[dict, dict]:
@@ -751,23 +674,22 @@ def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
     fill = dict(arena_ptr=e, rank_ptr="*i32", scale_ptr="*fp32", boff_ptr="*i32", w_ptr=e, S="i32", base="i64")
     fill.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "W0", "W1", "BN", "RS", "SC",
                                            "ALIGN")})
-    shrink = dict(x_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32",
-                  xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32", split="i32")
+    shrink = dict(arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32", xe_ptr=e,
+                  v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32", split="i32")
     shrink.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "RS", "SC",
-                                             "SPLIT_MAX", "STAGES", "ALIGN", "IN_PLACE")})
+                                             "SPLIT_MAX", "STAGES", "ALIGN")})
     return fill, shrink
 
 
 def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
-              align: int, variant: str | None = None, in_place: bool = False) -> dict:
+              align: int) -> dict:
     """How the rank columns route launches for n tokens (the fill of the spare columns, by
-    fill_wrapper when the kept columns change; the shrink into [x | s] and cuBLAS over K + P *
-    RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids, warps; `plan`, the
-    shrink's (BM, BK, input steps, target, most) for the wrapper's split (XS_PLAN). `in_place`: the
-    shrink reads x from [x | s]'s first columns (x's producer wrote it there), else copies it there."""
-    variant = variant or ("small" if n <= SHRINK_SMALL_MAX_TOKENS else "large")
-    plan = XS_PLAN[variant, in_f > XS_WIDE_INPUTS]
-    cs, _ = cols_constants(in_f, widths, mods, num_modules, max_rank, variant, align)
+    fill_wrapper when the kept columns change; after x's producer, the shrink into [x | s] and
+    cuBLAS over K + P * RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids,
+    warps; `plan`, the shrink's (BM, BK, input steps, target, most) for the wrapper's split
+    (XS_PLAN)."""
+    plan = XS_PLAN[in_f > XS_WIDE_INPUTS]
+    cs, _ = cols_constants(in_f, widths, mods, num_modules, max_rank, "small", align)
     bk = next(b for b in (128, 64, 32, 16) if b <= plan["BK"] and in_f % b == 0)
     tiles, per, split = shrink_split(n, in_f // bk, plan["BM"], target=plan["target"], most=plan["most"])
     m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
@@ -777,45 +699,10 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
                 RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
-    consts = dict(cs, BM=plan["BM"], BK=bk, KE=ke, SPLIT_MAX=plan["most"], IN_PLACE=int(in_place))
+    consts = dict(cs, BM=plan["BM"], BK=bk, KE=ke, SPLIT_MAX=plan["most"])
     return dict(fill=fill, shrink=consts, split=split, chunk=per * bk, fill_grid=(sum(widths) // bn,),
                 shrink_grid=(tiles, split), fill_warps=4, shrink_warps=plan["warps"], cols=ke,
                 plan=(plan["BM"], bk, in_f // bk, plan["target"], plan["most"]))
-
-
-# The rank columns route below FUSED_MAX_TOKENS: up to this many tokens a linear with spare columns
-# runs lora_shrink_row_kernel (x's producer and each token's own shrink, into [x | s]) and one GEMM
-# over [x | s] (our gemv at one token, cuBLAS above) in place of the one-kernel linear; 0: the
-# one-kernel linear everywhere below FUSED_MAX_TOKENS (the default until timed).
-ROW_SHRINK_MAX_TOKENS = 0
-ROW_CHUNK, ROW_SPLIT_MAX = 512, 16  # about ROW_CHUNK inputs per block, at most ROW_SPLIT_MAX splits
-
-
-def row_launch(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int, align: int,
-               producer: str = "copy") -> dict:
-    """Constants, the splits and warps of lora_shrink_row_kernel for a linear (its grid for n
-    tokens: (n, P x KS)); `producer` one of PRODUCERS (the kernel's PROD)."""
-    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    bk = next(b for b in (128, 64, 32, 16) if in_f % b == 0)
-    steps = in_f // bk
-    per = max(1, ROW_CHUNK // bk)
-    if -(-steps // per) > ROW_SPLIT_MAX:
-        per = -(-steps // ROW_SPLIT_MAX)
-    ks = -(-steps // per)
-    P = len(widths)
-    consts = dict(K=in_f, KE=in_f + rank_rows(P), M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], P=P,
-                  BK=bk, CH=per * bk, KS=ks, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, STAGES=3, ALIGN=align,
-                  PROD=PRODUCERS.index(producer))
-    return dict(consts=consts, split=ks, warps=4, blocks_per_token=P * ks)
-
-
-def _row_signature(dtype: str) -> dict:
-    e = triton_build.PTR[dtype]
-    sig = dict(h_ptr=e, g_ptr=e, arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32",
-               xe_ptr=e, v_ptr="*fp32", cnt_ptr="*i32", eps="fp32", S="i32", base="i64")
-    sig.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BK", "CH", "KS", "RS", "SC",
-                                         "STAGES", "ALIGN", "PROD")})
-    return sig
 
 
 def norm_launch(in_f: int, ldo: int | None = None) -> dict:
@@ -832,8 +719,8 @@ def _norm_signature(dtype: str) -> dict:
 
 def scratch_elems(n, widths: Sequence[int]):
     """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes: the
-    pair's SPLIT_MAX splits, the rank columns route's XS_PLAN ones and its row shrink's)."""
-    return max(SPLIT_MAX, ROW_SPLIT_MAX, *(p["most"] for p in XS_PLAN.values())) * n * len(widths) * RANK_COLUMNS
+    pair's SPLIT_MAX splits, the rank columns route's XS_PLAN ones)."""
+    return max(SPLIT_MAX, *(p["most"] for p in XS_PLAN.values())) * n * len(widths) * RANK_COLUMNS
 
 
 def producer_module(producer: str, in_f: int, ld: int, dtype: str, arch: str):
@@ -849,7 +736,7 @@ def producer_module(producer: str, in_f: int, ld: int, dtype: str, arch: str):
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    align: int, arch: str, rows: bool = False, w_cols: int | None = None, producer: str = "copy",
-                   eps: float = 0.0, row_max: int | None = None):
+                   eps: float = 0.0):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), w (W, w_cols or in_f: a weight's
     columns beside its own are not read), arena (size,), slot (n,),
     rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R), layer: int64, y (n, W) [out],
@@ -858,15 +745,12 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     rows route): w is (W + rank_rows(P), in_f), its last rows reserved; above FUSED_MAX_TOKENS the
     batch's A rows are filled into them, cuBLAS computes e = x @ w.T (W + rank_rows(P) columns) and
     the expand writes y from e; one more output, e (n, W + rank_rows(P)) [scratch]. A weight with
-    spare columns (the rank columns route) adds xe (n, w_cols) [scratch]; with a `producer` other
-    than "copy" (PRODUCERS; only there) the wrapper takes the producer's input instead of x (h
-    (n, in_f) and the gain g (in_f,) for "rms_norm" with `eps`, y = [gate | up] (n, 2 in_f) for
-    "silu_mul") and runs the producer's kernel itself: into xe's first columns past
-    FUSED_MAX_TOKENS (the shrink then reads x there), else into one more output, x (n, in_f)
-    [scratch], which the one-kernel linear reads. With spare columns, up to `row_max` tokens
-    (default ROW_SHRINK_MAX_TOKENS) lora_shrink_row_kernel writes [x | s] (x made of the producer's
-    input, or copied) and one GEMM over [x | s] gives y: our gemv at one token (by name: FusedLinear.emit
-    links ops/gemv's module), cuBLAS above."""
+    spare columns and a `producer` other than "copy" (PRODUCERS) takes the rank columns route: the
+    wrapper takes the producer's input instead of x (h (n, in_f) and the gain g (in_f,) for
+    "rms_norm" with `eps`, y = [gate | up] (n, 2 in_f) for "silu_mul") and runs the producer's
+    kernel itself, into xe (n, w_cols) [scratch]'s first columns past FUSED_MAX_TOKENS (the
+    shrink adds s beside it), else into one more output, x (n, in_f) [scratch], which the
+    one-kernel linear reads. With "copy" a weight's spare columns are not read (the pair)."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     from ..gemv.gemv_cuda import CUBLAS_GEMM  # pylint: disable=import-outside-toplevel
@@ -877,13 +761,13 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     if KW not in (in_f, in_f + rank_rows(P)) or (rows and KW != in_f):
         raise ValueError(f"a weight of {KW} columns for {in_f} inputs (in_f, or in_f + {rank_rows(P)} spare columns "
                          "for the rank columns route; not with the rank rows route)")
-    cols = KW != in_f  # the rank columns route past FUSED_MAX_TOKENS
-    if producer not in PRODUCERS or (producer != "copy" and not cols):
+    # the rank columns route past FUSED_MAX_TOKENS: a weight with spare columns and x's producer to
+    # write x into [x | s] (without one, the pair over the weight's first columns: copying x there
+    # cost more than the pair's expand)
+    cols = KW != in_f and producer != "copy"
+    if producer not in PRODUCERS or (producer != "copy" and KW == in_f):
         raise ValueError(f"producer {producer!r}: one of {PRODUCERS}, other than 'copy' only for a weight with "
                          "spare columns")
-    row_max = (ROW_SHRINK_MAX_TOKENS if row_max is None else row_max) if cols else 0
-    if not 0 <= row_max <= FUSED_MAX_TOKENS or row_max * len(widths) > COUNTER_SLOTS:
-        raise ValueError(f"row_max {row_max}: 0..{FUSED_MAX_TOKENS} tokens")
     built, mods_out = {}, []
     for bm in (16, 64):
         consts, warps = constants(in_f, widths, mods, M, R, bm, align, KW)
@@ -903,34 +787,16 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         f_grid, x_nt = go["fill_grid"], go["expand_grid"][1]
     elif cols:  # past FUSED_MAX_TOKENS: the shrink into [x | s], cuBLAS over [x | s] and [W | B columns]
         _, sig_s = _cols_route_signatures(dtype)
-        shrinks = {}
-        for variant in SHRINK_BM:  # (x's producer, if any, writes x into xe; the shrink adds s in place)
-            gv = xs_launch(1, in_f, widths, mods, M, R, align, variant, producer != "copy")
-            name, threads, shared, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
-                                                                  gv["shrink_warps"], arch, Path(__file__))
-            shrinks[variant] = (name, threads, shared, gv["plan"])
-            mods_out.append(mod)
+        gv = xs_launch(1, in_f, widths, mods, M, R, align)  # (x's producer writes x into xe, the shrink adds s)
+        qn, qth, qsh, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"], gv["shrink_warps"],
+                                                     arch, Path(__file__))
+        q_plan = gv["plan"]
+        mods_out.append(mod)
         # x's producer: into x up to FUSED_MAX_TOKENS (the one-kernel linear reads it), into xe's first
         # columns past it
-        rn, rth, rsh, cn, cth, csh = "", 0, 0, "", 0, 0
-        if producer != "copy":
-            (rn, rth, rsh, mod), (cn, cth, csh, cmod) = (producer_module(producer, in_f, ld, dtype, arch)
-                                                         for ld in (in_f, KW))
-            mods_out += [mod, cmod]
-        qn, qth, qsh, q_plan = shrinks["small"]
-        gn, gth, gsh, g_plan = shrinks["large"]
-        wn, wth, wsh, w_blocks, g1, g_grid, g_threads = "", 0, 0, 0, "", 0, 0
-        if row_max:  # up to row_max tokens: the producer and each token's own shrink, one GEMM over [x | s]
-            from ..gemv import gemv_cuda  # pylint: disable=import-outside-toplevel
-
-            rl = row_launch(in_f, widths, mods, M, R, align, producer)
-            wn, wth, wsh, wmod = triton_build.cuda_module(lora_shrink_row_kernel, _row_signature(dtype),
-                                                          rl["consts"], rl["warps"], arch, Path(__file__))
-            mods_out.append(wmod)
-            w_blocks = rl["blocks_per_token"]
-            if gemv_cuda.supported(dtype, KW, 2) is None:
-                g1, g_grid, g_threads = (gemv_cuda.kernel_name(dtype, 1), -(-W // gemv_cuda.ROWS),
-                                         gemv_cuda.launch_threads(KW))
+        (rn, rth, rsh, mod), (cn, cth, csh, cmod) = (producer_module(producer, in_f, ld, dtype, arch)
+                                                     for ld in (in_f, KW))
+        mods_out += [mod, cmod]
     else:  # past FUSED_MAX_TOKENS: cuBLAS, then the shrink (two variants) and the in-place expand
         sig_s, sig_e = _cols_signatures(dtype)
         shrinks = {}
@@ -976,10 +842,10 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
 
     @T.macro
-    def shrink_xs(name, plan, threads, shared, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe, v, cnt):
-        """The shrink variant `name` into xe = [x | s] (x copied from x, or read in place: the
-        variant's IN_PLACE); plan: its (BM, BK, input steps, target, most) (xs_launch)."""
-        T.call_packed(name, x.data, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data, v.data,
+    def shrink_xs(name, plan, threads, shared, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt):
+        """The shrink `name` adding s to xe = [x | s] (x written by its producer); plan: its (BM, BK,
+        input steps, target, most) (xs_launch)."""
+        T.call_packed(name, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data, v.data,
                       cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
                       T.Cast("int32", xs_split(n, plan)[1] * plan[1]), T.Cast("int32", xs_split(n, plan)[2]),
                       T.int64(0), T.int64(0), T.Cast("int32", xs_split(n, plan)[0]),
@@ -1036,66 +902,6 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         KE = KW
 
         @T.macro
-        def row_route(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, cnt, y, v, xe):
-            """[x | s] of h (or x) by lora_shrink_row_kernel, then y = [x | s] @ [W | B columns].T: our gemv
-            at one token, cuBLAS above."""
-            T.call_packed(wn, h.data, g.data, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data,
-                          v.data, cnt.data, T.float32(eps), T.Cast("int32", S), layer * (size // L), T.int64(0),
-                          T.int64(0), n, w_blocks, wth, wsh)
-            if g1 != "":
-                if n == 1:
-                    T.call_packed(g1, xe.data, w.data, y.data, T.Cast("int32", n), KE, W, KE, g_grid, 1, 1,
-                                  g_threads)
-                else:
-                    T.call_packed(CUBLAS_GEMM, xe, w, y)
-            else:
-                T.call_packed(CUBLAS_GEMM, xe, w, y)
-
-        @T.macro
-        def copied_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe):
-            """x given, n <= FUSED_MAX_TOKENS: the row route up to row_max tokens, else the one-kernel linear."""
-            if row_max > 0:
-                if n <= row_max:
-                    row_route(n, S, size, layer, x, x, w, arena, slot, rank, scale, a_off, cnt, y, v, xe)
-                else:
-                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-            else:
-                fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-
-        @T.prim_func(s_tir=True)
-        def lora_linear_cols(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
-                             scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, cnt_h: T.handle,
-                             y_h: T.handle, v_h: T.handle, xe_h: T.handle):
-            T.func_attr(kernel_attrs(True))
-            n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
-            x = T.match_buffer(x_h, (n, in_f), dtype)
-            w = T.match_buffer(w_h, (W, KE), dtype)
-            arena = T.match_buffer(arena_h, (size,), dtype)
-            slot = T.match_buffer(slot_h, (n,), "int32")
-            rank = T.match_buffer(rank_h, (S,), "int32")
-            scale = T.match_buffer(scale_h, (S, M), "float32")
-            a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
-            b_off = T.match_buffer(boff_h, (S, M, R), "int32")
-            cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
-            y = T.match_buffer(y_h, (n, W), dtype)
-            v = T.match_buffer(v_h, (nv,), "float32")
-            xe = T.match_buffer(xe_h, (n, KE), dtype)
-            if n > 0:
-                if n <= FUSED_MAX_TOKENS:
-                    copied_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe)
-                else:  # (the spare columns hold the kept adapters' B rows: fill_wrapper)
-                    if n <= SHRINK_SMALL_MAX_TOKENS:
-                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe,
-                                  v, cnt)
-                    else:
-                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, x, arena, slot, rank, scale, a_off, xe,
-                                  v, cnt)
-                    T.call_packed(CUBLAS_GEMM, xe, w, y)
-
-        if producer == "copy":
-            return lora_linear_cols, mods_out
-
-        @T.macro
         def produce(name, threads, shared, n, h, g, out):
             """x's producer of h (g: the RMSNorm's gain) into out (x, or xe's first columns)."""
             if producer == "rms_norm":  # a row per block
@@ -1107,35 +913,16 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                               shared)
 
         @T.macro
-        def produced_small(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x):
-            """n <= FUSED_MAX_TOKENS: the row route up to row_max tokens, else the producer into x and the
-            one-kernel linear."""
-            if row_max > 0:
-                if n <= row_max:
-                    row_route(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, cnt, y, v, xe)
-                else:
-                    produce(rn, rth, rsh, n, h, g, x)
-                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-            else:
-                produce(rn, rth, rsh, n, h, g, x)
-                fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-
-        @T.macro
         def produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x):
             """The producer into x and the one-kernel linear, or the producer into xe, the shrink adding
             s in place and cuBLAS."""
             if n > 0:
                 if n <= FUSED_MAX_TOKENS:
-                    produced_small(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe,
-                                   x)
+                    produce(rn, rth, rsh, n, h, g, x)
+                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:
                     produce(cn, cth, csh, n, h, g, xe)
-                    if n <= SHRINK_SMALL_MAX_TOKENS:
-                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, xe, arena, slot, rank, scale, a_off,
-                                  xe, v, cnt)
-                    else:
-                        shrink_xs(gn, g_plan, gth, gsh, n, S, size, layer, xe, arena, slot, rank, scale, a_off,
-                                  xe, v, cnt)
+                    shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
         @T.prim_func(s_tir=True)
@@ -1282,36 +1069,29 @@ class FusedLinear:
         if w_rows not in (W, W + rank_rows(len(widths))):
             raise ValueError(f"weight of {w_rows} rows for a linear of {W} outputs (or {W} + "
                              f"{rank_rows(len(widths))} reserved rank rows)")
-        rows, cols = w_rows != W, w_cols != in_f
+        rows, cols = w_rows != W, w_cols != in_f and producer is not None  # (cols: the rank columns route)
         kind, head, eps = producer or ("copy", [x], 0.0)
-        row_max = ROW_SHRINK_MAX_TOKENS if cols else 0
-        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols, kind, eps, row_max)
+        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols, kind, eps)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
 
         def make():
             func, mods_ = linear_wrapper(in_f, widths, mods, ctx.num_layers, ctx.max_rank, ctx.num_modules, dtype,
                                          align, str(ctx.target.arch), rows=rows, w_cols=w_cols, producer=kind,
-                                         eps=eps, row_max=row_max)
+                                         eps=eps)
             for i, mod in enumerate(mods_):
                 ctx.external(key + ("module", i), lambda mod=mod: mod)
-            if row_max:  # the row route's gemv at one token: once per library and dtype
-                from ..gemv import gemv_cuda  # pylint: disable=import-outside-toplevel
-
-                ctx.external(("gemv module", dtype),
-                             lambda: gemv_cuda.build_module(dtype, str(ctx.target.arch)))
             return func
 
         name = f"lora_linear_{'rows' if rows else 'cols' if cols else 'triton'}_m{tag}_{in_f}x{W}" + (
-            f"_of{w_cols}" if cols else "") + {"copy": "", "rms_norm": "_norm", "silu_mul": "_silu"}[kind]
+            f"_of{w_cols}" if w_cols != in_f else "") + {"copy": "", "rms_norm": "_norm", "silu_mul": "_silu"}[kind]
         fn = ctx.kernel(key, name, make)
         outs = [relax.TensorType([n, W], dtype)]
         if rows:  # no shrink partials; e = x @ [W; rank rows].T
             outs += [relax.TensorType([max(1, split_scratch_elems(in_f, widths))], "float32"),
                      relax.TensorType([n, w_rows], dtype)]
-        elif cols:  # the shrink's partial sums; xe = [x | s]; x, where the wrapper makes it
+        elif cols:  # the shrink's partial sums; xe = [x | s]; x, which the wrapper makes
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32"),
-                     relax.TensorType([n, w_cols], dtype)]
-            outs += [relax.TensorType([n, in_f], dtype)] if producer else []
+                     relax.TensorType([n, w_cols], dtype), relax.TensorType([n, in_f], dtype)]
         else:
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
         out = bb.emit(relax.call_tir(fn, head + [w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],

@@ -87,8 +87,8 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         if self.lora is not None and self.lora.fused is not None:
             self._fused_fns = (self._optional_fn("prefill" + FUSED_FUNCTION_SUFFIX),
                                self._vm["decode" + FUSED_FUNCTION_SUFFIX])
-            if self.lora.fused.get("spare_columns"):
-                self._fill_columns = self._vm[FILL_COLUMNS_FUNCTION]
+            if self.lora.fused.get("spare_columns"):  # (none where no linear takes the route)
+                self._fill_columns = self._optional_fn(FILL_COLUMNS_FUNCTION)
         keep_gil_on_device(self._device, self._embed, self._prefill, self._decode, *(self._base_fns or ()),
                            *self._fused_fns)
 

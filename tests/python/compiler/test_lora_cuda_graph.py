@@ -205,11 +205,12 @@ def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_fir
     columns per part beside its own; the fused functions' linears (the rank columns wrapper, inside
     decode_fused's graphs and in prefill_fused) take the whole weight, every other GEMM (gemv /
     cuBLAS wrappers) too, with its row stride: no slice is copied per call and no linear falls back
-    to TVM's matmul; lm_head is untouched. The route's shrink makes x of its producer: q|k|v and
-    gate|up take the RMSNorm's input and gain (no RMSNorm kernel left before them in the fused
-    functions, only the final norm); down the gate|up output (silu * up) where
-    lora_rewrite.FOLD_SILU_MUL says so (off by default), else x of the activation kernel; o x
-    itself. decode_fused's first q|k|v reads the function's input, so it runs before the first graph."""
+    to TVM's matmul; lm_head is untouched. The route runs where x's producer writes x into [x | s]:
+    q|k|v and gate|up take the RMSNorm's input and gain (no RMSNorm kernel left before them in the
+    fused functions, only the final norm); down the gate|up output (silu * up) where
+    lora_rewrite.FOLD_SILU_MUL says so (on by default). o (x the attention's), and down without the
+    fold, keep the pair over their weights' first columns, and their columns are not filled.
+    decode_fused's first q|k|v reads the function's input, so it runs before the first graph."""
     pytest.importorskip("triton")
     from mlc_lora.compiler_passes.passes import lora_rewrite
 
@@ -219,22 +220,25 @@ def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_fir
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     fused = "decode" + FUSED_FUNCTION_SUFFIX
     captures = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith(fused + "_cuda_graph_capture")]
+    L, routed = cfg.num_hidden_layers, 3 if fold_silu else 2  # the linears on the route, per layer
     linears = [c for f in captures for c in _calls(f, "lora_linear_cols_")]
+    pairs = [c for f in captures for c in _calls(f, "lora_linear_triton_")]
     outside = _calls(lowered[fused], "lora_linear_cols_")
     assert outside == [f"lora_linear_cols_m0_1_2_{h}x{qkv}_of{h + 96}_norm"], outside
-    assert len(linears) == 4 * cfg.num_hidden_layers - 1 and all("_of" in c for c in linears), linears
-    assert not [c for f in captures for c in _calls(f, "lora_linear_triton_") + _calls(f, "lora_fill_columns_")]
+    assert len(linears) == routed * L - 1 and all("_of" in c for c in linears), linears
+    assert len(pairs) == (4 - routed) * L and all("_of" in c for c in pairs), pairs
+    assert not [c for f in captures for c in _calls(f, "lora_fill_columns_")]
     prefill = _calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "lora_linear_cols_")
-    assert len(prefill) == 4 * cfg.num_hidden_layers
     ends = [c.rsplit("_of", 1)[1].split("_", 1)[1:] for c in prefill]  # the producer each takes
-    assert ends == [["norm"], [], ["norm"], ["silu"] if fold_silu else []] * cfg.num_hidden_layers, prefill
+    assert ends == ([["norm"], ["norm"]] + ([["silu"]] if fold_silu else [])) * L, prefill
+    assert len(_calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "lora_linear_triton_")) == (4 - routed) * L
     activations = [c for f in [lowered["prefill" + FUSED_FUNCTION_SUFFIX], lowered[fused]] + captures
                    for c in _calls(f, "silu_mul_triton_")]
     assert len(activations) == (0 if fold_silu else 2 * cfg.num_hidden_layers), activations
     assert len(_calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "rms_norm")) == 1  # the final norm
     # the fill of the spare columns: its own function, one call per targeted weight, in place
     fills = _calls(lowered[FILL_COLUMNS_FUNCTION], "lora_fill_columns_")
-    assert len(fills) == 4 * cfg.num_hidden_layers and len(set(fills)) == 4, fills
+    assert len(fills) == routed * L and len(set(fills)) == routed, fills
     want = {(qkv, h + 96), (h, h + 32), (2 * inter, h + 64), (h, inter + 32)}
     for name in ("decode", "prefill", "decode" + BASE_FUNCTION_SUFFIX, fused, "prefill" + FUSED_FUNCTION_SUFFIX):
         shapes = [tuple(int(v) for v in f.shape.values) for f in lowered[name].params[-1].ty.fields]

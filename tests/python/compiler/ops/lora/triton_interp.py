@@ -42,7 +42,7 @@ def run_linear(inp: dict) -> dict:
     consts, warps = LT.constants(K, widths, mods, scale.shape[1], int(inp["R"]), int(inp["bm"]), 8, w.shape[1])
     if "variant" in inp:
         v = str(inp["variant"])
-        return run_rows(inp) if v == "rows" else run_xs(inp) if v.startswith("xs-") else run_cols(inp)
+        return run_rows(inp) if v == "rows" else run_xs(inp) if v == "xs" else run_cols(inp)
     if "split" in inp:
         consts["SPLIT"] = int(inp["split"])
     if "swap" in inp:
@@ -114,12 +114,10 @@ def run_xs(inp: dict) -> dict:
     """The rank columns route: the fill of the spare columns beside W (part p's own columns holding
     NaN before, as an earlier fill's B rows; the other parts' zeros, as compiled) from the tables
     of the kept slots (`fill_slots` of them: not the stale one past them, which the forward's
-    tables keep), the shrink into [x | s] (xe and the partial sums NaN before, the counters zeros),
-    then [x | s] @ [W | B cols].T (as cuBLAS: fp32 sums, rounded to the dtype), launched as
-    fill_wrapper and the linear's TIR wrapper launch them. With a `producer` (h: its input, g: its
-    gain, eps) its kernel writes x into xe's first columns first and the shrink reads x there.
-    Variant "xs-row": lora_shrink_row_kernel writes [x | s] (x made of h by the producer, or
-    copied), as the wrapper launches it up to its row_max tokens."""
+    tables keep), x's producer into [x | s]'s first columns (h: its input, g: its gain, eps; with
+    none, x written there as a producer would), the shrink adding s (xe and the partial sums NaN
+    before, the counters zeros), then [x | s] @ [W | B cols].T (as cuBLAS: fp32 sums, rounded to the
+    dtype), launched as fill_wrapper and the linear's TIR wrapper launch them."""
     import torch
 
     from mlc_lora.compiler_passes.ops import activation_triton as AT
@@ -131,9 +129,7 @@ def run_xs(inp: dict) -> dict:
     mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
     n, K = x.shape
     producer = str(inp.get("producer", "copy"))
-    row = str(inp["variant"]) == "xs-row"
-    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, "small" if row else str(inp["variant"])[3:],
-                      producer != "copy")
+    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8)
     w_ext = torch.zeros((sum(widths), go["cols"]), dtype=t(x).dtype)
     w_ext[:, :K] = t(w)
     o = 0
@@ -147,14 +143,7 @@ def run_xs(inp: dict) -> dict:
     xe = torch.full((n, ke), float("nan"), dtype=w_ext.dtype)
     v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
     cnt = torch.zeros((LT.COUNTER_SLOTS,), dtype=torch.int32)
-    if row:
-        rl = LT.row_launch(K, widths, mods, scale.shape[1], int(inp["R"]), 8, producer)
-        h = t(inp["h"]) if producer != "copy" else t(x)
-        g = t(inp["g"]) if producer == "rms_norm" else h
-        LT.lora_shrink_row_kernel[(n, rl["blocks_per_token"])](
-            h, g, t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt,
-            float(inp.get("eps", 0.0)), S, base, **rl["consts"], num_warps=rl["warps"])
-    elif producer == "rms_norm":  # the producer's kernel as the wrapper launches it, into xe's first columns
+    if producer == "rms_norm":  # the producer's kernel as the wrapper launches it, into xe's first columns
         nl = LT.norm_launch(K, ke)
         LT.rms_norm_rows_kernel[(n,)](t(inp["h"]), t(inp["g"]), xe, float(inp["eps"]), **nl["consts"],
                                       num_warps=nl["warps"])
@@ -162,10 +151,11 @@ def run_xs(inp: dict) -> dict:
         bn = AT.block_cols(K)
         AT.silu_mul_kernel[(-(-n // AT.BM), K // bn)](t(inp["h"]), xe, n, I=K, BM=AT.BM, BN=bn, LDH=ke,
                                                       num_warps=AT.WARPS)
-    if not row:
-        LT.lora_shrink_xs_kernel[go["shrink_grid"]](
-            t(x), t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt, n, S,
-            base, go["chunk"], go["split"], **go["shrink"], num_warps=go["shrink_warps"])
+    else:
+        xe[:, :K] = t(x)
+    LT.lora_shrink_xs_kernel[go["shrink_grid"]](
+        t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt, n, S, base,
+        go["chunk"], go["split"], **go["shrink"], num_warps=go["shrink_warps"])
     y = (xe.numpy().astype(np.float32) @ w_ext.numpy().astype(np.float32).T).astype(x.dtype)
     return {"y": y, "cnt": cnt.numpy(), "cols": w_ext[:, K:].numpy(), "xe": xe.numpy()}
 
