@@ -236,12 +236,12 @@ def _pair_configs(LT, pt):
     return shrinks, expands
 
 
-def _xs_configs(LT, pt, in_place):
-    """Launches of the rank columns route's shrink into [x | s] (x copied there, or read in place) at
-    pt.T tokens, the compiled one first: token tiles of 16-64, input steps of 64-128, splits aimed at
-    1-4 blocks an SM (up to 16), 4 or 8 warps."""
+def _xs_configs(LT, pt):
+    """Launches of the rank columns route's shrink adding s beside x in [x | s] at pt.T tokens, the
+    compiled one first: token tiles of 16-64, input steps of 64-128, splits aimed at 1-4 blocks an SM
+    (up to 16), 4 or 8 warps."""
     T, in_f, widths = pt.T, pt.in_f, pt.widths
-    go = LT.xs_launch(T, in_f, widths, pt.mod_ids, len(widths), pt.r, 8, None, in_place)
+    go = LT.xs_launch(T, in_f, widths, pt.mod_ids, len(widths), pt.r, 8)
     out = [dict(go, warps=go["shrink_warps"])]
     for bm in (16, 32, 64):
         for bk in (64, 128):
@@ -255,11 +255,10 @@ def _xs_configs(LT, pt, in_place):
     return out
 
 
-def _xs_group(torch, LT, pt, name, in_place):
-    """The route's shrink into [x | s] (x copied from pt.x, or read in place where its producer
-    wrote it) per launch of _xs_configs, each checked against the compiled one's [x | s], beside the
-    pair's shrink."""
-    cfgs = _xs_configs(LT, pt, in_place)
+def _xs_group(torch, LT, pt, name):
+    """The route's shrink into [x | s] (x where its producer wrote it) per launch of _xs_configs,
+    each checked against the compiled one's [x | s], beside the pair's shrink."""
+    cfgs = _xs_configs(LT, pt)
     T = pt.T
     xe = [torch.empty((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
     for i in range(pt.copies):
@@ -268,8 +267,8 @@ def _xs_group(torch, LT, pt, name, in_place):
 
     def launch(i, g):
         LT.lora_shrink_xs_kernel[g["shrink_grid"]](
-            pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], v, pt.cnt, T, pt.N, 0, g["chunk"],
-            g["split"], **g["shrink"], num_warps=g["warps"])
+            pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], v, pt.cnt, T, pt.N, 0, g["chunk"], g["split"],
+            **g["shrink"], num_warps=g["warps"])
 
     launch(0, cfgs[0])
     torch.cuda.synchronize()
@@ -312,9 +311,9 @@ def _norm_group(torch, LT, pt):
 def tune(a) -> int:  # pylint: disable=too-many-locals
     """Every tile shape of `_linear_configs` / `_pair_configs` per linear and token count, timed
     together (harness.timing.compare); prints the compiled one against the best. Also: the rank
-    columns route's shrink into [x | s] (`_xs_group`, past FUSED_MAX_TOKENS: x copied, and for the
-    linears whose x has a producer, read in place) beside the pair's shrink, and its RMSNorm of rows
-    (`_norm_group`, up to it) beside torch's."""
+    columns route's shrink into [x | s] (`_xs_group`, past FUSED_MAX_TOKENS, x where its producer
+    wrote it) beside the pair's shrink, and its RMSNorm of rows (`_norm_group`, up to it) beside
+    torch's."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -349,11 +348,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                 # the whole linear: cuBLAS, then the pair adding into y, against cuBLAS alone
                 groups["linear"] = {"cublas + pair": lambda i, g=shrinks[0]: pt.launch_pair(i, g),
                                     "cublas": pt.launch_gemm}
-                # the rank columns route's shrink into [x | s] (for q|k|v, gate|up: x the RMSNorm of h, its
-                # rows' scales first)
-                groups["shrink·xs"] = _xs_group(torch, LT, pt, name, False)
-                if name != "o":  # x's producer writes x into [x | s] (the RMSNorm, silu * up)
-                    groups["shrink·xs in place"] = _xs_group(torch, LT, pt, name, True)
+                if name != "o":  # the rank columns route's shrink (x's producer writes x into [x | s])
+                    groups["shrink·xs"] = _xs_group(torch, LT, pt, name)
             for kind, fns in groups.items():
                 ok = {}
                 for label, fn in fns.items():
@@ -400,10 +396,9 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     (the batch's A rows below W's: the shrink inside the GEMM), alone and with the fill and the
     expand from its output (the compiled route); and the pair's shrink, its expand and the rows
     route's fill alone (what a route that folds one of them into the GEMM saves or adds); and the
-    rank columns route as compiled for a linear whose x has no producer of its own (o:
-    `lora_spare_columns`): its shrink copying x into [x | s], then cuBLAS over both (its fill, which
-    runs when the pool's kept columns change, timed alone as `fill(cols)`). With x's producer
-    writing x into [x | s]: `producers`."""
+    rank columns route (`lora_spare_columns`) without x's producer: its shrink adding s beside x in
+    [x | s], then cuBLAS over both (its fill, which runs when the pool's kept columns change, timed
+    alone as `fill(cols)`). With x's producer writing x into [x | s]: `producers`."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
@@ -425,15 +420,16 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                 LT.lora_fill_cols_kernel[go_xs["fill_grid"]](pt.arena, pt.rank, pt.scale, pt.b_off[i], w_ext[i], pt.N,
                                                              0, **go_xs["fill"], num_warps=go_xs["fill_warps"])
 
-            def shrink_xs(i):  # the compiled route's shrink into [x | s]
+            def shrink_xs(i):  # the compiled route's shrink, adding s beside x (its producer's) in [x | s]
                 LT.lora_shrink_xs_kernel[go_xs["shrink_grid"]](
-                    pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt, T, pt.N, 0,
+                    pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt, T, pt.N, 0,
                     go_xs["chunk"], go_xs["split"], **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
 
             for c in range(pt.copies):
                 w_ext[c].zero_()
                 w_ext[c][:, :pt.in_f].copy_(pt.w[c])
                 fill_cols(c)
+                x_ext[c][:, :pt.in_f].copy_(pt.x[c])  # (as x's producer would leave it)
 
             def overlap(i):
                 cur = torch.cuda.current_stream()
@@ -462,8 +458,8 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                      "shrink": lambda i: pt.launch_shrink(i, go), "expand": lambda i: pt.launch_expand(i, go),
                      "fill(rows)": lambda i: pt.launch_fill_rows(i, go_rows),
                      "fill(cols)": fill_cols,
-                     # the compiled rank columns route (--spare columns), its fill kept out (it runs
-                     # when the pool's kept columns change)
+                     # the rank columns route (spare columns) after x's producer, its fill kept out (it
+                     # runs when the pool's kept columns change)
                      "shrink·xs": shrink_xs, "shrink·xs + cublas(K+cols)": lambda i: (shrink_xs(i), gemm_ext(i))}
             if T <= LT.FUSED_MAX_TOKENS:
                 cands["one-kernel linear"] = lambda i: pt.launch_linear(i, consts, warps)
@@ -493,15 +489,11 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     silu(gate) * up before down (ops/activation_triton.py), the attention before o (not ours to
     change here: x given, in [x | s] already for the in-place route). Candidates: `base` (the
     producer into x, cuBLAS), `pair` (the same, then the shrink and the in-place expand),
-    `route·copy` (the producer into x, the shrink copying it into [x | s], cuBLAS over both),
-    `route·in place` (the producer into [x | s]'s first columns, the shrink adding s there, cuBLAS
-    over both); and the parts: the producer into x and into [x | s], the pair's shrink and expand,
-    cuBLAS over [x | s], the in-place shrink per launch plan (the compiled one first). Up to
-    FUSED_MAX_TOKENS tokens instead: `base`, `one-kernel` (the producer into x, the one-kernel
-    linear over the weight with spare columns, as compiled there by default) and `route·row`
-    (lora_shrink_row_kernel: the producer and each token's own shrink into [x | s], then cuBLAS
-    over both; ROW_SHRINK_MAX_TOKENS), with the row shrink alone. The library runs our gemv
-    rather than cuBLAS at one token, for the base model and the row route alike."""
+    `route·copy` (the producer into x, x copied into [x | s] by torch, the shrink, cuBLAS over both:
+    what a linear whose x comes from elsewhere would pay, o's case), `route·in place` (the producer
+    into [x | s]'s first columns, the shrink adding s there, cuBLAS over both); and the parts: the
+    producer into x and into [x | s], the pair's shrink and expand, cuBLAS over [x | s], x's copy,
+    the shrink per launch plan (the compiled one first)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops import activation_triton as AT  # pylint: disable=import-outside-toplevel
@@ -532,13 +524,16 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
 
             def xs(i, g):
                 LT.lora_shrink_xs_kernel[g["shrink_grid"]](
-                    pt.x[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], pt.v, pt.cnt, T, pt.N, 0,
+                    pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], pt.v, pt.cnt, T, pt.N, 0,
                     g["chunk"], g["split"], **g["shrink"], num_warps=g["shrink_warps"])
+
+            def copy_x(i):
+                xe[i][:, :K].copy_(pt.x[i])
 
             def gemm_ext(i):
                 torch.matmul(xe[i], w_ext[i].t(), out=pt.y[i % 2])
 
-            go_copy, go_ip = (LT.xs_launch(T, K, pt.widths, pt.mod_ids, P, pt.r, 8, None, ip) for ip in (False, True))
+            go_ip = LT.xs_launch(T, K, pt.widths, pt.mod_ids, P, pt.r, 8)
             for c in range(pt.copies):
                 w_ext[c][:, :K].copy_(pt.w[c])
                 LT.lora_fill_cols_kernel[go_ip["fill_grid"]](pt.arena, pt.rank, pt.scale, pt.b_off[c], w_ext[c], pt.N,
@@ -551,43 +546,13 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 xs(i, g)
                 gemm_ext(i)
 
-            if T <= LT.FUSED_MAX_TOKENS:  # the one-kernel linear against the row route
-                kind = "rms_norm" if norm else "silu_mul" if name == "down" else "copy"
-                rl = LT.row_launch(K, pt.widths, pt.mod_ids, P, pt.r, 8, kind)
-                bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
-                consts, warps = LT.constants(K, pt.widths, pt.mod_ids, P, pt.r, bm, 8, ke)
-
-                def one_kernel(i):
-                    before(i, pt.x[i], K)
-                    grid = (-(-T // consts["BM"]) * consts["SPLIT"], pt.out_f // consts["BN"])
-                    LT.lora_linear_kernel[grid](pt.x[i], w_ext[i], pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i],
-                                                pt.b_off[i], pt.y[i % 2], pt.ws, pt.cnt, T, pt.N, 0, **consts,
-                                                num_warps=warps)
-
-                def row(i):
-                    src = pt.x[i] if kind == "copy" else h[i]
-                    LT.lora_shrink_row_kernel[(T, rl["blocks_per_token"])](
-                        src, gain if norm else src, pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], pt.v,
-                        pt.cnt, 1e-5, pt.N, 0, **rl["consts"], num_warps=rl["warps"])
-
-                cands = {"base": lambda i: (before(i, pt.x[i], K), pt.launch_gemm(i)), "one-kernel": one_kernel,
-                         "route·row": lambda i: (row(i), gemm_ext(i)), "producer": lambda i: before(i, pt.x[i], K),
-                         "row shrink": row, "cublas(K+cols)": gemm_ext}
-                _check_deltas(torch, pt, name, cands, ("one-kernel", "route·row"))
-                us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
-                print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
-                out.append(dict(linear=name, T=T, us=us))
-                del w_ext, xe, h, pt
-                torch.cuda.empty_cache()
-                continue
-
             cands = {"base": lambda i: (before(i, pt.x[i], K), pt.launch_gemm(i)),
                      "pair": lambda i: (before(i, pt.x[i], K), pt.launch_pair(i, go)),
-                     "route·copy": lambda i: (before(i, pt.x[i], K), xs(i, go_copy), gemm_ext(i)),
+                     "route·copy": lambda i: (before(i, pt.x[i], K), copy_x(i), xs(i, go_ip), gemm_ext(i)),
                      "route·in place": in_place,
                      "producer": lambda i: before(i, pt.x[i], K), "producer·xe": lambda i: before(i, xe[i], ke),
                      "pair's shrink": lambda i: pt.launch_shrink(i, go), "expand": lambda i: pt.launch_expand(i, go),
-                     "cublas(K+cols)": gemm_ext, "shrink·copy": lambda i: xs(i, go_copy)}
+                     "cublas(K+cols)": gemm_ext, "copy of x": copy_x}
             plans = [(go_ip["shrink"]["BM"], go_ip["shrink"]["BK"], go_ip["split"])]
             cands[f"shrink·in place BM{plans[0][0]} BK{plans[0][1]} split{plans[0][2]} (compiled)"] = (
                 lambda i: xs(i, go_ip))
@@ -609,17 +574,12 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             out.append(dict(linear=name, T=T, us=us))
             del w_ext, xe, h, pt
             torch.cuda.empty_cache()
-    print("\nOne layer (the four linears), us (up to FUSED_MAX_TOKENS: the one-kernel linear and the row route):")
+    print("\nOne layer (the four linears), us:")
     labels = ["base", "pair", "route·copy", "route·in place"]
     print("| T | " + " | ".join(labels) + " | pair - base | copy - base | in place - base |")
     print("|---|" + "---|" * (len(labels) + 3))
     for T in sorted({r["T"] for r in out}):
         rows = [r["us"] for r in out if r["T"] == T]
-        if T <= LT.FUSED_MAX_TOKENS:
-            tot = {k: sum(r[k] for r in rows) for k in ("base", "one-kernel", "route·row")}
-            print(f"| {T} | {tot['base']:.1f} | one-kernel {tot['one-kernel']:.1f} | | row {tot['route·row']:.1f} "
-                  f"| {tot['one-kernel'] - tot['base']:.1f} | | {tot['route·row'] - tot['base']:.1f} |")
-            continue
         tot = {k: sum(r[k] for r in rows) for k in labels}
         print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) +
               f" | {tot['pair'] - tot['base']:.1f} | {tot['route·copy'] - tot['base']:.1f} | "

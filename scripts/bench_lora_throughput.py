@@ -232,7 +232,7 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
            for i, rank in enumerate(ranks)}
     fused = spec.fused_fits(2, sum(ranks))
     suffix = FUSED_FUNCTION_SUFFIX if fused else ""
-    print(f"check {lib}: adapters of ranks {ranks}: prefill{suffix} and decode{suffix} run")
+    print(f"check {lib_dir.name}/{lib}: adapters of ranks {ranks}: prefill{suffix} and decode{suffix} run")
     for i, ad in ads.items():
         p = pack_adapter(spec, ad, r.compiled.numpy_dtype)
         kv.load_packed_adapter(i, p, True)
@@ -318,9 +318,10 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     if tdev != "cpu":
         torch.cuda.synchronize()
     print(f"weights: {sum(v.numel() for v in weights.values()) / 1e9:.2f} B params on {tdev} in {time.time() - t0:.1f} s")
-    if (a.smoke or a.check) and not a.no_check:  # every LoRA library the configs run
-        err = max(check_parity(lib_dir, a.device, tdev, weights, torch, a.seed, ranks, lib)
-                  for lib in libs if lib != "base" for ranks in ((8, 64), (8, 16)))
+    if (a.smoke or a.check) and not a.no_check:  # every LoRA library the configs run (--compare-lib-dir's too)
+        checked = dict.fromkeys([(lib_dir, lib) for lib in libs] + [(where(n), CONFIGS[config_of(n)][0]) for n in configs])
+        err = max(check_parity(d, a.device, tdev, weights, torch, a.seed, ranks, lib)
+                  for d, lib in checked if lib != "base" for ranks in ((8, 64), (8, 16)))
         tol = 1e-4 if cfg["dtype"] == "float32" else 2e-2
         print(f"check: LoRA library vs torch reference, worst rel err {err:.2e} (tolerance {tol:g})", flush=True)
         if not err < tol:
