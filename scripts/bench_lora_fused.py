@@ -190,7 +190,8 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
 
 
 def _linear_configs(LT, pt, bm):
-    """Tile shapes for the one-kernel linear at blocks of `bm` tokens: the compiled one first."""
+    """Tile shapes for the one-kernel linear at blocks of `bm` tokens, the compiled one first; past
+    SMALL_MAX_TOKENS also at blocks of 16 and 32 (more blocks, and input splits, for 17-64 tokens)."""
     in_f, widths = pt.in_f, pt.widths
     cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, bm, 8)
     out = [(cur, warps)]
@@ -202,12 +203,13 @@ def _linear_configs(LT, pt, bm):
     # the products transposed (the outputs on the warpgroup MMA's 64 rows, the tokens its columns)
     shapes = [(bn, bk, st, w, sp, 0) for bn, bk, st, w, sp in shapes] + [
         (bn, bk, 4, 4, sp, 1) for bn in (64, 128) for bk in (64, 128) for sp in ((1, 2, 4) if narrow else (1,))]
-    for bn, bk, stages, w, split, swap in shapes:
-        if any(x % bn for x in widths) or in_f % bk or in_f // bk < split:
-            continue
-        c = dict(cur, BN=bn, BK=bk, STAGES=stages, SPLIT=split, SWAP=swap)
-        if (c, w) not in out:
-            out.append((c, w))
+    for bm_ in (bm,) if pt.T <= LT.SMALL_MAX_TOKENS else (bm, 16, 32):
+        for bn, bk, stages, w, split, swap in shapes:
+            if any(x % bn for x in widths) or in_f % bk or in_f // bk < split:
+                continue
+            c = dict(cur, BM=bm_, BN=bn, BK=bk, STAGES=stages, SPLIT=split, SWAP=swap)
+            if (c, w) not in out:
+                out.append((c, w))
     return out
 
 
@@ -326,7 +328,7 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
             if T <= LT.FUSED_MAX_TOKENS:
                 bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
                 cfgs = _linear_configs(LT, pt, bm)
-                groups["linear"] = {f"BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"
+                groups["linear"] = {f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"
                                     f"{' swap' if c['SWAP'] else ''}": (
                     lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in cfgs}
                 # the compiled shape with no adapter in the batch: the kernel's GEMM alone
