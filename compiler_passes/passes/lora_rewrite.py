@@ -26,9 +26,9 @@ _MATMUL = tvm.ir.Op.get("relax.matmul")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 _RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
 # silu(gate) * up as down's producer in the rank columns route (linear_triton.PRODUCERS: the wrapper
-# runs the activation kernel into [x | s] itself; off: the activation's own kernel, the shrink copying
-# its output into [x | s]). On: down's route 7.6 us faster at 1024 tokens, 0.6 at 256 (H100,
-# `bench_lora_fused.py producers`, docs/results/2026-12-06-h100-inplace).
+# runs the activation kernel into [x | s] itself; off: the activation's own kernel and down on the
+# pair). On: down 5.6 us under the pair at 1024 tokens, 4.9 at 256 (H100, `bench_lora_fused.py
+# producers`, docs/results/2026-12-06-h100-inplace).
 FOLD_SILU_MUL = True
 
 

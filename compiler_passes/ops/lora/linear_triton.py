@@ -549,8 +549,8 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
 SHRINK_BM = {"small": 16, "large": 64}  # tokens per shrink block
 SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
 # x's producer, which the rank columns route's wrapper runs itself in place of the kernel before the
-# linear (LoraRewrite hands it the producer's input): none ("copy": the linear takes x, the shrink
-# copies it into [x | s]); the RMSNorm of the model's hidden state h (gain g, eps; in float32,
+# linear (LoraRewrite hands it the producer's input): none ("copy": the linear takes x and keeps the
+# pair); the RMSNorm of the model's hidden state h (gain g, eps; in float32,
 # rounded once); silu(gate) * up of the gate|up output (ops/activation_triton.py).
 PRODUCERS = ("copy", "rms_norm", "silu_mul")
 # The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (one per SM of an
