@@ -135,3 +135,67 @@ def test_supported():
     assert "4 dimensions" in G.supported("float16", 64, 4)
     with pytest.raises(ValueError, match="K = 60"):
         G.wrapper(32, 60, "float16", 2, 8)
+
+
+@pytest.fixture(scope="module")
+def gemv_lora_emu(tmp_path_factory):
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
+
+    out_dir = tmp_path_factory.mktemp("gemv_lora_emu")
+    return lambda dtype: emu.build("gemv_lora_emu.cc", out_dir / f"gemv_lora_emu_{G.DTYPES[dtype]}", G.SOURCE, dtype,
+                                   {"MLC_SUFFIX": G.DTYPES[dtype], "MLC_RANK_COLUMNS": LT.RANK_COLUMNS,
+                                    "MLC_SLOT_COLUMNS": LT.SLOT_COLUMNS})
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype,token_slot,extra", [("float16", 1, 0), ("bfloat16", 3, 96), ("float16", 0, 96),
+                                                    ("float16", -1, 0)])
+def test_one_token_lora_gemv_on_cpu_emulation(gemv_lora_emu, tmp_path, dtype, token_slot, extra):
+    """gemv.cu's one-token LoRA linear (the epilogue adds the token's own slot's delta from the
+    pair's shrink partials, here the sums of two input splits) against linear_ref: a q|k|v-like
+    linear with an untargeted part, an adapter that leaves a module alone, a stale slot past the
+    batch's whose rows are NaN, W with spare columns (NaN, never read); a base-model token gets the
+    plain gemv's output, bit for bit."""
+    import ml_dtypes
+
+    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
+
+    np_dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(17 + token_slot)
+    K, widths, mods, R, M = 576, (64, 32, 32), (0, -1, 2), 16, 4
+    ranks = np.array([8, 16, 0, 4, 4], np.int32)  # slot 4: stale (no token), rows of NaN
+    S, base = len(ranks), 60000
+    arena = (rng.standard_normal(3 * base) * 0.5).astype(np_dt)
+    arena[base + 50000: base + 51000] = np.nan
+    scale = rng.uniform(0.5, 2, (S, M)).astype(np.float32)
+    scale[1, 2] = 0  # slot 1 leaves module 2 alone
+    a_off = (rng.integers(0, (40000 - K) // 8, (S, M, R)) * 8).astype(np.int32)
+    b_off = (rng.integers(0, (40000 - 64) // 8, (S, M, R)) * 8).astype(np.int32)
+    a_off[4], b_off[4] = 50000, 50000
+    x = rng.standard_normal((1, K)).astype(np_dt)
+    w = (rng.standard_normal((sum(widths), K + extra)) * K ** -0.5).astype(np_dt)
+    w[:, K:] = np.nan
+    slot = np.array([token_slot], np.int32)
+    # the pair's shrink partials: x . A over the rank columns (fill_rows_ref's rows), in two splits
+    rows = LT.fill_rows_ref(arena, base, ranks, scale, a_off, mods, K).astype(np.float64)
+    rows[np.isnan(rows)] = 0  # (the stale slot's columns: past the batch's ranks, never kept)
+    xf = x.astype(np.float64)
+    v = np.stack([xf[:, :320] @ rows[:, :320].T, xf[:, 320:] @ rows[:, 320:].T]).astype(np.float32)
+    for name, arr in dict(x=x, w=w, v=v, slot=slot, rank=ranks, scale=scale, b_off=b_off, arena=arena).items():
+        np.ascontiguousarray(arr).tofile(tmp_path / name)
+    args = (K, sum(widths), G.launch_threads(K), K + extra, 2, S, M, R, len(widths), widths[0], widths[1], *mods,
+            base, arena.size)
+    subprocess.run([str(gemv_lora_emu(dtype)), str(tmp_path), *map(str, args)], check=True, timeout=300)
+    y = np.fromfile(tmp_path / "y", np_dt).astype(np.float64)
+    ref = LT.linear_ref(x, w[:, :K], arena, base, slot, ranks, scale, a_off, b_off, mods, widths)[0]
+    plain = gemv_ref(x, w[:, :K])[0].astype(np.float64)
+    tol = 2e-3 if dtype == "float16" else 1e-2
+    assert np.isfinite(y).all()
+    if token_slot < 0:  # a base-model token: the plain gemv's output
+        np.testing.assert_allclose(y, plain, rtol=0, atol=(4e-3 if dtype == "float16" else 3e-2) * np.abs(plain).max())
+        return
+    delta, delta_ref = y - plain, ref - plain
+    assert np.linalg.norm(delta_ref) > 0.1 * np.linalg.norm(plain)  # the delta is not negligible
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < tol
+    assert np.linalg.norm(delta - delta_ref) / np.linalg.norm(delta_ref) < 4 * tol
+    np.testing.assert_allclose(y[64:96], plain[64:96], rtol=0, atol=tol * np.abs(plain).max())  # the untargeted part
