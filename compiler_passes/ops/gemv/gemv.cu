@@ -57,8 +57,9 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return s;
 }
 
-// The plain epilogue: y = x @ W^T.
+// The plain epilogue: y = x @ W^T (kAdds: whether delta() adds anything; the plain kernels compile as before).
 struct NoDelta {
+  static constexpr bool kAdds = false;
   __device__ __forceinline__ void prepare(int /*row0*/) {}
   __device__ __forceinline__ float delta(int /*t*/, int /*row*/) const { return 0.f; }
 };
@@ -123,7 +124,8 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const T* __restric
     if (t >= n || row0 + r >= N) continue;
     float s = 0.f;
     for (int k = 0; k < warps; ++k) s += part[k][i];
-    y[static_cast<int64_t>(t) * N + row0 + r] = from_f(s + epi.delta(t, row0 + r));
+    if constexpr (Epilogue::kAdds) s += epi.delta(t, row0 + r);
+    y[static_cast<int64_t>(t) * N + row0 + r] = from_f(s);
   }
 }
 
@@ -153,6 +155,7 @@ constexpr int SC = MLC_SLOT_COLUMNS;  // the slots they may belong to (linear_tr
 // xs[c] = round(scale[s, m_p] * sum over the shrink's splits of v[k, 0, p, c]), times B^T[s, m_p][c's
 // row][o - o_p]. A block's ROWS outputs lie in one part (the part widths are multiples of ROWS).
 struct LoraDelta {
+  static constexpr bool kAdds = true;
   const float* v;  // (split, n, P, RS) fp32 partial sums of x . A over the rank columns
   int split, n;
   const int *slot, *rank;
