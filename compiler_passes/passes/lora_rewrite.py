@@ -268,7 +268,7 @@ class _Rewriter(relax.PyExprMutator):
         """x's producer for the rank columns route's wrapper to run in its place (writing x into
         [x | s]; linear_triton.PRODUCERS), as FusedLinear.emit takes it: ("rms_norm", [h (n, in_f),
         g], eps) for an RMSNorm over the last axis, ("silu_mul", [y (n, 2 in_f)], 0.0) for
-        silu(gate) * up over split(y, 2); None for anything else (the shrink then copies x). x's
+        silu(gate) * up over split(y, 2); None for anything else (the linear then keeps the pair). x's
         producer stays for other uses of x, if any."""
         bb = self.builder_
         bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None

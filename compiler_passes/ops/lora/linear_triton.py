@@ -77,6 +77,12 @@ SPLIT_STEPS = ((3, 64), (2, 16))
 COUNTER_SLOTS = 1024  # the split tiles' counters of one forward (zeros; each kernel leaves them so)
 
 
+def padded_parts(mods: Sequence[int], widths: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(m0, m1, m2), (W0, W1): the kernels' module of each part (-1 past the linear's) and the
+    widths of the first two parts (0 past it), as they take them as constants or arguments."""
+    return (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS], (list(widths) + [0] * MAX_PARTS)[:2]
+
+
 def linear_ref(x, w, arena, base, slot, rank, scale, a_off, b_off, mods, widths):
     """Semantics of the kernel in float64: y (n, N)."""
     y = x.astype(np.float64) @ w.astype(np.float64).T
@@ -542,8 +548,7 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     """(compile-time constants, num_warps) of the kernel for one linear and block height; `w_cols`:
     the weight's row length where it holds columns beside its own in_f (its first in_f are read)."""
     cfg = tile_config(in_f, widths, bm)
-    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    w = (list(widths) + [0] * MAX_PARTS)[:2]
+    m, w = padded_parts(mods, widths)
     consts = dict(K=in_f, KW=in_f if w_cols is None else w_cols, N=sum(widths), M=num_modules, R=max_rank,
                   m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
                   STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"])
@@ -589,8 +594,7 @@ def _cols_signatures(dtype: str) -> tuple[dict, dict]:
 def cols_constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
                    variant: str, align: int) -> tuple[dict, dict]:
     """(shrink constants, expand constants) of the separate pair for one linear."""
-    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    w = (list(widths) + [0] * MAX_PARTS)[:2]
+    m, w = padded_parts(mods, widths)
     bk = next(b for b in (128, 64, 32, 16) if in_f % b == 0)
     shrink = dict(K=in_f, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], P=len(widths),
                   BM=SHRINK_BM[variant], BK=bk, RS=RANK_COLUMNS, SC=SLOT_COLUMNS, STAGES=3, ALIGN=align)
@@ -660,8 +664,7 @@ def rows_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], n
                 align: int) -> dict:
     """How the TIR wrapper launches the rank rows route for n tokens (the fill, cuBLAS over the
     N + P * RANK_COLUMNS rows, the expand): constants, grids, warps."""
-    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    w = (list(widths) + [0] * MAX_PARTS)[:2]
+    m, w = padded_parts(mods, widths)
     N, P = sum(widths), len(widths)
     bk = next(b for b in (256, 128, 64, 32, 16) if in_f % b == 0)
     fill = dict(K=in_f, N=N, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], BK=bk, RS=RANK_COLUMNS,
@@ -696,8 +699,7 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     cs, _ = cols_constants(in_f, widths, mods, num_modules, max_rank, "small", align)
     bk = next(b for b in (128, 64, 32, 16) if b <= plan["BK"] and in_f % b == 0)
     tiles, per, split = shrink_split(n, in_f // bk, plan["BM"], target=plan["target"], most=plan["most"])
-    m = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    w = (list(widths) + [0] * MAX_PARTS)[:2]
+    m, w = padded_parts(mods, widths)
     P = len(widths)
     ke = in_f + rank_rows(P)
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
@@ -880,14 +882,16 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     tn, tth, tsh, t_split, t_chunk, gl, g_grid, g_threads = "", 0, 0, 1, 0, "", 0, 0
     if one_token:
         go1 = cols_launch(1, in_f, widths, mods, M, R, align, "small")
-        tn, tth, tsh, tmod = triton_build.cuda_module(lora_shrink_cols_kernel, _cols_signatures(dtype)[0],
-                                                      go1["shrink"], go1["shrink_warps"], arch, Path(__file__))
-        mods_out.append(tmod)
+        if rows or cols:
+            tn, tth, tsh, tmod = triton_build.cuda_module(lora_shrink_cols_kernel, _cols_signatures(dtype)[0],
+                                                          go1["shrink"], go1["shrink_warps"], arch, Path(__file__))
+            mods_out.append(tmod)
+        else:  # the pair's own "small" shrink (the same constants)
+            tn, tth, tsh, _ = shrinks["small"]
         t_split, t_chunk = go1["split"], go1["chunk"]
         gl, g_grid = gemv_cuda.lora_kernel_name(dtype), -(-W // gemv_cuda.ROWS)
         g_threads = gemv_cuda.launch_threads(in_f)
-    mp = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    wp = (list(widths) + [0] * MAX_PARTS)[:2]
+    mp, wp = padded_parts(mods, widths)
 
     @T.macro
     def token(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v):
