@@ -212,8 +212,7 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
     harness.torch_llama in float32; returns the largest relative error ||ours - ref|| / ||ref||
     over the rows. Ranks summing to at most the library's fused rank columns run prefill_fused
     (110 tokens: cuBLAS + the shrink/expand pair, or the rank rows route) and decode_fused (3 tokens:
-    the one-kernel linear; then the first row alone, one token: the one-kernel linear, or with
-    ONE_TOKEN_GEMV the gemv with the delta in its epilogue), others prefill and decode."""
+    the one-kernel linear; then the first row alone, one token), others prefill and decode."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel

@@ -8,10 +8,6 @@
 //
 // Launch: grid (ceil(N / ROWS)), block (32 * w) with w <= MAX_WARPS. K % 8 == 0, LDW % 8 == 0 and
 // 16-byte aligned rows (the wrapper checks K and LDW; TVM's buffers are aligned).
-//
-// Built with MLC_RANK_COLUMNS (ops/lora/linear_triton.py builds it so), this file holds instead the
-// one-token LoRA linear: the same stream over W, and in the epilogue each output's LoRA delta from
-// the pair's shrink partials (lora_shrink_cols_kernel's v). Semantics: linear_triton's linear_ref.
 #include "dtype.cuh"
 
 #ifndef MLC_SUFFIX
@@ -57,16 +53,9 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
   return s;
 }
 
-// The plain epilogue: y = x @ W^T (kAdds: whether delta() adds anything; the plain kernels compile as before).
-struct NoDelta {
-  static constexpr bool kAdds = false;
-  __device__ __forceinline__ void prepare(int /*row0*/) {}
-  __device__ __forceinline__ float delta(int /*t*/, int /*row*/) const { return 0.f; }
-};
-
-template <int NT, class Epilogue>
+template <int NT>
 __device__ __forceinline__ void gemv(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                                     int n, int K, int N, int LDW, Epilogue& epi) {
+                                     int n, int K, int N, int LDW) {
   const int chunks = K / 8;  // 16-byte steps along K
   const int row0 = blockIdx.x * ROWS;
   const int nthreads = blockDim.x;
@@ -117,98 +106,25 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const T* __restric
       for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
       if (lane == 0) part[warp][t * ROWS + r] = v;
     }
-  epi.prepare(row0);  // (every thread; it may fill shared memory, read after the barrier)
   __syncthreads();
   for (int i = threadIdx.x; i < NT * ROWS; i += nthreads) {
     const int t = i / ROWS, r = i % ROWS;
     if (t >= n || row0 + r >= N) continue;
     float s = 0.f;
     for (int k = 0; k < warps; ++k) s += part[k][i];
-    if constexpr (Epilogue::kAdds) s += epi.delta(t, row0 + r);
     y[static_cast<int64_t>(t) * N + row0 + r] = from_f(s);
   }
 }
-
-#ifndef MLC_RANK_COLUMNS
 
 #define MLC_GEMV(NT)                                                                                   \
   extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32)                                       \
       MLC_CAT(MLC_CAT(mlc_lora_gemv_, MLC_SUFFIX), _t##NT)(const T* __restrict__ x,                  \
                                                            const T* __restrict__ w, T* __restrict__ y, \
                                                            int n, int K, int N, int LDW) {           \
-    NoDelta epi;                                                                                     \
-    gemv<NT>(x, w, y, n, K, N, LDW, epi);                                                            \
+    gemv<NT>(x, w, y, n, K, N, LDW);                                                                 \
   }
 
 MLC_GEMV(1)
 MLC_GEMV(2)
 MLC_GEMV(4)
 MLC_GEMV(8)
-
-#else  // the one-token LoRA linear
-
-constexpr int RS = MLC_RANK_COLUMNS;  // the batch's rank columns (linear_triton.RANK_COLUMNS)
-constexpr int SC = MLC_SLOT_COLUMNS;  // the slots they may belong to (linear_triton.SLOT_COLUMNS)
-
-// y[0, o] += the delta of token 0's own slot s (linear_ref): its rank columns c (slot s owns the
-// columns after the ranks of the slots before it) of o's part p (module m_p; -1: none), each
-// xs[c] = round(scale[s, m_p] * sum over the shrink's splits of v[k, 0, p, c]), times B^T[s, m_p][c's
-// row][o - o_p]. A block's ROWS outputs lie in one part (the part widths are multiples of ROWS).
-struct LoraDelta {
-  static constexpr bool kAdds = true;
-  const float* v;  // (split, n, P, RS) fp32 partial sums of x . A over the rank columns
-  int split, n;
-  const int *slot, *rank;
-  const float* scale;  // (S, M)
-  const int* b_off;    // (S, M, R)
-  const T* arena;
-  int64_t base;
-  int S, M, R, P, W0, W1, m0, m1, m2;
-  float* xs;        // shared (RS,)
-  int* col_row;     // shared (RS,): the B^T row of a live own column, -1 elsewhere
-  int* part_start;  // shared: o_p of the block's part
-
-  __device__ __forceinline__ void prepare(int row0) {
-    const int p = (row0 >= W0) + (row0 >= W0 + W1);
-    const int m = p == 0 ? m0 : p == 1 ? m1 : m2;
-    const int s = slot[0];
-    if (threadIdx.x == 0) *part_start = p == 0 ? 0 : p == 1 ? W0 : W0 + W1;
-    for (int c = threadIdx.x; c < RS; c += blockDim.x) {
-      xs[c] = 0.f;
-      col_row[c] = -1;
-      if (m < 0 || s < 0 || s >= S || s >= SC) continue;
-      int start = 0;  // ranks clamped to 0..R, as the kernels of linear_triton read them
-      for (int j = 0; j < s; ++j) start += max(0, min(rank[j], R));
-      const int k = c - start;
-      const float sc = scale[s * M + m];
-      if (k < 0 || k >= max(0, min(rank[s], R)) || sc == 0.f) continue;
-      float a = 0.f;
-      for (int i = 0; i < split; ++i) a += v[(static_cast<int64_t>(i) * n * P + p) * RS + c];
-      xs[c] = to_f(from_f(a * sc));  // rounded to the model dtype, as PEFT's lora_A output
-      col_row[c] = b_off[(s * M + m) * R + k];
-    }
-  }
-  __device__ __forceinline__ float delta(int /*t*/, int row) const {
-    float d = 0.f;
-    const int64_t o = row - *part_start;
-#pragma unroll 8
-    for (int c = 0; c < RS; ++c)
-      if (col_row[c] >= 0) d = fmaf(xs[c], to_f(arena[base + col_row[c] + o]), d);
-    return d;
-  }
-};
-
-extern "C" __global__ void __launch_bounds__(MAX_WARPS * 32) MLC_CAT(MLC_CAT(mlc_lora_gemv_lora_, MLC_SUFFIX), _t1)(
-    const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y, int n, int K, int N, int LDW,
-    const float* __restrict__ v, int split, const int* __restrict__ slot, const int* __restrict__ rank,
-    const float* __restrict__ scale, const int* __restrict__ b_off, const T* __restrict__ arena, int S, int M, int R,
-    int P, int W0, int W1, int m0, int m1, int m2, int64_t base) {
-  __shared__ float xs[RS];
-  __shared__ int col_row[RS];
-  __shared__ int part_start;
-  LoraDelta epi{v, split, n, slot, rank, scale, b_off, arena, base, S, M, R, P, W0, W1, m0, m1, m2, xs, col_row,
-                &part_start};
-  gemv<1>(x, w, y, n, K, N, LDW, epi);
-}
-
-#endif

@@ -45,35 +45,14 @@ def kernel_name(dtype: str, tokens: int) -> str:
     return f"mlc_lora_gemv_{DTYPES[dtype]}_t{tokens}"
 
 
-def _defines(dtype: str, **extra) -> dict:
-    """gemv.cu's -D defines for `dtype` (and `extra`)."""
-    defines = {"MLC_SUFFIX": DTYPES[dtype], "MLC_GEMV_ROWS": ROWS, "MLC_GEMV_UNROLL": UNROLL, **extra}
-    if dtype == "bfloat16":
-        defines["MLC_BF16"] = None
-    return defines
-
-
 def build_module(dtype: str, arch: str):
     """The CUDA module with the kernels for every bound in TOKENS, built by nvcc for `arch`."""
-    cubin = cuda_build.build_cubin(SOURCE, arch, _defines(dtype))
+    defines = {"MLC_SUFFIX": DTYPES[dtype], "MLC_GEMV_ROWS": ROWS, "MLC_GEMV_UNROLL": UNROLL}
+    if dtype == "bfloat16":
+        defines["MLC_BF16"] = None
+    cubin = cuda_build.build_cubin(SOURCE, arch, defines)
     args = ["handle"] * 3 + ["int32"] * 4  # x, w, y; n, K, N, W's row stride
     return cuda_build.cuda_module(cubin, {kernel_name(dtype, t): args for t in TOKENS})
-
-
-def lora_kernel_name(dtype: str) -> str:
-    return f"mlc_lora_gemv_lora_{DTYPES[dtype]}_t1"
-
-
-def build_lora_module(dtype: str, arch: str, rank_columns: int, slot_columns: int):
-    """The CUDA module of the one-token LoRA linear (gemv.cu built with MLC_RANK_COLUMNS): the gemv
-    of one token with each output's LoRA delta from the pair's shrink partials in its epilogue
-    (ops/lora/linear_triton.py launches it; semantics: its linear_ref). Arguments: x, w, y; n, K, N,
-    W's row stride; v (split, n, P, rank_columns) fp32, split; slot, rank, scale (S, M), b_off
-    (S, M, R), arena; S, M, R, P, W0, W1, m0, m1, m2; base (int64)."""
-    cubin = cuda_build.build_cubin(SOURCE, arch, _defines(dtype, MLC_RANK_COLUMNS=rank_columns,
-                                                          MLC_SLOT_COLUMNS=slot_columns))
-    args = ["handle"] * 3 + ["int32"] * 4 + ["handle", "int32"] + ["handle"] * 5 + ["int32"] * 9 + ["int64"]
-    return cuda_build.cuda_module(cubin, {lora_kernel_name(dtype): args})
 
 
 def launch_threads(k: int) -> int:

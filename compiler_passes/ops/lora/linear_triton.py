@@ -61,10 +61,6 @@ try:
 except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = tl = None
 
-# One token: the pair's shrink, then our gemv with the delta in its epilogue (ops/gemv/gemv.cu, as the
-# base model's one-token linears) in place of the one-kernel linear, whose GEMM is ~25% slower than
-# the gemv there. Off until timed on the GPU.
-ONE_TOKEN_GEMV = False
 FUSED_MAX_TOKENS = 64  # the one-kernel linear up to this many tokens (at 128 it measured slower than cuBLAS + the peers)
 SMALL_MAX_TOKENS = 16  # up to here blocks of 16 tokens, above 64
 RANK_COLUMNS = 32  # the adapters' ranks of a batch sum to at most this (4 x r8, 2 x r16, 1 x r32)
@@ -742,7 +738,7 @@ def producer_module(producer: str, in_f: int, ld: int, dtype: str, arch: str):
 
 def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
                    align: int, arch: str, rows: bool = False, w_cols: int | None = None, producer: str = "copy",
-                   eps: float = 0.0, one_token: bool | None = None):
+                   eps: float = 0.0):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), w (W, w_cols or in_f: a weight's
     columns beside its own are not read), arena (size,), slot (n,),
     rank (S,), scale (S, M), a_off (S, M, R), b_off (S, M, R), layer: int64, y (n, W) [out],
@@ -756,13 +752,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     "rms_norm" with `eps`, y = [gate | up] (n, 2 in_f) for "silu_mul") and runs the producer's
     kernel itself, into xe (n, w_cols) [scratch]'s first columns past FUSED_MAX_TOKENS (the
     shrink adds s beside it), else into one more output, x (n, in_f) [scratch], which the
-    one-kernel linear reads. With "copy" a weight's spare columns are not read (the pair).
-    `one_token` (default ONE_TOKEN_GEMV): one token takes the pair's shrink and our gemv with the
-    delta in its epilogue (ops/gemv/gemv.cu; FusedLinear.emit links its module) instead of the
-    one-kernel linear."""
+    one-kernel linear reads. With "copy" a weight's spare columns are not read (the pair)."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
-    from ..gemv import gemv_cuda  # pylint: disable=import-outside-toplevel
     from ..gemv.gemv_cuda import CUBLAS_GEMM  # pylint: disable=import-outside-toplevel
     from ..kernel_attrs import kernel_attrs  # pylint: disable=import-outside-toplevel
 
@@ -778,9 +770,6 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     if producer not in PRODUCERS or (producer != "copy" and KW == in_f):
         raise ValueError(f"producer {producer!r}: one of {PRODUCERS}, other than 'copy' only for a weight with "
                          "spare columns")
-    one_token = ONE_TOKEN_GEMV if one_token is None else one_token
-    one_token = one_token and gemv_cuda.supported(dtype, in_f, 2) is None and KW % 8 == 0 and all(
-        v % gemv_cuda.ROWS == 0 for v in widths)  # (a gemv block's outputs in one part)
     built, mods_out = {}, []
     for bm in (16, 64):
         consts, warps = constants(in_f, widths, mods, M, R, bm, align, KW)
@@ -878,41 +867,6 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                           layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 63) // 64 * l_split),
                           l_nt, lth, lsh)
 
-    # One token (ONE_TOKEN_GEMV): the pair's shrink into v, then our gemv with the delta in its epilogue
-    tn, tth, tsh, t_split, t_chunk, gl, g_grid, g_threads = "", 0, 0, 1, 0, "", 0, 0
-    if one_token:
-        go1 = cols_launch(1, in_f, widths, mods, M, R, align, "small")
-        if rows or cols:
-            tn, tth, tsh, tmod = triton_build.cuda_module(lora_shrink_cols_kernel, _cols_signatures(dtype)[0],
-                                                          go1["shrink"], go1["shrink_warps"], arch, Path(__file__))
-            mods_out.append(tmod)
-        else:  # the pair's own "small" shrink (the same constants)
-            tn, tth, tsh, _ = shrinks["small"]
-        t_split, t_chunk = go1["split"], go1["chunk"]
-        gl, g_grid = gemv_cuda.lora_kernel_name(dtype), -(-W // gemv_cuda.ROWS)
-        g_threads = gemv_cuda.launch_threads(in_f)
-    mp, wp = padded_parts(mods, widths)
-
-    @T.macro
-    def token(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v):
-        """One token: the pair's shrink (its split partials into v), the gemv adding the delta."""
-        T.call_packed(tn, x.data, arena.data, rank.data, scale.data, a_off.data, v.data, T.Cast("int32", n),
-                      T.Cast("int32", S), layer * (size // L), t_chunk, T.int64(0), T.int64(0), 1, t_split, tth, tsh)
-        T.call_packed(gl, x.data, w.data, y.data, T.Cast("int32", n), in_f, W, KW, v.data, t_split, slot.data,
-                      rank.data, scale.data, b_off.data, arena.data, T.Cast("int32", S), M, R, P, wp[0], wp[1], mp[0],
-                      mp[1], mp[2], layer * (size // L), g_grid, 1, 1, g_threads)
-
-    @T.macro
-    def fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):
-        """The one-kernel linear; with one_token, one token takes `token`."""
-        if one_token:
-            if n == 1:
-                token(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v)
-            else:
-                one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-        else:
-            one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
-
     # pylint: disable=unused-variable
     if rows:
         @T.prim_func(s_tir=True)
@@ -935,7 +889,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             e = T.match_buffer(e_h, (n, WR), dtype)
             if n > 0:
                 if n <= FUSED_MAX_TOKENS:
-                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+                    one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:
                     T.call_packed(fn_, arena.data, rank.data, scale.data, a_off.data, w.data, T.Cast("int32", S),
                                   layer * (size // L), T.int64(0), T.int64(0), f_grid[0], f_grid[1], fth, fsh)
@@ -967,7 +921,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             if n > 0:
                 if n <= FUSED_MAX_TOKENS:
                     produce(rn, rth, rsh, n, h, g, x)
-                    fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+                    one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:
                     produce(cn, cth, csh, n, h, g, xe)
                     shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt)
@@ -1038,7 +992,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         v = T.match_buffer(v_h, (nv,), "float32")
         if n > 0:
             if n <= FUSED_MAX_TOKENS:
-                fused_small(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
+                one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
             else:
                 T.call_packed(CUBLAS_GEMM, x, w, y)
                 if n <= SHRINK_SMALL_MAX_TOKENS:
@@ -1119,20 +1073,15 @@ class FusedLinear:
                              f"{rank_rows(len(widths))} reserved rank rows)")
         rows, cols = w_rows != W, w_cols != in_f and producer is not None  # (cols: the rank columns route)
         kind, head, eps = producer or ("copy", [x], 0.0)
-        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols, kind, eps, ONE_TOKEN_GEMV)
+        key = ("linear_triton", in_f, mods, widths, dtype, rows, w_cols, kind, eps)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
 
         def make():
             func, mods_ = linear_wrapper(in_f, widths, mods, ctx.num_layers, ctx.max_rank, ctx.num_modules, dtype,
                                          align, str(ctx.target.arch), rows=rows, w_cols=w_cols, producer=kind,
-                                         eps=eps, one_token=ONE_TOKEN_GEMV)
+                                         eps=eps)
             for i, mod in enumerate(mods_):
                 ctx.external(key + ("module", i), lambda mod=mod: mod)
-            if ONE_TOKEN_GEMV:  # the one-token gemv with the delta in its epilogue: one module per dtype
-                from ..gemv import gemv_cuda  # pylint: disable=import-outside-toplevel
-
-                ctx.external(("gemv lora", dtype), lambda: gemv_cuda.build_lora_module(
-                    dtype, str(ctx.target.arch), RANK_COLUMNS, SLOT_COLUMNS))
             return func
 
         name = f"lora_linear_{'rows' if rows else 'cols' if cols else 'triton'}_m{tag}_{in_f}x{W}" + (

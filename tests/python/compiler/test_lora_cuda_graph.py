@@ -252,29 +252,3 @@ def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_fir
     wrappers = {c for f in base for c in _calls(f, "mlc_lora_linear_")}
     assert wrappers == {f"mlc_lora_linear_f16_{n}x{k}_of{k + r}_3d" for n, k, r in (
         (qkv, h, 96), (h, h, 32), (2 * inter, h, 64), (h, inter, 32))} | {f"mlc_lora_linear_f16_{cfg.vocab_size}x{h}_3d"}
-
-
-@pytest.mark.parametrize("spare_columns", [False, True])
-def test_one_token_gemv_runs_one_token_batches_of_the_fused_linears(spare_columns, monkeypatch):
-    """linear_triton.ONE_TOKEN_GEMV: every fused linear's wrapper sends a one-token batch to the
-    pair's shrink and the gemv with the delta in its epilogue (ops/gemv/gemv.cu), other token counts
-    to the one-kernel linear as before; the gemv's LoRA module is linked once. Off (the default):
-    no wrapper calls it."""
-    pytest.importorskip("triton")
-    from mlc_lora.compiler_passes.ops.lora import linear_triton
-
-    def wrappers(lowered, prefix="lora_linear_"):
-        return [f.script() for gv, f in lowered.functions_items()
-                if gv.name_hint.startswith(prefix) and isinstance(f, tvm.tirx.PrimFunc)]
-
-    _, plain = _lowered(fused=True, spare_columns=spare_columns)
-    assert wrappers(plain) and not any("mlc_lora_gemv_lora" in s for s in wrappers(plain))
-    monkeypatch.setattr(linear_triton, "ONE_TOKEN_GEMV", True)
-    _, lowered = _lowered(fused=True, spare_columns=spare_columns)
-    scripts = wrappers(lowered)
-    assert scripts and all(s.count('"mlc_lora_gemv_lora_f16_t1"') == 1 for s in scripts)
-    assert all("mlc_lora_triton_linear_fp16" in s for s in scripts)  # the one-kernel linear for 2-64 tokens
-    # one more module: the gemv's; and the pair's shrink for one token where the wrapper has no pair
-    # of its own (the rank columns route's)
-    routed = len(wrappers(lowered, "lora_linear_cols_"))
-    assert len(lowered.attrs["external_mods"]) == len(plain.attrs["external_mods"]) + 1 + routed
