@@ -143,8 +143,8 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
     pt = Point(torch, LT, name, T, N, r, dtype_name, seed)
     dev, in_f, widths, out_f, copies = "cuda", pt.in_f, pt.widths, pt.out_f, pt.copies
     x, mods, slot, y = pt.x, pt.mods, pt.slot, pt.y
-    bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
-    consts, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), r, bm, 8)
+    consts, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), r,
+                                 LT.token_tier(min(T, LT.FUSED_MAX_TOKENS)), 8)
     go = LT.cols_launch(T, in_f, widths, pt.mod_ids, len(widths), r, 8)
     go_rows = pt.rows_setup() if T > LT.FUSED_MAX_TOKENS else None
 
@@ -189,11 +189,12 @@ def run_point(torch, peers, LT, name, T, N, r, dtype_name, seed):  # pylint: dis
                 num_warps=warps, copies=copies, **us)
 
 
-def _linear_configs(LT, pt, bm):
-    """Tile shapes for the one-kernel linear at blocks of `bm` tokens, the compiled one first; past
-    SMALL_MAX_TOKENS also at blocks of 16 and 32 (more blocks, and input splits, for 17-64 tokens)."""
+def _linear_configs(LT, pt):
+    """Tile shapes for the one-kernel linear at pt.T tokens, the compiled one (its token tier's)
+    first; past SMALL_MAX_TOKENS also at blocks of 16 (up to 32 tokens), 32 and 64 tokens, and the
+    products transposed with 4 or 8 warps (more blocks, and input splits, for 17-64 tokens)."""
     in_f, widths = pt.in_f, pt.widths
-    cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, bm, 8)
+    cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, LT.token_tier(pt.T), 8)
     out = [(cur, warps)]
     narrow = sum(widths) < 8192
     # narrow linears: input splits (the counters and partial sums); wide ones do not split
@@ -202,8 +203,13 @@ def _linear_configs(LT, pt, bm):
                for st, w in ((4, 4), (6, 4), (8, 4), (4, 8), (6, 8))])
     # the products transposed (the outputs on the warpgroup MMA's 64 rows, the tokens its columns)
     shapes = [(bn, bk, st, w, sp, 0) for bn, bk, st, w, sp in shapes] + [
-        (bn, bk, 4, 4, sp, 1) for bn in (64, 128) for bk in (64, 128) for sp in ((1, 2, 4) if narrow else (1,))]
-    for bm_ in (bm,) if pt.T <= LT.SMALL_MAX_TOKENS else (bm, 16, 32):
+        (bn, bk, st, w, sp, 1) for bn in (64, 128) for bk in (64, 128) for st, w in ((4, 4), (3, 4), (4, 8))
+        for sp in ((1, 2, 4) if narrow else (1,))]
+    if pt.T <= LT.SMALL_MAX_TOKENS:
+        heights = (cur["BM"],)
+    else:
+        heights = (16, 32, 64) if pt.T <= 32 else (32, 64)
+    for bm_ in heights:
         for bn, bk, stages, w, split, swap in shapes:
             if any(x % bn for x in widths) or in_f % bk or in_f // bk < split:
                 continue
@@ -326,8 +332,7 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
             pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
             groups = {}
             if T <= LT.FUSED_MAX_TOKENS:
-                bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
-                cfgs = _linear_configs(LT, pt, bm)
+                cfgs = _linear_configs(LT, pt)
                 groups["linear"] = {f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"
                                     f"{' swap' if c['SWAP'] else ''}": (
                     lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in cfgs}
@@ -411,8 +416,8 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
         for T in map(int, a.tokens.split(",")):
             pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
             go = LT.cols_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
-            bm = 16 if T <= LT.SMALL_MAX_TOKENS else 64
-            consts, warps = LT.constants(pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, bm, 8)
+            consts, warps = LT.constants(pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r,
+                                         LT.token_tier(min(T, LT.FUSED_MAX_TOKENS)), 8)
             k_ext = pt.in_f + len(pt.widths) * LT.RANK_COLUMNS
             w_ext = [torch.empty((pt.out_f, k_ext), device="cuda", dtype=pt.w[0].dtype) for _ in range(pt.copies)]
             x_ext = [torch.zeros((T, k_ext), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]

@@ -62,7 +62,11 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
     triton = tl = None
 
 FUSED_MAX_TOKENS = 64  # the one-kernel linear up to this many tokens (at 128 it measured slower than cuBLAS + the peers)
-SMALL_MAX_TOKENS = 16  # up to here blocks of 16 tokens, above 64
+SMALL_MAX_TOKENS = 16  # up to here blocks of 16 tokens
+# The one-kernel linear's tiers: a batch takes the first tier at or above its token count, each
+# tier its own tile shape (tile_config; tiers of one shape share a kernel)
+TOKEN_TIERS = (SMALL_MAX_TOKENS, 32, FUSED_MAX_TOKENS)
+SWAP_LONG_INPUTS = 8192  # narrow linears with at least these inputs (down) swap at up to 64 tokens too
 RANK_COLUMNS = 32  # the adapters' ranks of a batch sum to at most this (4 x r8, 2 x r16, 1 x r32)
 SLOT_COLUMNS = 16  # the batch's adapters (slots) number at most this
 DTYPES = ("float16", "bfloat16")
@@ -106,17 +110,33 @@ def producer_ref(producer: str, h, g=None, eps: float = 0.0):
     return h
 
 
-def tile_config(in_f: int, widths: Sequence[int], bm: int) -> dict:
-    """Block shape for a linear of `in_f` inputs and these part widths, blocks of `bm` tokens:
-    the best measured on the H200 for the Llama-2-7B linears (docs/SGMV.md), 32 output columns
-    for narrow linears (enough blocks to keep the memory busy), 128 for wide ones. Narrow linears
-    at blocks of 16 tokens split their inputs over 2 or 3 blocks per output tile (SPLIT_STEPS);
-    at 64 tokens a split measured slower."""
+def token_tier(n: int) -> int:
+    """The tier of TOKEN_TIERS that a batch of 1 <= n <= FUSED_MAX_TOKENS tokens runs at."""
+    return next(t for t in TOKEN_TIERS if n <= t)
+
+
+def tile_config(in_f: int, widths: Sequence[int], tier: int) -> dict:
+    """Block shape for a linear of `in_f` inputs and these part widths at the token tier `tier`
+    (TOKEN_TIERS): the best measured on the H200 for the Llama-2-7B linears (docs/SGMV.md).
+    Up to SMALL_MAX_TOKENS blocks of 16 tokens, 32 output columns for narrow linears (enough
+    blocks to keep the memory busy; their inputs split over 2 or 3 blocks per output tile,
+    SPLIT_STEPS), 128 for wide ones. Past it narrow linears take the products transposed (SWAP:
+    the outputs on the warpgroup MMA's rows) over 4 input splits at up to 32 tokens, and those
+    with long inputs (down) at up to 64 too; other linears blocks of 64 tokens."""
     n_out = sum(widths)
+    bm = 16 if tier <= SMALL_MAX_TOKENS else 64
+    narrow = n_out < 8192
+    if narrow and tier > SMALL_MAX_TOKENS and (tier <= 32 or in_f >= SWAP_LONG_INPUTS):
+        bm, bn, bk, split, warps = (32, 128, 64, 4, 4) if tier <= 32 else (64, 128, 128, 4, 8)
+        bn = next((b for b in (bn, 64, 32, 16) if b <= bn and all(w % b == 0 for w in widths)), None)
+        bk = next((b for b in (bk, 64, 32, 16) if b <= bk and in_f % b == 0), None)
+        if bn and bk:  # (else the plain shape below)
+            split = next(s for s in (split, 2, 1) if s == 1 or (s <= split and in_f // bk >= 4 * s))
+            return dict(BM=bm, BN=bn, BK=bk, STAGES=4, SPLIT=split, SWAP=1, num_warps=warps)
     wide = (64, 32, 16) if (n_out >= 16384 and bm == 16) else (128, 64, 32, 16)  # gate|up: 0.93x at 1-16 tokens
     bn = next(b for b in (wide if n_out >= 8192 else (32, 16)) if all(w % b == 0 for w in widths))
     split = 1
-    if n_out < 8192 and bm == 16 and in_f % 128 == 0:  # (the splits were measured with BK = 128)
+    if narrow and bm == 16 and in_f % 128 == 0:  # (the splits were measured with BK = 128)
         split = next((s for s, steps in SPLIT_STEPS if in_f // 128 >= steps), 1)
     prefer = 128 if split > 1 else 256 if (bn == 32 and bm == 16) else (64 if n_out >= 16384 else 128)
     bk = next((b for b in (256, 128, 64, 32, 16) if b <= prefer and in_f % b == 0), None)
@@ -126,14 +146,14 @@ def tile_config(in_f: int, widths: Sequence[int], bm: int) -> dict:
 
 def split_scratch_elems(in_f: int, widths: Sequence[int]) -> int:
     """fp32 elements of the split one-kernel linear's partial sums (0 when it does not split): a
-    slot of BM x (BN + RANK_COLUMNS) per split of each output tile, for the most tokens it runs at."""
+    slot of BM x (BN + RANK_COLUMNS) per split of each output tile, for the most tokens of a tier."""
     out = 0
-    for bm, most in ((16, SMALL_MAX_TOKENS), (64, FUSED_MAX_TOKENS)):
-        cfg = tile_config(in_f, widths, bm)
+    for tier in TOKEN_TIERS:
+        cfg = tile_config(in_f, widths, tier)
         if cfg["SPLIT"] > 1:
-            tiles = -(-most // bm) * (sum(widths) // cfg["BN"])
+            tiles = -(-tier // cfg["BM"]) * (sum(widths) // cfg["BN"])
             assert tiles <= COUNTER_SLOTS, (tiles, COUNTER_SLOTS)
-            out = max(out, tiles * cfg["SPLIT"] * bm * (cfg["BN"] + RANK_COLUMNS))
+            out = max(out, tiles * cfg["SPLIT"] * cfg["BM"] * (cfg["BN"] + RANK_COLUMNS))
     return out
 
 
@@ -540,10 +560,10 @@ def _signature(dtype: str) -> dict:
 
 
 def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
-              bm: int, align: int, w_cols: int | None = None) -> tuple[dict, int]:
-    """(compile-time constants, num_warps) of the kernel for one linear and block height; `w_cols`:
+              tier: int, align: int, w_cols: int | None = None) -> tuple[dict, int]:
+    """(compile-time constants, num_warps) of the kernel for one linear and token tier; `w_cols`:
     the weight's row length where it holds columns beside its own in_f (its first in_f are read)."""
-    cfg = tile_config(in_f, widths, bm)
+    cfg = tile_config(in_f, widths, tier)
     m, w = padded_parts(mods, widths)
     consts = dict(K=in_f, KW=in_f if w_cols is None else w_cols, N=sum(widths), M=num_modules, R=max_rank,
                   m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
@@ -770,13 +790,16 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     if producer not in PRODUCERS or (producer != "copy" and KW == in_f):
         raise ValueError(f"producer {producer!r}: one of {PRODUCERS}, other than 'copy' only for a weight with "
                          "spare columns")
-    built, mods_out = {}, []
-    for bm in (16, 64):
-        consts, warps = constants(in_f, widths, mods, M, R, bm, align, KW)
-        name, threads, shared, mod = triton_build.cuda_module(lora_linear_kernel, _signature(dtype), consts, warps,
-                                                              arch, Path(__file__))
-        built[bm] = (name, threads, shared, W // consts["BN"], consts["SPLIT"])
-        mods_out.append(mod)
+    built, kernels, mods_out = {}, {}, []
+    for tier in TOKEN_TIERS:  # (tiers of one shape share a kernel)
+        consts, warps = constants(in_f, widths, mods, M, R, tier, align, KW)
+        key = (tuple(sorted(consts.items())), warps)
+        if key not in kernels:
+            name, threads, shared, mod = triton_build.cuda_module(lora_linear_kernel, _signature(dtype), consts,
+                                                                  warps, arch, Path(__file__))
+            kernels[key] = (name, threads, shared)
+            mods_out.append(mod)
+        built[tier] = kernels[key] + (consts["BM"], W // consts["BN"], consts["SPLIT"])
     WR = W + rank_rows(P) if rows else W  # the weight's rows
     if rows:  # past FUSED_MAX_TOKENS: the fill, cuBLAS over W's rows and the rank rows, the expand
         go = rows_launch(1, in_f, widths, mods, M, R, align)
@@ -815,8 +838,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         steps = in_f // bk
         qn, qth, qsh, q_bm = shrinks["small"]
         gn, gth, gsh, g_bm = shrinks["large"]
-    sn, sth, ssh, s_nt, s_split = built[16]
-    ln, lth, lsh, l_nt, l_split = built[64]
+    (sn, sth, ssh, s_bm, s_nt, s_split), (mn, mth, msh, m_bm, m_nt, m_split), (ln, lth, lsh, l_bm, l_nt, l_split) = (
+        built[t] for t in TOKEN_TIERS)
 
     def lo(a, b):
         return T.max(T.int64(a), b) if isinstance(a, int) else T.max(a, b)
@@ -855,17 +878,22 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
 
     @T.macro
     def one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):
-        """The one-kernel linear, blocks of 16 or 64 tokens (it reads W's first W rows)."""
-        if n <= SMALL_MAX_TOKENS:
+        """The one-kernel linear at its token tier's shape (it reads W's first W rows)."""
+        if n <= TOKEN_TIERS[0]:
             T.call_packed(sn, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
                           b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                          layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 15) // 16 * s_split),
-                          s_nt, sth, ssh)
+                          layer * (size // L), T.int64(0), T.int64(0),
+                          T.Cast("int32", (n + s_bm - 1) // s_bm * s_split), s_nt, sth, ssh)
+        elif n <= TOKEN_TIERS[1]:
+            T.call_packed(mn, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
+                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                          layer * (size // L), T.int64(0), T.int64(0),
+                          T.Cast("int32", (n + m_bm - 1) // m_bm * m_split), m_nt, mth, msh)
         else:
             T.call_packed(ln, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
                           b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                          layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + 63) // 64 * l_split),
-                          l_nt, lth, lsh)
+                          layer * (size // L), T.int64(0), T.int64(0),
+                          T.Cast("int32", (n + l_bm - 1) // l_bm * l_split), l_nt, lth, lsh)
 
     # pylint: disable=unused-variable
     if rows:

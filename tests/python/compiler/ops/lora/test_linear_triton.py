@@ -38,12 +38,13 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
 
 @pytest.mark.parametrize("bm,n,split,swap,cols", [
     (16, 21, 1, 0, 0), (64, 70, 1, 0, 0), (16, 21, 2, 0, 0), (64, 70, 3, 0, 0), (16, 21, 1, 1, 0), (16, 21, 3, 1, 0),
+    (32, 29, 3, 1, 0), (32, 29, 3, 1, 32),
     ("small", 70, 1, 0, 0), ("large", 70, 1, 0, 0), ("rows", 70, 1, 0, 0),
     (16, 21, 3, 0, 96), (64, 70, 1, 0, 96), (16, 21, 3, 1, 32), ("small", 70, 1, 0, 96),
     ("xs", 70, 1, 0, 0), ("xs", 130, 1, 0, 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
-    """bm 16/64: the fused kernel's block heights, its K loop in `split` blocks per tile (3: one
+    """bm 16/32/64: the fused kernel's token tiers (their block heights), its K loop in `split` blocks per tile (3: one
     input step each, 2: two and one), its products taken transposed (`swap`); `cols`: the weight
     stored with that many columns beside its own (NaN: never read); "small"/"large":
     cuBLAS's product, then the shrink variant and the in-place expand (the batches past
@@ -101,22 +102,39 @@ def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
 @pytest.mark.parametrize("in_f,widths", [(4096, (4096, 4096, 4096)), (4096, (4096,)), (4096, (11008, 11008)),
                                          (11008, (4096,)), (576, (576, 192, 192)), (1536, (576,)),
                                          (576, (1536, 1536)), (64, (64, 32, 32)), (96, (64,))])
-@pytest.mark.parametrize("bm", [16, 64])
-def test_tile_config_fits_the_linear(in_f, widths, bm):
-    cfg = LT.tile_config(in_f, widths, bm)
+@pytest.mark.parametrize("tier", LT.TOKEN_TIERS)
+def test_tile_config_fits_the_linear(in_f, widths, tier):
+    cfg = LT.tile_config(in_f, widths, tier)
     assert all(w % cfg["BN"] == 0 for w in widths) and in_f % cfg["BK"] == 0
-    assert cfg["BM"] == bm
-    # splits: narrow linears at blocks of 16 tokens, each split at least a few input steps
-    assert cfg["SPLIT"] == 1 or (bm == 16 and sum(widths) < 8192 and in_f // cfg["BK"] >= 8 * cfg["SPLIT"])
-    assert (LT.split_scratch_elems(in_f, widths) > 0) == (LT.tile_config(in_f, widths, 16)["SPLIT"] > 1)
+    assert cfg["BM"] == 16 if tier <= LT.SMALL_MAX_TOKENS else cfg["BM"] in (32, 64)
+    assert cfg["SWAP"] in (0, 1)
+    # splits: narrow linears only, each split at least a few input steps
+    assert cfg["SPLIT"] == 1 or (sum(widths) < 8192 and in_f // cfg["BK"] >= 4 * cfg["SPLIT"])
+    assert (LT.split_scratch_elems(in_f, widths) > 0) == any(
+        LT.tile_config(in_f, widths, t)["SPLIT"] > 1 for t in LT.TOKEN_TIERS)
 
 
-def test_narrow_llama_linears_split_at_16_tokens():
-    """o (4096 -> 4096) and down (11008 -> 4096) of Llama-2-7B: 2 and 3 splits of BK = 128 at up to 16
-    tokens (the fastest measured), none at 64; the wide linears never."""
-    assert LT.tile_config(4096, (4096,), 16)["SPLIT"] == 2 and LT.tile_config(11008, (4096,), 16)["SPLIT"] == 3
-    assert LT.tile_config(4096, (4096,), 64)["SPLIT"] == 1 and LT.tile_config(11008, (4096,), 64)["SPLIT"] == 1
-    assert LT.tile_config(4096, (4096,) * 3, 16)["SPLIT"] == 1 and LT.tile_config(4096, (11008,) * 2, 16)["SPLIT"] == 1
+def test_token_tier_covers_the_one_kernel_linears_batches():
+    assert [LT.token_tier(n) for n in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
+    assert LT.TOKEN_TIERS[0] == LT.SMALL_MAX_TOKENS and LT.TOKEN_TIERS[-1] == LT.FUSED_MAX_TOKENS
+
+
+def test_llama_linears_tiles():
+    """Llama-2-7B (H200, bench_lora_fused.py tune): o (4096 -> 4096) and down (11008 -> 4096) split
+    2 and 3 ways at up to 16 tokens; past 16 both take the products transposed over 4 splits at up
+    to 32 tokens, down at up to 64 too (8 warps) and o blocks of 64 tokens there; the wide linears
+    never split."""
+    o, down = (4096, (4096,)), (11008, (4096,))
+    assert LT.tile_config(*o, 16)["SPLIT"] == 2 and LT.tile_config(*down, 16)["SPLIT"] == 3
+    for lin in (o, down):
+        c = LT.tile_config(*lin, 32)
+        assert (c["BM"], c["BN"], c["BK"], c["SPLIT"], c["SWAP"]) == (32, 128, 64, 4, 1)
+    c = LT.tile_config(*down, 64)
+    assert (c["BM"], c["BN"], c["BK"], c["SPLIT"], c["SWAP"], c["num_warps"]) == (64, 128, 128, 4, 1, 8)
+    c = LT.tile_config(*o, 64)
+    assert (c["BM"], c["SPLIT"], c["SWAP"]) == (64, 1, 0)
+    for t in LT.TOKEN_TIERS:
+        assert LT.tile_config(4096, (4096,) * 3, t)["SPLIT"] == 1 and LT.tile_config(4096, (11008,) * 2, t)["SPLIT"] == 1
 
 
 @pytest.mark.parametrize("n,steps,bm,plan", [
@@ -158,12 +176,15 @@ def test_spec_decides_which_batches_run_fused():
 
 
 def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
-    """The fused kernel's two block heights, both shrink variants and the expand compile here (no
+    """The fused kernel's three token tiers, both shrink variants and the expand compile here (no
     GPU) and become TVM CUDA modules; the wrapper calls cuBLAS only past the fused kernel's tokens."""
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "bfloat16", 8, "sm_90a")
-    assert len(mods) == 5 and len(list(cubin_cache.glob("*.cubin"))) == 5
+    assert len(mods) == 6 and len(list(cubin_cache.glob("*.cubin"))) == 6
     script = fn.script()
-    assert "mlc_lora_triton_linear_bf16" in script and "_BM16_" in script and "_BM64_" in script
+    assert "mlc_lora_triton_linear_bf16" in script and all(f"_BM{b}_" in script for b in (16, 32, 64))
+    # tiers of one shape share a kernel: a wide linear's 17-32 and 33-64 tokens
+    _, wide = LT.linear_wrapper(4096, (11008, 11008), (5, 6), 2, 16, 7, "bfloat16", 8, "sm_90a")
+    assert len(wide) == 5
     assert "_SPLIT2_" in script and "_SPLIT1_" in script  # q|k|v of 6144 outputs: narrow, split at 16 tokens
     assert script.count("mlc_lora_triton_shrink_cols_bf16") == 2 and "mlc_lora_triton_expand_cols_bf16" in script
     assert script.count("mlc_lora.runtime.cublas_gemm") == 1
@@ -177,11 +198,11 @@ def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
 
 
 def test_rank_rows_wrapper_builds_to_cubin_for_sm90(cubin_cache):
-    """The rank rows route's wrapper: the one-kernel linear's two block heights, the fill and the
+    """The rank rows route's wrapper: the one-kernel linear's three tiers, the fill and the
     expand from e (no shrink, no in-place expand); past the fused kernel's tokens it fills, calls
     cuBLAS once over the weight's W + 3 x 32 rows and expands from e."""
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a", rows=True)
-    assert len(mods) == 4 and len(list(cubin_cache.glob("*.cubin"))) == 4
+    assert len(mods) == 5 and len(list(cubin_cache.glob("*.cubin"))) == 5
     script = fn.script()
     assert "mlc_lora_triton_fill_rows_fp16" in script and "mlc_lora_triton_expand_rows_fp16" in script
     assert "shrink_cols" not in script and "expand_cols" not in script
@@ -193,13 +214,13 @@ def test_rank_rows_wrapper_builds_to_cubin_for_sm90(cubin_cache):
 
 def test_rank_columns_wrapper_builds_to_cubin_for_sm90(cubin_cache):
     """The rank columns route's wrapper (a weight with 3 x 32 spare columns, x made by its RMSNorm):
-    the one-kernel linear's two block heights (reading W's first columns with its row stride), the
+    the one-kernel linear's three tiers (reading W's first columns with its row stride), the
     norm and the shrink into [x | s]; past the fused kernel's tokens it shrinks and calls cuBLAS once
     over [x | s] and the whole weight (no expand, no fill: fill_wrapper's, when the kept columns
     change). A linear whose x has no producer keeps the pair over the weight's first columns."""
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a",
                                  w_cols=4096 + 96, producer="rms_norm", eps=1e-5)
-    assert len(mods) == 5 and len(list(cubin_cache.glob("*.cubin"))) == 5
+    assert len(mods) == 6 and len(list(cubin_cache.glob("*.cubin"))) == 6
     script = fn.script()
     assert script.count("mlc_lora_triton_shrink_xs_fp16") == 1
     assert "expand" not in script and "shrink_cols" not in script and "fill" not in script
@@ -226,7 +247,7 @@ def test_rank_columns_wrapper_runs_the_producer_into_xs(cubin_cache, producer, k
     s beside it."""
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a",
                                  w_cols=4096 + 96, producer=producer, eps=1e-5)
-    assert len(mods) == 5
+    assert len(mods) == 6
     script = fn.script()
     names = {ln.split('"')[1] for ln in script.splitlines() if "T.call_packed(\"mlc_lora_triton" in ln}
     ld = "LDO" if producer == "rms_norm" else "LDH"
