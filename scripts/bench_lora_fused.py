@@ -377,7 +377,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                       f"({us[best] / us[cur]:.2f}x); " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(us.items(), key=lambda kv: kv[1])[:4]),
                       flush=True)
                 out.append(dict(linear=name, T=T, kind=kind, compiled=cur, best=best, us=us))
-    cli.write_results(Path(a.out), {"tune": out})
+                cli.write_results(Path(a.out), {"tune": out, "complete": False})  # (a run cut short keeps these)
+    cli.write_results(Path(a.out), {"tune": out, "complete": True})
     return 0
 
 
@@ -476,6 +477,7 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
             print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()), flush=True)
             out.append(dict(linear=name, T=T, us=us))
+            cli.write_results(Path(a.out), {"routes": out, "complete": False})
             del w_ext, x_ext, pt
             torch.cuda.empty_cache()
     print("\nOne layer (the four linears), us:")
@@ -485,7 +487,7 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     for T in sorted({r["T"] for r in out}):
         rows = [r["us"] for r in out if r["T"] == T]
         print(f"| {T} | " + " | ".join(f"{sum(r.get(k, float('nan')) for r in rows):.1f}" for k in labels) + " |")
-    cli.write_results(Path(a.out), {"routes": out})
+    cli.write_results(Path(a.out), {"routes": out, "complete": True})
     return 0
 
 
@@ -579,6 +581,7 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items() if k not in shr) +
                   f"; in-place shrink: compiled {shr[next(iter(shr))]:.1f}, best [{best}] {shr[best]:.1f}", flush=True)
             out.append(dict(linear=name, T=T, us=us))
+            cli.write_results(Path(a.out), {"producers": out, "complete": False})
             del w_ext, xe, h, pt
             torch.cuda.empty_cache()
     print("\nOne layer (the four linears), us:")
@@ -591,7 +594,7 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
         print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) +
               f" | {tot['pair'] - tot['base']:.1f} | {tot['route·copy'] - tot['base']:.1f} | "
               f"{tot['route·in place'] - tot['base']:.1f} |")
-    cli.write_results(Path(a.out), {"producers": out})
+    cli.write_results(Path(a.out), {"producers": out, "complete": True})
     return 0
 
 
