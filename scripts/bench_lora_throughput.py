@@ -356,12 +356,48 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
               f"{r['output_tokens_per_s']:.1f} | {r['total_tokens_per_s']:.1f} | {r['ratio_vs_base']:.3f} |")
     if sum(is_base_run(r["config"]) for r in results) > 1:
         print("(vs base: against the mean of the base runs)")
+    sums = step_sums(results)
+    if sums:
+        print("\n| config | runs | prefill steps, s | decode steps, s | both | vs base |\n|---|---|---|---|---|---|")
+        base = sums.get("base", {}).get("steps")
+        for label, v in sums.items():
+            print(f"| {label} | {v['runs']} | {v['prefill']:.2f} | {v['decode']:.2f} | {v['steps']:.2f} | "
+                  f"{v['steps'] / base if base else float('nan'):.3f} |")
+        print("(each bucket's mean step time in the config's runs times its mean step count over all runs)")
     cli.write_results(out, {"model": cfg["model_name"], "model_config": cfg["model_config"], "device": a.device,
                             "requests_file": str(a.requests), "tokenizer": note,
-                            "sampling": "temperature 1.0, top_p 1.0, EOS ignored", "results": results})
+                            "sampling": "temperature 1.0, top_p 1.0, EOS ignored", "results": results,
+                            "step_sums": sums})
     print(f"results: {out}")
     draw(results, out.with_suffix(".png"))
     return 0
+
+
+def step_sums(results) -> dict:
+    """Per config (its runs NAME, NAME#2, ... together; NAME@cmp apart), the seconds of its prefill
+    and decode steps with the runs' different mixes of batch sizes taken out: each step-size bucket's
+    mean time per step in the config's runs times the bucket's mean step count over all runs (runs
+    of one request set schedule the same work into slightly different buckets, which moves their raw
+    sums by more than most changes being timed). Only the buckets every config stepped in count."""
+    timed = [r for r in results if r.get("step_times")]
+    groups: dict[str, list] = {}
+    for r in timed:
+        groups.setdefault(r["config"].split("#")[0], []).append(r)
+    # the buckets every config stepped in (a bucket of a step or two in some runs only is left out)
+    buckets = sorted(k for k in {k for r in timed for k in r["step_times"]}
+                     if all(any(k in r["step_times"] for r in runs) for runs in groups.values()))
+    count = {k: sum(r["step_times"].get(k, {}).get("steps", 0) for r in timed) / len(timed) for k in buckets}
+    out = {}
+    for label, runs in groups.items():
+        v = {"runs": len(runs), "prefill": 0.0, "decode": 0.0}
+        for k in buckets:
+            steps = sum(r["step_times"].get(k, {}).get("steps", 0) for r in runs)
+            secs = sum(r["step_times"].get(k, {}).get("seconds", 0.0) for r in runs)
+            if steps:
+                v[k.split("_")[0]] += secs / steps * count[k]
+        v["steps"] = v["prefill"] + v["decode"]
+        out[label] = v
+    return out
 
 
 def with_ratios(results):

@@ -129,3 +129,25 @@ def test_the_gpu_monitor_summarizes_nvidia_smi_and_is_empty_without_it():
         with cli.GpuMonitor() as gpu:
             pass
         assert gpu.summary == {}
+
+
+def test_step_sums_take_out_the_runs_mix_of_batch_sizes():
+    """step_sums: per config (runs NAME, NAME#2 together, NAME@cmp apart) each bucket's mean step
+    time times the bucket's mean step count over all runs; buckets some config never stepped in
+    are left out."""
+    def run(config, **buckets):
+        return {"config": config, "step_times": {k.replace("le", "_<="): {"steps": n, "seconds": s}
+                                                 for k, (n, s) in buckets.items()}}
+
+    results = [run("base", decodele8=(10, 1.0), prefillle512=(4, 2.0)),
+               run("lora4", decodele8=(12, 1.8), prefillle512=(2, 1.2), prefillle16=(1, 0.5)),
+               run("lora4#2", decodele8=(8, 1.2), prefillle512=(6, 3.6)),
+               run("lora4@cmp", decodele8=(10, 2.0), prefillle512=(4, 4.0))]
+    sums = bench.step_sums(results)
+    assert list(sums) == ["base", "lora4", "lora4@cmp"]
+    # mean counts over the four runs: decode_<=8 10, prefill_<=512 4; prefill_<=16 only in one run
+    assert sums["base"] == {"runs": 1, "prefill": 2.0, "decode": 1.0, "steps": 3.0}
+    # lora4: decode (1.8 + 1.2) / 20 = 0.15 s a step x 10; prefill (1.2 + 3.6) / 8 = 0.6 x 4
+    assert sums["lora4"]["runs"] == 2
+    assert abs(sums["lora4"]["decode"] - 1.5) < 1e-12 and abs(sums["lora4"]["prefill"] - 2.4) < 1e-12
+    assert abs(sums["lora4@cmp"]["steps"] - (2.0 + 4.0)) < 1e-12
