@@ -54,6 +54,7 @@ import numpy as np
 from .. import triton_build
 from .. import activation_triton as ACT
 from ..activation_triton import silu_mul_ref
+from .stage import MAX_PARTS
 
 try:
     import triton
@@ -70,7 +71,6 @@ SWAP_LONG_INPUTS = 8192  # narrow linears with at least these inputs (down) swap
 RANK_COLUMNS = 32  # the adapters' ranks of a batch sum to at most this (4 x r8, 2 x r16, 1 x r32)
 SLOT_COLUMNS = 16  # the batch's adapters (slots) number at most this
 DTYPES = ("float16", "bfloat16")
-MAX_PARTS = 3
 # (splits, at least this many input steps of BK): the one-kernel linear's splits of a narrow linear
 # at blocks of 16 tokens, the first that fits (H200, Llama-2-7B: o 32 steps -> 2, down 86 -> 3)
 SPLIT_STEPS = ((3, 64), (2, 16))

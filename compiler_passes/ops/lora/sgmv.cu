@@ -1,7 +1,7 @@
 // Stage-3 LoRA (sgmv shrink + expand) over mlc-lora's unified page arena, for sm_80+.
 //
 // Compiled by sgmv_cuda.py (beside this file) with nvcc once per (dtype, max rank R):
-//   -DMLC_MAX_RANK=R -DMLC_SUFFIX=f16_r16 [-DMLC_BF16]
+//   -DMLC_MAX_RANK=R -DMLC_MAX_PARTS=3 -DMLC_SUFFIX=f16_r16 [-DMLC_BF16]
 // The kernels are named mlc_lora_sgmv_{shrink,expand}_<MLC_SUFFIX>, so several builds can share
 // one library (the benchmark links R = 16 and 64).
 // The TIR wrappers there launch these kernels with the TIR kernels' signatures; the references
@@ -36,6 +36,9 @@
 #ifndef MLC_MAX_RANK
 #error "define MLC_MAX_RANK"
 #endif
+#ifndef MLC_MAX_PARTS
+#error "define MLC_MAX_PARTS"
+#endif
 #ifndef MLC_SUFFIX
 #error "define MLC_SUFFIX"
 #endif
@@ -51,7 +54,7 @@ constexpr int EXPAND_THREADS = 64;
 constexpr int EXPAND_OUT = EXPAND_THREADS * 8;  // outputs per expand block: 8 per thread
 constexpr int KG = 16;     // B rows in flight per expand thread
 constexpr int R = MLC_MAX_RANK;  // compiled max rank: the last axis of the offset tables and v
-constexpr int MAX_PARTS = 3;     // q|k|v
+constexpr int MAX_PARTS = MLC_MAX_PARTS;  // parts of a fused linear (stage.py's MAX_PARTS)
 static_assert(R >= 1 && R <= 128, "shared memory is sized for max rank <= 128");
 
 // Elements [i, i + 8) of `row` (length `len`): one 16-byte load when in bounds and aligned,

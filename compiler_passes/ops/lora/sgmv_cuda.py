@@ -32,12 +32,11 @@ from tvm.script import tirx as T
 from .. import cuda_build
 from ..kernel_attrs import kernel_attrs
 from .reference import num_chunks
-from .stage import LoraContext, LoraStage, Part, layer_arg, tokens
+from .stage import MAX_PARTS, LoraContext, LoraStage, Part, layer_arg, tokens
 
 SOURCE = Path(__file__).parent / "sgmv.cu"
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 MAX_RANK = 128  # the .cu sizes shared memory for R <= 128
-MAX_PARTS = 3  # parts of one fused linear (q|k|v)
 TILE = 16  # tokens per block (TILE in sgmv.cu)
 SHRINK_THREADS, EXPAND_THREADS, EXPAND_OUT = 128, 64, 512
 TARGET_BLOCKS = 528  # 4 per H200 SM: below that, gridDim.z splits a tile's rows over more blocks
@@ -48,6 +47,11 @@ def _split(blocks):
     """gridDim.z for `blocks` (tile, chunk) or (tile, out tile) pairs: a function of the token
     count and the layer shape only."""
     return T.Cast("int32", T.max(1, T.min(MAX_SPLIT, (TARGET_BLOCKS + blocks - 1) // blocks)))
+
+
+def defines_for(dtype: str, max_rank: int) -> dict:
+    """sgmv.cu's -D defines for one build (dtype, max rank), but the dtype's own (MLC_BF16)."""
+    return {"MLC_MAX_RANK": max_rank, "MLC_MAX_PARTS": MAX_PARTS, "MLC_SUFFIX": f"{DTYPES[dtype]}_r{max_rank}"}
 
 
 def supported(dtype: str, max_rank: int, num_parts: int = 1) -> str | None:
@@ -72,7 +76,7 @@ def build_module(dtype: str, max_rank: int, arch: str):
     if why is not None:
         raise ValueError(f"no CUDA sgmv kernels for {why}")
     shrink, expand = kernel_names(dtype, max_rank)
-    defines = {"MLC_MAX_RANK": max_rank, "MLC_SUFFIX": f"{DTYPES[dtype]}_r{max_rank}"}
+    defines = defines_for(dtype, max_rank)
     if dtype == "bfloat16":
         defines["MLC_BF16"] = None
     cubin = cuda_build.build_cubin(SOURCE, arch, defines)

@@ -53,7 +53,7 @@ import numpy as np
 from .. import triton_build
 from ..kernel_attrs import kernel_attrs
 from .reference import sort_tokens_ref  # noqa: F401  (the pool's token order)
-from .stage import LoraContext, LoraStage, Part, layer_arg, tokens
+from .stage import MAX_PARTS, LoraContext, LoraStage, Part, layer_arg, tokens
 
 try:  # the kernels are written in Triton; compiling them needs it, nothing else in mlc-lora does
     import triton
@@ -87,7 +87,7 @@ BK = 64  # the shrink's input elements per dot step, where a variant does not se
 # kernels derive the batch's split count from the tile table's total alike (splits_for).
 FILL_BLOCKS = 264  # two blocks on each of the 132 SMs of an H100 / H200
 DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
-MAX_RANK, MAX_PARTS = 128, 3
+MAX_RANK = 128
 
 
 def step_elems(variant: str, cfg: dict | None = None) -> int:

@@ -14,6 +14,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 # Triton stage's kernels import on a GPU machine that has the runtime-only TVM
 import tvm
 
+MAX_PARTS = 3  # parts of one fused linear (q|k|v) that every stage's kernels take
+
 
 class Part(NamedTuple):
     """One slice of a fused linear's output: the HF linear it holds and its columns of y."""

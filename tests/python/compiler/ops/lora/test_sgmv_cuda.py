@@ -221,7 +221,7 @@ def sgmv_emu(tmp_path_factory):
     def build(dtype, R):
         suffix = f"{GC.DTYPES[dtype]}_r{R}"
         return emu.build("sgmv_emu.cc", out_dir / f"sgmv_emu_{suffix}", GC.SOURCE, dtype,
-                         {"MLC_MAX_RANK": R, "MLC_SUFFIX": suffix})
+                         GC.defines_for(dtype, R))
 
     return build
 
