@@ -274,6 +274,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                                                  for _ in ids], ids)
         del kv, r, fresh, one_prefill  # (fresh holds the pool too, as its default argument)
         release()  # the next config's pool must fit beside nothing of this one
+        cli.write_results(log.json, dict(rows=rows, ctx=a.ctx, rank=RANK, complete=False))  # (a run cut short)
     say(f"\n(rows ms: the step's adapter rank rows read once at {bw} TB/s, the least any LoRA kernels take)"
         "\n| step | config | ms | host ms | gemm | lora | attention | other | vs base | rows ms |"
         "\n|---|---|---|---|---|---|---|---|---|---|")
@@ -288,7 +289,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             say(f"\n{x['config']} {x['step']}: top kernels (calls/step, us/call)")
             for k, c, us in x["top"]:
                 say(f"  {c:6.1f} x {us:8.2f} us  {k}")
-    cli.write_results(log.json, dict(rows=rows, ctx=a.ctx, rank=RANK))
+    cli.write_results(log.json, dict(rows=rows, ctx=a.ctx, rank=RANK, complete=True))
     return 0
 
 

@@ -84,7 +84,9 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert steps.main(["run", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,lora64", "--batches", "4",
                        "--prefill", "64", "--mixed", "32", "--ctx", "16", "--device", "cpu", "--bandwidth-tbs", "1e-6",
                        "--log-dir", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "bench_lora_steps.json").read_text())["rows"]
+    doc = json.loads((tmp_path / "bench_lora_steps.json").read_text())
+    rows = doc["rows"]
+    assert doc["complete"] is True
     assert [(r["config"], r["step"]) for r in rows] == [
         (c, s) for c in ("base", "lora64") for s in ("decode b=4", "mixed b=4+T=32", "prefill T=64")]
     # the rows floor: the distinct adapters' rank rows (ranks 8/16/32/64 in turn), from the compiled
