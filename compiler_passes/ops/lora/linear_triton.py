@@ -877,23 +877,25 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.Cast("int32", xs_split(n, plan)[2]), threads, shared)
 
     @T.macro
+    def tier_kernel(name, bm, nt, split, threads, shared, n, S, size, layer, x, w, arena, slot, rank, scale, a_off,
+                    b_off, y, v, cnt):
+        """The one-kernel linear `name` (blocks of bm tokens, nt output tiles, split inputs)."""
+        T.call_packed(name, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data, b_off.data,
+                      y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                      T.int64(0), T.int64(0), T.Cast("int32", (n + bm - 1) // bm * split), nt, threads, shared)
+
+    @T.macro
     def one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):
         """The one-kernel linear at its token tier's shape (it reads W's first W rows)."""
         if n <= TOKEN_TIERS[0]:
-            T.call_packed(sn, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                          layer * (size // L), T.int64(0), T.int64(0),
-                          T.Cast("int32", (n + s_bm - 1) // s_bm * s_split), s_nt, sth, ssh)
+            tier_kernel(sn, s_bm, s_nt, s_split, sth, ssh, n, S, size, layer, x, w, arena, slot, rank, scale, a_off,
+                        b_off, y, v, cnt)
         elif n <= TOKEN_TIERS[1]:
-            T.call_packed(mn, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                          layer * (size // L), T.int64(0), T.int64(0),
-                          T.Cast("int32", (n + m_bm - 1) // m_bm * m_split), m_nt, mth, msh)
+            tier_kernel(mn, m_bm, m_nt, m_split, mth, msh, n, S, size, layer, x, w, arena, slot, rank, scale, a_off,
+                        b_off, y, v, cnt)
         else:
-            T.call_packed(ln, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                          layer * (size // L), T.int64(0), T.int64(0),
-                          T.Cast("int32", (n + l_bm - 1) // l_bm * l_split), l_nt, lth, lsh)
+            tier_kernel(ln, l_bm, l_nt, l_split, lth, lsh, n, S, size, layer, x, w, arena, slot, rank, scale, a_off,
+                        b_off, y, v, cnt)
 
     # pylint: disable=unused-variable
     if rows:
