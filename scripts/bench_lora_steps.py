@@ -209,20 +209,50 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 if packed:
                     kv.set_sequence_adapter(s, s % len(packed))
 
+        def queued(fn, setup=None, repeat=5):
+            """(host ms, GPU ms) of one call of fn, medians: its launches queued behind a ~60 ms sleep
+            kernel (the GPU busy, so the host never waits on it), CUDA events around its work. The
+            GPU ms is the step's work without the gaps a slow host leaves; a host ms near the sleep
+            means the call waited on the GPU inside. (cuda only; the sleep and TVM share the
+            default stream)"""
+            if dev != "cuda":
+                return None, None
+            hs, gs = [], []
+            for _ in range(repeat + 1):
+                if setup is not None:
+                    setup()
+                sync()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(120_000_000)  # pylint: disable=protected-access
+                e0.record()
+                t0 = time.perf_counter()
+                fn()
+                hs.append((time.perf_counter() - t0) * 1e3)
+                e1.record()
+                sync()
+                gs.append(e0.elapsed_time(e1))
+            return round(float(np.median(hs[1:])), 3), round(float(np.median(gs[1:])), 3)
+
         def one_prefill(step, ids, toks, new):
             """Time and profile one prefill call over `ids` (`new`: its sequences added afresh
             before each call, removed after) and record the row."""
             ms = wall_time(lambda: r.prefill(kv, ids, toks, lora=lora), setup=lambda: fresh(new), repeat=5,
                            warmup=1, sync=sync) * 1e3
+            host, gpu = queued(lambda: r.prefill(kv, ids, toks, lora=lora), setup=lambda: fresh(new))
             fresh(new)
             sync()
-            with profile(activities=[ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]) as prof:
+            acts = [ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]
+            with profile(activities=acts + ([ProfilerActivity.CPU] if a.profile_host and dev == "cuda" else [])) as prof:
                 r.prefill(kv, ids, toks, lora=lora)
                 sync()
             cats, top = breakdown(prof, 1)
-            rows.append(dict(config=name, step=step, ms=round(ms, 3), host_ms=None, **cats, top=top,
+            if a.profile_host:
+                say(f"{name} {step}: CUDA API calls per step (calls, host us per step)")
+                for key, calls, us in api_calls(prof, 1):
+                    say(f"  {calls:8.1f} {us:9.1f}  {key}")
+            rows.append(dict(config=name, step=step, ms=round(ms, 3), host_ms=host, gpu_ms=gpu, **cats, top=top,
                              rows_ms=floor_ms(r, n_ad, ranks, ids)))
-            say(f"{name} {step}: {ms:.3f} ms/step, kernels {cats}")
+            say(f"{name} {step}: {ms:.3f} ms/step, host {host} ms, GPU alone {gpu} ms, kernels {cats}")
             for s in new:
                 kv.remove_sequence(s)
 
@@ -242,6 +272,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 r.decode(kv, seqs, tok, lora=lora)
             host = (time.perf_counter() - t0) / 10 * 1e3  # launches only, unless the call waits on the GPU
             sync()
+            _, gpu = queued(lambda: r.decode(kv, seqs, tok, lora=lora))
             if a.profile_host:  # host ms per call of each part of ModelRunner.decode
                 acc = host_parts(r, kv)
                 for _ in range(10):
@@ -260,9 +291,9 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 say(f"{name} decode b={b}: CUDA API calls per step (calls, host us per step)")
                 for key, calls, us in api_calls(prof, 5):
                     say(f"  {calls:8.1f} {us:9.1f}  {key}")
-            rows.append(dict(config=name, step=f"decode b={b}", ms=round(ms, 3), host_ms=round(host, 3), **cats, top=top,
-                             rows_ms=floor_ms(r, n_ad, ranks, seqs)))
-            say(f"{name} decode b={b}: {ms:.3f} ms/step, host {host:.3f} ms, kernels {cats}")
+            rows.append(dict(config=name, step=f"decode b={b}", ms=round(ms, 3), host_ms=round(host, 3), gpu_ms=gpu,
+                             **cats, top=top, rows_ms=floor_ms(r, n_ad, ranks, seqs)))
+            say(f"{name} decode b={b}: {ms:.3f} ms/step, host {host:.3f} ms, GPU alone {gpu} ms, kernels {cats}")
             for T in mixed:  # the decode batch's next tokens and a prefill chunk of a new sequence
                 chunk = torch.randint(0, V, (T,), generator=gen).tolist()
                 one_prefill(f"mixed b={b}+T={T}", seqs + [2000], [[1]] * b + [chunk], [2000])
@@ -276,12 +307,13 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
         release()  # the next config's pool must fit beside nothing of this one
         cli.write_results(log.json, dict(rows=rows, ctx=a.ctx, rank=RANK, complete=False))  # (a run cut short)
     say(f"\n(rows ms: the step's adapter rank rows read once at {bw} TB/s, the least any LoRA kernels take)"
-        "\n| step | config | ms | host ms | gemm | lora | attention | other | vs base | rows ms |"
-        "\n|---|---|---|---|---|---|---|---|---|---|")
+        "\n| step | config | ms | host ms | GPU alone ms | gemm | lora | attention | other | vs base | rows ms |"
+        "\n|---|---|---|---|---|---|---|---|---|---|---|")
     base = {x["step"]: x["ms"] for x in rows if x["config"] == "base"}
     for x in sorted(rows, key=lambda x: (x["step"], x["config"])):
         vs = f"{x['ms'] / base[x['step']]:.3f}" if x["step"] in base else "-"
         say(f"| {x['step']} | {x['config']} | {x['ms']:.3f} | {x['host_ms'] if x['host_ms'] is not None else '-'} | "
+            f"{x.get('gpu_ms') if x.get('gpu_ms') is not None else '-'} | "
             f"{x['gemm']:.3f} | {x['lora']:.3f} | {x['attention']:.3f} | {x['other']:.3f} | {vs} | "
             f"{x['rows_ms'] if x['rows_ms'] is not None else '-'} |")
     for x in rows:
@@ -305,7 +337,8 @@ def main(argv=None) -> int:
                    help="memory bandwidth for the rows floor (default: by GPU name, H100 3.35, H200 4.8)")
     r.add_argument("--ctx", type=int, default=320, help="context tokens per sequence before the decode steps")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--profile-host", action="store_true", help="host time of each part of 10 decode calls")
+    r.add_argument("--profile-host", action="store_true",
+                   help="host time of each part of 10 decode calls; the CUDA API calls of every step")
     r.add_argument("--device", default="cuda", help="cuda, or cpu to check the script on llvm libraries")
     a = cli.parse(ap, argv)
     return run(a)
