@@ -419,7 +419,7 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
             go = LT.cols_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
             consts, warps = LT.constants(pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r,
                                          LT.token_tier(min(T, LT.FUSED_MAX_TOKENS)), 8)
-            k_ext = pt.in_f + len(pt.widths) * LT.RANK_COLUMNS
+            k_ext = pt.in_f + LT.spare_columns(pt.in_f, len(pt.widths))
             w_ext = [torch.empty((pt.out_f, k_ext), device="cuda", dtype=pt.w[0].dtype) for _ in range(pt.copies)]
             x_ext = [torch.zeros((T, k_ext), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
             go_xs = LT.xs_launch(T, pt.in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, 8)
@@ -513,7 +513,7 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
         for T in map(int, a.tokens.split(",")):
             pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
             K, P = pt.in_f, len(pt.widths)
-            ke = K + LT.rank_rows(P)
+            ke = K + LT.spare_columns(K, P)
             dt = pt.x[0].dtype
             go = LT.cols_launch(T, K, pt.widths, pt.mod_ids, P, pt.r, 8)
             w_ext = [torch.zeros((pt.out_f, ke), device="cuda", dtype=dt) for _ in range(pt.copies)]
@@ -555,7 +555,21 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 xs(i, g)
                 gemm_ext(i)
 
+            # the shrink as a cuBLAS GEMM over the batch's A rows kept side by side (x @ A_cat.T), each
+            # token's own slot's columns kept and scaled by one elementwise pass into [x | s]: timed only
+            # (random A_cat and multipliers: the cost does not depend on the values)
+            a_cat = torch.randn((LT.rank_rows(P), K), device="cuda").to(dt) * 0.01
+            s_raw = [torch.empty((T, LT.rank_rows(P)), device="cuda", dtype=dt) for _ in range(pt.copies)]
+            keep = (torch.rand((T, LT.rank_rows(P)), device="cuda") < 0.25).to(dt)
+
+            def shrink_cublas(i):
+                torch.matmul(xe[i][:, :K], a_cat.t(), out=s_raw[i])
+                torch.mul(s_raw[i], keep, out=xe[i][:, K:K + LT.rank_rows(P)])
+
             cands = {"base": lambda i: (before(i, pt.x[i], K), pt.launch_gemm(i)),
+                     "route·cublas shrink": lambda i: (before(i, xe[i], ke), shrink_cublas(i), gemm_ext(i)),
+                     "shrink·cublas+keep": shrink_cublas,
+                     "shrink·cublas alone": lambda i: torch.matmul(xe[i][:, :K], a_cat.t(), out=s_raw[i]),
                      "pair": lambda i: (before(i, pt.x[i], K), pt.launch_pair(i, go)),
                      "route·copy": lambda i: (before(i, pt.x[i], K), copy_x(i), xs(i, go_ip), gemm_ext(i)),
                      "route·in place": in_place,
@@ -582,18 +596,18 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                   f"; in-place shrink: compiled {shr[next(iter(shr))]:.1f}, best [{best}] {shr[best]:.1f}", flush=True)
             out.append(dict(linear=name, T=T, us=us))
             cli.write_results(Path(a.out), {"producers": out, "complete": False})
-            del w_ext, xe, h, pt
+            del w_ext, xe, h, pt, s_raw
             torch.cuda.empty_cache()
     print("\nOne layer (the four linears), us:")
-    labels = ["base", "pair", "route·copy", "route·in place"]
-    print("| T | " + " | ".join(labels) + " | pair - base | copy - base | in place - base |")
-    print("|---|" + "---|" * (len(labels) + 3))
+    labels = ["base", "pair", "route·copy", "route·in place", "route·cublas shrink"]
+    print("| T | " + " | ".join(labels) + " | pair - base | copy - base | in place - base | cublas shrink - base |")
+    print("|---|" + "---|" * (len(labels) + 4))
     for T in sorted({r["T"] for r in out}):
         rows = [r["us"] for r in out if r["T"] == T]
         tot = {k: sum(r[k] for r in rows) for k in labels}
         print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) +
               f" | {tot['pair'] - tot['base']:.1f} | {tot['route·copy'] - tot['base']:.1f} | "
-              f"{tot['route·in place'] - tot['base']:.1f} |")
+              f"{tot['route·in place'] - tot['base']:.1f} | {tot['route·cublas shrink'] - tot['base']:.1f} |")
     cli.write_results(Path(a.out), {"producers": out, "complete": True})
     return 0
 

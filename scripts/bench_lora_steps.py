@@ -7,8 +7,10 @@ base vs 4 adapters of rank 8 (or 64 of ranks 8/16/32/64 in turn: `lora64`), on a
 
 For every (library, adapters, step) it reports: the step's wall time with a sync (median of
 samples, harness/timing.wall_time), the host time of the call alone (launches queued, no sync:
-what the engine pays before the GPU starts when it waits on every step), and the GPU kernel time
-by kind from a torch.profiler trace (cuBLAS GEMMs, LoRA kernels, attention, other), per step.
+what the engine pays before the GPU starts when it waits on every step), the step's GPU work alone
+(its launches queued behind a sleep kernel: without the gaps a slow host leaves; decode steps only,
+a prefill call waits on the GPU inside), and the GPU kernel time by kind from a torch.profiler
+trace (cuBLAS GEMMs, LoRA kernels, attention, other), per step.
 Decode runs with `--ctx` tokens of context per sequence (adapters round-robin over the batch);
 prefill is one batch of 4 sequences of T/4 tokens each; `--mixed T` adds the steps the engine runs
 most under load: every decode batch's sequences one token each plus a prefill chunk of T tokens of
@@ -212,17 +214,19 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
         def queued(fn, setup=None, repeat=5):
             """(host ms, GPU ms) of one call of fn, medians: its launches queued behind a ~60 ms sleep
             kernel (the GPU busy, so the host never waits on it), CUDA events around its work. The
-            GPU ms is the step's work without the gaps a slow host leaves; a host ms near the sleep
-            means the call waited on the GPU inside. (cuda only; the sleep and TVM share the
-            default stream)"""
+            GPU ms is the step's work without the gaps a slow host leaves. A call that waits on the
+            GPU inside (a prefill: TVM's copies of host arrays to the device synchronize) gets
+            (None, None): its host time is the sleep's and its GPU time has the launches' gaps.
+            (cuda only; the sleep and TVM share the default stream)"""
             if dev != "cuda":
                 return None, None
-            hs, gs = [], []
+            hs, gs, ss = [], [], []
             for _ in range(repeat + 1):
                 if setup is not None:
                     setup()
                 sync()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                es, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                es.record()
                 torch.cuda._sleep(120_000_000)  # pylint: disable=protected-access
                 e0.record()
                 t0 = time.perf_counter()
@@ -231,6 +235,9 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 e1.record()
                 sync()
                 gs.append(e0.elapsed_time(e1))
+                ss.append(es.elapsed_time(e0))
+            if np.median(hs[1:]) > 0.5 * np.median(ss[1:]):
+                return None, None
             return round(float(np.median(hs[1:])), 3), round(float(np.median(gs[1:])), 3)
 
         def one_prefill(step, ids, toks, new):

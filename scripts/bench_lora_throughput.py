@@ -64,6 +64,7 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # over them reads their first columns with the wider row stride
     "lora4-cols": ("lora-cols", [(8, 4)]),
     "lora64-cols": ("lora-cols", [(8, 16), (16, 16), (32, 16), (64, 16)]),
+    "lora0-cols": ("lora-cols", []),
     # the same 64 mixed with the engine's max_loras (as vLLM's --max-loras): the running requests
     # span at most that many adapters, so a step reads fewer adapters' rows (MAX_LORAS below)
     "lora64-max16": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),

@@ -17,18 +17,23 @@ from typing import Sequence
 import tvm
 from tvm import relax
 
-from ..ops.lora.linear_triton import rank_rows
+from ..ops.lora.linear_triton import rank_rows, spare_columns
 from .lora_rewrite import linear_weight_re
 
 
-def extra_rows(name: str, modules: Sequence[str], linears: dict[str, Sequence[tuple[str, int, int]]]) -> int:
-    """Rows reserved below the param `name`: rank_rows(parts) for the weight of a fused linear with
-    at least one part among the LoRA `modules` (names), else 0."""
+def extra_rows(name: str, modules: Sequence[tuple[str, int, int]], linears: dict[str, Sequence[tuple[str, int, int]]],
+               axis: int = 0) -> int:
+    """Rows reserved below (axis 0: rank_rows(P)) or columns beside (axis 1: spare_columns(in, P)) the
+    param `name` for the weight of a fused linear of P parts with at least one part among the LoRA
+    `modules` ((name, in, out): `in` is the linear's input width), else 0."""
     m = linear_weight_re(linears).search(name)
     if m is None:
         return 0
     parts = linears[m.group(2)]
-    return rank_rows(len(parts)) if any(p[0] in modules for p in parts) else 0
+    ins = [mod[1] for mod in modules if mod[0] in {p[0] for p in parts}]
+    if not ins:
+        return 0
+    return rank_rows(len(parts)) if axis == 0 else spare_columns(ins[0], len(parts))
 
 
 @tvm.transform.module_pass(opt_level=0, name="ReserveRankRows")
@@ -38,8 +43,7 @@ class ReserveRankRows:  # pylint: disable=too-few-public-methods
 
     def __init__(self, *, param_names: Sequence[str], modules: Sequence[tuple[str, int, int]],
                  linears: dict[str, Sequence[tuple[str, int, int]]]):
-        names = [m[0] for m in modules]
-        self.rows = {i: r for i, p in enumerate(param_names) if (r := extra_rows(p, names, linears))}
+        self.rows = {i: r for i, p in enumerate(param_names) if (r := extra_rows(p, modules, linears))}
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         if not self.rows:

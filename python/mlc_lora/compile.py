@@ -310,10 +310,11 @@ def weight_reserved(lora, arch_module, cfg):
         return lambda name: (0, 0)
     from .compiler_passes.passes.reserve_rank_rows import extra_rows  # pylint: disable=import-outside-toplevel
 
-    names, linears = lora.module_names, arch_module.fused_linear_parts(cfg)
+    mods = [(m.name, m.in_features, m.out_features) for m in lora.modules]
+    linears = arch_module.fused_linear_parts(cfg)
 
     def reserved(name):
-        n = extra_rows(name, names, linears)
+        n = extra_rows(name, mods, linears, axis)
         return (n, 0) if axis == 0 else (0, n)
     return reserved
 

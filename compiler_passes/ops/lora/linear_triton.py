@@ -442,8 +442,8 @@ if triton is not None:
                               m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr,
                               W1: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
                               ALIGN: tl.constexpr):
-        """Grid (N / BN,): the slots' B rows into the spare columns beside W (w (N, KE), KE = K + P
-        x RS): w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the outputs o of part p
+        """Grid (N / BN,): the slots' B rows into the spare columns beside W (w (N, KE), KE = K +
+        spare_columns(K, P)): w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the outputs o of part p
         where rank column c is live, else 0. The slots are the pool's kept adapters (every one
         resident: its rows are its own), S of them exactly (not a captured graph's tables, whose
         rows past the batch's may point at anything). The other parts' columns of these outputs
@@ -507,7 +507,8 @@ if triton is not None:
                               SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr):
         """Grid (token tiles, split): xe (n, KE) = [x | s], x in its first K columns (its producer
         wrote it there), s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p)))
-        for token t's own slot's live columns, else 0. Split k takes its `chunk` inputs of x and
+        for token t's own slot's live columns, else 0, and s[t, P x RS:] = 0 (the padding up to KE,
+        COLUMN_ALIGN). Split k takes its `chunk` inputs of x and
         sums its part of the products into v; with split > 1 the block of a tile that counts last
         in cnt[tile] sums the splits in order (the same bits whichever block is last), writes s and
         sets cnt[tile] back to 0."""
@@ -547,6 +548,10 @@ if triton is not None:
         if last:
             _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
                            K, M, R, P, RS, SC)
+            for j in tl.static_range(K + P * RS, KE, RS):  # s's padding to the row's length (COLUMN_ALIGN): zeros
+                pad = j + c
+                tl.store(xe_rows + pad[None, :], tl.zeros((BM, RS), dtype=xe_ptr.dtype.element_ty),
+                         mask=rmask[:, None] & (pad < KE)[None, :])
 
 
 def _signature(dtype: str) -> dict:
@@ -644,6 +649,21 @@ def cols_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], n
                 expand_warps=EXPAND_WARPS)
 
 
+# The rank columns route's spare columns end each weight row (and each row of [x | s]) on a multiple
+# of COLUMN_ALIGN elements (128 bytes in fp16/bf16). Measured on the H200 (bench_lora_fused.py
+# producers, docs/results/2026-12-06-h200-aligned-columns): cuBLAS over rows K + 96 and K + 32 apart (q|k|v,
+# o, down) took 2-8% more than over K beyond the extra inputs' share; gate|up's K + 64 did not.
+COLUMN_ALIGN = 64
+
+
+def spare_columns(in_f: int, num_parts: int) -> int:
+    """Columns a weight of `num_parts` parts and in_f inputs holds beside its own for the rank columns
+    route (passes/reserve_rank_columns.py reserves them, the compile writes them as zeros): its
+    P x RANK_COLUMNS rank columns, then zeros up to a row length that is a multiple of COLUMN_ALIGN
+    (the shrink writes [x | s]'s padding as zeros too)."""
+    return -(-(in_f + num_parts * RANK_COLUMNS) // COLUMN_ALIGN) * COLUMN_ALIGN - in_f
+
+
 def rank_rows(num_parts: int) -> int:
     """Rows a weight of `num_parts` parts holds below its own for the batch's A rows (the rank
     rows route; passes/reserve_rank_rows.py reserves them, the compile writes them as zeros)."""
@@ -717,7 +737,7 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     tiles, per, split = shrink_split(n, in_f // bk, plan["BM"], target=plan["target"], most=plan["most"])
     m, w = padded_parts(mods, widths)
     P = len(widths)
-    ke = in_f + rank_rows(P)
+    ke = in_f + spare_columns(in_f, P)
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
                 RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
@@ -780,9 +800,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
 
     R, M, L, W, P = max_rank, num_modules, num_layers, sum(widths), len(widths)
     KW = in_f if w_cols is None else w_cols
-    if KW not in (in_f, in_f + rank_rows(P)) or (rows and KW != in_f):
-        raise ValueError(f"a weight of {KW} columns for {in_f} inputs (in_f, or in_f + {rank_rows(P)} spare columns "
-                         "for the rank columns route; not with the rank rows route)")
+    if KW not in (in_f, in_f + spare_columns(in_f, P)) or (rows and KW != in_f):
+        raise ValueError(f"a weight of {KW} columns for {in_f} inputs (in_f, or in_f + {spare_columns(in_f, P)} spare "
+                         "columns for the rank columns route; not with the rank rows route)")
     # the rank columns route past FUSED_MAX_TOKENS: a weight with spare columns and x's producer to
     # write x into [x | s] (without one, the pair over the weight's first columns: copying x there
     # cost more than the pair's expand)
@@ -1039,7 +1059,7 @@ def fill_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_mo
                  arch: str):
     """(TIR wrapper, CUDA modules) of the fill of a weight's spare columns (the rank columns route).
     Signature: (arena (size,), rank (S,), scale (S, M), b_off (S, M, R), layer: int64, w (W, in_f +
-    rank_rows(P)) [in place]): the kept adapters' B rows (the pool's tables of a batch within the
+    spare_columns(in_f, P)) [in place]): the kept adapters' B rows (the pool's tables of a batch within the
     kept columns) into w's spare columns, `lora_fill_cols_kernel` over layer `layer`'s arena region."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
@@ -1083,7 +1103,7 @@ class FusedLinear:
         """y = x @ W.T + every token's delta, (n, W) reshaped to `out_shape` (not yet emitted).
         ctx: the rewrite's LoraContext; x (n, in) and w (W, in) relax Vars (w of W + rank_rows(P)
         rows: the weight reserves the rank rows route's rows, which it then takes above
-        FUSED_MAX_TOKENS; of in + rank_rows(P) columns: the rank columns route's); parts: ops/lora
+        FUSED_MAX_TOKENS; of in + spare_columns(in, P) columns: the rank columns route's); parts: ops/lora
         Parts; counters: the function's (COUNTER_SLOTS,) int32 zeros (`counters()`), shared by its
         linears; producer (a weight with spare columns only): x's producer for the wrapper to run
         instead of reading x, (kind, its inputs, eps): ("rms_norm", [h, g], eps) or ("silu_mul",

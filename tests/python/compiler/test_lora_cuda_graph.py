@@ -13,6 +13,7 @@ from tvm import relax
 
 from mlc_lora.compile import _decode_graph_attrs, export_model, lora_pass_options, prepare_cuda_build
 from mlc_lora.compiler_passes import get_pipeline
+from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
 from mlc_lora.compiler_passes.passes import LoraRewrite
 from mlc_lora.contract import BASE_FUNCTION_SUFFIX, FILL_COLUMNS_FUNCTION, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 from mlc_lora.lora.layout import make_spec
@@ -202,9 +203,9 @@ def test_rank_rows_library_widens_the_weights_and_fuses_past_the_small_kernel():
 @pytest.mark.parametrize("fold_silu", [False, True])
 def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_first_columns(fold_silu, monkeypatch):
     """Spare columns (the rank columns route): every targeted weight of every function has 32
-    columns per part beside its own; the fused functions' linears (the rank columns wrapper, inside
-    decode_fused's graphs and in prefill_fused) take the whole weight, every other GEMM (gemv /
-    cuBLAS wrappers) too, with its row stride: no slice is copied per call and no linear falls back
+    columns per part beside its own, padded to a row of a multiple of 64 (spare_columns); the fused
+    functions' linears (the rank columns wrapper, inside decode_fused's graphs and in prefill_fused)
+    take the whole weight, every other GEMM (gemv / cuBLAS wrappers) too, with its row stride: no slice is copied per call and no linear falls back
     to TVM's matmul; lm_head is untouched. The route runs where x's producer writes x into [x | s]:
     q|k|v and gate|up take the RMSNorm's input and gain (no RMSNorm kernel left before them in the
     fused functions, only the final norm); down the gate|up output (silu * up) where
@@ -218,13 +219,17 @@ def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_fir
     cfg, lowered = _lowered(fused=True, spare_columns=True)
     h, inter = cfg.hidden_size, cfg.intermediate_size
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    # 64 + 96 -> 192, 64 + 32 -> 128, 64 + 64 = 128, 96 + 32 = 128
+    sc = {3: 128, 1: 64, 2: 64, "down": 32}
+    assert sc == {3: LT.spare_columns(h, 3), 1: LT.spare_columns(h, 1), 2: LT.spare_columns(h, 2),
+                  "down": LT.spare_columns(inter, 1)}
     fused = "decode" + FUSED_FUNCTION_SUFFIX
     captures = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith(fused + "_cuda_graph_capture")]
     L, routed = cfg.num_hidden_layers, 3 if fold_silu else 2  # the linears on the route, per layer
     linears = [c for f in captures for c in _calls(f, "lora_linear_cols_")]
     pairs = [c for f in captures for c in _calls(f, "lora_linear_triton_")]
     outside = _calls(lowered[fused], "lora_linear_cols_")
-    assert outside == [f"lora_linear_cols_m0_1_2_{h}x{qkv}_of{h + 96}_norm"], outside
+    assert outside == [f"lora_linear_cols_m0_1_2_{h}x{qkv}_of{h + sc[3]}_norm"], outside
     assert len(linears) == routed * L - 1 and all("_of" in c for c in linears), linears
     assert len(pairs) == (4 - routed) * L and all("_of" in c for c in pairs), pairs
     assert not [c for f in captures for c in _calls(f, "lora_fill_columns_")]
@@ -239,7 +244,7 @@ def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_fir
     # the fill of the spare columns: its own function, one call per targeted weight, in place
     fills = _calls(lowered[FILL_COLUMNS_FUNCTION], "lora_fill_columns_")
     assert len(fills) == routed * L and len(set(fills)) == routed, fills
-    want = {(qkv, h + 96), (h, h + 32), (2 * inter, h + 64), (h, inter + 32)}
+    want = {(qkv, h + sc[3]), (h, h + sc[1]), (2 * inter, h + sc[2]), (h, inter + sc["down"])}
     for name in ("decode", "prefill", "decode" + BASE_FUNCTION_SUFFIX, fused, "prefill" + FUSED_FUNCTION_SUFFIX):
         shapes = [tuple(int(v) for v in f.shape.values) for f in lowered[name].params[-1].ty.fields]
         assert want <= set(shapes), name
@@ -251,4 +256,5 @@ def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_fir
     base = [f for gv, f in lowered.functions_items() if gv.name_hint.startswith("decode_base_cuda_graph_capture")]
     wrappers = {c for f in base for c in _calls(f, "mlc_lora_linear_")}
     assert wrappers == {f"mlc_lora_linear_f16_{n}x{k}_of{k + r}_3d" for n, k, r in (
-        (qkv, h, 96), (h, h, 32), (2 * inter, h, 64), (h, inter, 32))} | {f"mlc_lora_linear_f16_{cfg.vocab_size}x{h}_3d"}
+        (qkv, h, sc[3]), (h, h, sc[1]), (2 * inter, h, sc[2]), (h, inter, sc["down"]))} | {
+        f"mlc_lora_linear_f16_{cfg.vocab_size}x{h}_3d"}

@@ -64,7 +64,10 @@ def test_rank_rows_flag_and_spec(monkeypatch, tmp_path):
         "model.layers.1.self_attn.qkv_proj.weight") == (0, 0)
     cols = lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False, "lora_spare_columns": True}))
     assert cols.fused["spare_columns"] is True and LoraSpec.from_json(cols.to_json()) == cols
-    assert weight_reserved(cols, llama, cfg)("model.layers.1.self_attn.qkv_proj.weight") == (0, 96)
+    reserved = weight_reserved(cols, llama, cfg)  # the rank columns, then zeros to rows of a multiple of 64
+    assert reserved("model.layers.1.self_attn.qkv_proj.weight") == (0, 128)  # 64 + 96 -> 192
+    assert reserved("model.layers.0.mlp.down_proj.weight") == (0, 64)  # 128 + 32 -> 192
+    assert reserved("model.layers.0.mlp.gate_up_proj.weight") == (0, 64)  # 64 + 64 -> 128
     for bad, why in (({"lora_rank_rows": True, "lora_spare_columns": True}, "alternatives"),
                      ({"lora_spare_columns": True, "gemm": "tvm"}, "--gemm cublas"),
                      ({"lora_spare_columns": True, "lora_fused": False}, "route of the fused functions")):

@@ -1,5 +1,5 @@
 """ReserveRankColumns: the LoRA-targeted weights of every function get 32 columns per part beside
-their own (the rank columns route's), every use reads a strided_slice of the first columns, and
+their own (the rank columns route's), then zeros to a row length of a multiple of 64, every use reads a strided_slice of the first columns, and
 LoraRewrite and DispatchCublas hand the whole buffer to the GEMMs, which read the first columns
 with the weight's row stride. Exact IR (Before/After) and numerics on llvm: the reserved columns
 hold NaN, and the module (gather stage, then the CPU GEMM extern) gives what the module without
@@ -22,7 +22,8 @@ from .test_lora_rewrite import ARENA, LINEARS, MODULES, NAMES, Before, _opts, _r
 class Expected:
     @R.function
     def decode(x: R.Tensor(("b", 1, 8), "float32"),
-               params: R.Tuple(R.Tensor((16, 8 + 96), "float32"), R.Tensor((8, 8 + 32), "float32"),
+               # q|k|v: 8 + 3 x 32 = 104 columns, padded to 128; o: 8 + 32 = 40, padded to 64
+               params: R.Tuple(R.Tensor((16, 8 + 120), "float32"), R.Tensor((8, 8 + 56), "float32"),
                                R.Tensor((10, 8), "float32"))):
         R.func_attr({"num_input": 1})
         with R.dataflow():
@@ -76,6 +77,6 @@ def test_lora_rewrite_and_the_gemm_see_through_the_slices_and_numerics_hold():
     text = mod["decode"].script()
     assert text.count("mlc_lora.runtime.cublas_gemm") == 3 and "end=[8]" not in text, text
     nan = lambda w, c: np.concatenate([w, np.full((w.shape[0], c), np.nan, np.float32)], axis=1)  # noqa: E731
-    got = _run(mod, x, tables, [nan(wq, 96), nan(wo, 32), wh])
+    got = _run(mod, x, tables, [nan(wq, 120), nan(wo, 56), wh])
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(got).all()

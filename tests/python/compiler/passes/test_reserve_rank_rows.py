@@ -49,11 +49,19 @@ def test_reserve_before_after():
 
 
 def test_extra_rows_per_weight():
-    names = [m[0] for m in MODULES]
-    assert extra_rows("model.layers.0.self_attn.qkv_proj.weight", names, LINEARS) == 3 * 32  # q, k, v parts
-    assert extra_rows("model.layers.3.self_attn.o_proj.weight", names, LINEARS) == 32
-    assert extra_rows("lm_head.weight", names, LINEARS) == 0
-    assert extra_rows("model.layers.0.self_attn.o_proj.weight", ["q_proj"], LINEARS) == 0  # o not targeted
+    assert extra_rows("model.layers.0.self_attn.qkv_proj.weight", MODULES, LINEARS) == 3 * 32  # q, k, v parts
+    assert extra_rows("model.layers.3.self_attn.o_proj.weight", MODULES, LINEARS) == 32
+    assert extra_rows("lm_head.weight", MODULES, LINEARS) == 0
+    assert extra_rows("model.layers.0.self_attn.o_proj.weight", MODULES[:1], LINEARS) == 0  # o not targeted
+    # the rank columns route's columns (axis 1): the rank columns, then zeros to a row of a multiple
+    # of 64 (the modules' inputs are 8 wide: q|k|v 8 + 96 -> 128, o 8 + 32 -> 64)
+    assert extra_rows("model.layers.0.self_attn.qkv_proj.weight", MODULES, LINEARS, axis=1) == 120
+    assert extra_rows("model.layers.3.self_attn.o_proj.weight", MODULES, LINEARS, axis=1) == 56
+    wide = [("o_proj", 4096, 4096), ("q_proj", 4096, 4096), ("gate_proj", 4096, 11008), ("down_proj", 11008, 4096)]
+    llama = {"qkv_proj": LINEARS["qkv_proj"], "o_proj": LINEARS["o_proj"],
+             "gate_up_proj": [("gate_proj", 0, 11008), ("up_proj", 11008, 22016)], "down_proj": [("down_proj", 0, 4096)]}
+    assert [extra_rows(f"model.layers.0.{k}.weight", wide, llama, axis=1)
+            for k in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")] == [128, 64, 64, 64]
     with pytest.raises(ValueError, match="no LoRA-targeted weight"):
         ReserveRankRows(param_names=["lm_head.weight"], modules=MODULES, linears=LINEARS)(Before)
 

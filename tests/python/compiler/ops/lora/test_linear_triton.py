@@ -219,22 +219,25 @@ def test_rank_columns_wrapper_builds_to_cubin_for_sm90(cubin_cache):
     over [x | s] and the whole weight (no expand, no fill: fill_wrapper's, when the kept columns
     change). A linear whose x has no producer keeps the pair over the weight's first columns."""
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a",
-                                 w_cols=4096 + 96, producer="rms_norm", eps=1e-5)
+                                 w_cols=4096 + 128, producer="rms_norm", eps=1e-5)
     assert len(mods) == 6 and len(list(cubin_cache.glob("*.cubin"))) == 6
     script = fn.script()
     assert script.count("mlc_lora_triton_shrink_xs_fp16") == 1
     assert "expand" not in script and "shrink_cols" not in script and "fill" not in script
     assert script.count("mlc_lora.runtime.cublas_gemm") == 1
-    assert "T.Buffer((6144, 4192)" in script and "T.Buffer((n, 4192)" in script  # w and xe: 4096 + 96 columns
-    pair, _ = LT.linear_wrapper(4096, (4096,), (3,), 2, 16, 7, "float16", 8, "sm_90a", w_cols=4096 + 32)
+    assert "T.Buffer((6144, 4224)" in script and "T.Buffer((n, 4224)" in script  # w and xe: 4096 + 96, padded to 4224
+    pair, _ = LT.linear_wrapper(4096, (4096,), (3,), 2, 16, 7, "float16", 8, "sm_90a", w_cols=4096 + 64)
     script = pair.script()
     assert "shrink_xs" not in script and script.count("mlc_lora_triton_shrink_cols_fp16") == 2
-    assert script.count("mlc_lora_triton_expand_cols_fp16") == 2 and "T.Buffer((4096, 4128)" in script
+    assert script.count("mlc_lora_triton_expand_cols_fp16") == 2 and "T.Buffer((4096, 4160)" in script
     fill, mods = LT.fill_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a")
     script = fill.script()
-    assert len(mods) == 1 and script.count("mlc_lora_triton_fill_cols_fp16") == 1 and "T.Buffer((6144, 4192)" in script
-    assert LT.xs_launch(100, 4096, (4096, 1024, 1024), (0, 1, 2), 7, 16, 8)["cols"] == 4192
-    with pytest.raises(ValueError, match="spare columns"):  # neither the weight's own nor + 32 per part
+    assert len(mods) == 1 and script.count("mlc_lora_triton_fill_cols_fp16") == 1 and "T.Buffer((6144, 4224)" in script
+    assert LT.xs_launch(100, 4096, (4096, 1024, 1024), (0, 1, 2), 7, 16, 8)["cols"] == 4224
+    # rows of a multiple of COLUMN_ALIGN: the rank columns, then zeros
+    assert [LT.spare_columns(k, p) for k, p in ((4096, 3), (4096, 2), (4096, 1), (11008, 1), (576, 3), (576, 2))] == [
+        128, 64, 64, 64, 128, 64]
+    with pytest.raises(ValueError, match="spare columns"):  # neither the weight's own nor + its spare columns
         LT.linear_wrapper(4096, (4096,), (0,), 2, 16, 7, "float16", 8, "sm_90a", w_cols=4096 + 96)
 
 
@@ -243,17 +246,17 @@ def test_rank_columns_wrapper_builds_to_cubin_for_sm90(cubin_cache):
 def test_rank_columns_wrapper_runs_the_producer_into_xs(cubin_cache, producer, kernel):
     """With x's producer (the RMSNorm, silu(gate) * up) the wrapper takes the producer's input and
     runs the producer's kernel itself: into x (rows in_f apart) for the one-kernel linear, into the
-    first columns of [x | s] (rows in_f + 96 apart) before the shrink, which reads x there and adds
-    s beside it."""
+    first columns of [x | s] (rows in_f + 128 apart: 96 rank columns, padded) before the shrink, which
+    reads x there and adds s beside it."""
     fn, mods = LT.linear_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 16, 7, "float16", 8, "sm_90a",
-                                 w_cols=4096 + 96, producer=producer, eps=1e-5)
+                                 w_cols=4096 + 128, producer=producer, eps=1e-5)
     assert len(mods) == 6
     script = fn.script()
     names = {ln.split('"')[1] for ln in script.splitlines() if "T.call_packed(\"mlc_lora_triton" in ln}
     ld = "LDO" if producer == "rms_norm" else "LDH"
     produced = sorted(n for n in names if n.startswith(kernel))
     assert len(produced) == 2 and [f"_{ld}4096_" in n + "_" for n in produced].count(True) == 1, produced
-    assert [f"_{ld}4192_" in n + "_" for n in produced].count(True) == 1, produced
+    assert [f"_{ld}4224_" in n + "_" for n in produced].count(True) == 1, produced
     shrinks = [n for n in names if "shrink_xs" in n]
     assert len(shrinks) == 1, shrinks
     assert script.count("mlc_lora.runtime.cublas_gemm") == 1
@@ -280,7 +283,10 @@ def test_producer_writes_x_beside_its_shrink(tmp_path, producer, dtype, K):
                     fill_slots=len(c["rank"]))
     tol = 1e-5 if dtype == np.float32 else 4e-3
     got_x = out["xe"][:, :K].astype(np.float64)
-    assert out["xe"].shape == (n, K + 96) and np.isfinite(out["xe"]).all()
+    # [x | s] padded to a row of a multiple of COLUMN_ALIGN; the shrink writes the padding as zeros
+    # (over NaN: the GEMM reads it against the weight's zero columns)
+    assert out["xe"].shape == (n, K + LT.spare_columns(K, 3)) and LT.spare_columns(K, 3) > 96
+    assert np.isfinite(out["xe"]).all() and (out["xe"][:, K + 96:] == 0).all()
     assert not out["cnt"].any()
     # x: the reference rounded once; the kernel's float32 sums may round the other way (one ulp)
     np.testing.assert_allclose(got_x, x.astype(np.float64), rtol=2 * np.finfo(dtype).eps, atol=1e-6)
