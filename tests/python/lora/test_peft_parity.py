@@ -295,3 +295,54 @@ def test_rank_rows_library_matches_peft(lora_setup, tmp_path, monkeypatch):
         out_, seqs = _run_batches(runner, "pool", [batch], kv=kv)
         print(f"rank rows library: max abs error vs PEFT {_check_against_peft(refs, out_, seqs):.2e}")
         kv.check_invariants()
+
+
+def test_spare_columns_library_matches_peft(lora_setup, tmp_path, monkeypatch):
+    """A library whose targeted weights carry the rank columns route's spare columns
+    (CompileOptions.lora_spare_columns; the fused functions forced on, on llvm, where they are the
+    stage's copies): the compile writes every such weight spare_columns(K, P) columns wider (32 per
+    part, then zeros to a row of a multiple of 64), zeros; with NaN put in them, mixed batches and a
+    batch within the fused limits still match PEFT: every GEMM reads each row's own columns only,
+    with the weight's row stride. The config records the columns for check_gpu_parity.py."""
+    import dataclasses
+
+    from safetensors.numpy import load_file, save_file
+
+    import mlc_lora.compile as C
+    from mlc_lora.compiler_passes.ops.lora.linear_triton import spare_columns
+    from mlc_lora.contract import PARAMS_FILE
+
+    cfg, root, refs, compiled = lora_setup
+    real = C.lora_spec
+    monkeypatch.setattr(C, "lora_spec", lambda c, o: dataclasses.replace(
+        real(c, o), fused={"rank_columns": 32, "slot_columns": 16, "spare_columns": True}))
+    out = C.compile_model(root / "hf", tmp_path / "cols", CompileOptions(
+        prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96, max_lora_rank=64, lora_kernel="sgmv"),
+        progress=False)
+    params, plain = load_file(out / PARAMS_FILE), load_file(compiled["sgmv"] / PARAMS_FILE)
+    extra = {}
+    for name, arr in params.items():
+        k = plain[name].shape[-1]
+        np.testing.assert_array_equal(arr[..., :k], plain[name])
+        assert not arr[..., k:].any()
+        if arr.shape[-1] > k:
+            extra[name.split(".")[-2]] = arr.shape[-1] - k
+            arr[:, k:] = np.nan
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    assert extra == {"qkv_proj": spare_columns(h, 3), "o_proj": spare_columns(h, 1),
+                     "gate_up_proj": spare_columns(h, 2), "down_proj": spare_columns(i, 1)}
+    assert all((h + extra[k]) % 64 == 0 for k in ("qkv_proj", "o_proj", "gate_up_proj"))
+    assert (i + extra["down_proj"]) % 64 == 0
+    recorded = json.loads((out / "mlc-lora-config.json").read_text())["param_reserved"]
+    assert recorded == {k: [0, a.shape[-1] - plain[k].shape[-1]] for k, a in params.items()
+                        if a.shape[-1] > plain[k].shape[-1]}
+    save_file(params, str(out / PARAMS_FILE), metadata={"dtype": "float32"})
+    runner = ModelRunner(out)
+    assert runner.lora.fused.get("spare_columns") is True
+    for batch in (list(range(len(REQUESTS))), [0, 1, 5, 7]):
+        kv = runner.create_pool(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
+        for aid in (3, 1, 5, 2, 4):
+            kv.load_packed_adapter(aid, pack_peft_adapter(root / f"adapter{aid}", runner.config), False)
+        out_, seqs = _run_batches(runner, "pool", [batch], kv=kv)
+        print(f"spare columns library: max abs error vs PEFT {_check_against_peft(refs, out_, seqs):.2e}")
+        kv.check_invariants()
