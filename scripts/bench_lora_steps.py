@@ -182,6 +182,36 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     prefills = [int(t) for t in a.prefill.split(",") if t]
     mixed = [int(t) for t in a.mixed.split(",") if t]
     rows = []
+
+    def queued(fn, setup=None, repeat=5):
+        """(host ms, GPU ms) of one call of fn, medians: its launches queued behind a ~60 ms sleep
+        kernel (the GPU busy, so the host never waits on it), CUDA events around its work. The
+        GPU ms is the step's work without the gaps a slow host leaves. A call that waits on the
+        GPU inside (a prefill: TVM's copies of host arrays to the device synchronize) gets
+        (None, None): its host time is the sleep's and its GPU time has the launches' gaps.
+        (cuda only; the sleep and TVM share the default stream)"""
+        if dev != "cuda":
+            return None, None
+        hs, gs, ss = [], [], []
+        for _ in range(repeat + 1):
+            if setup is not None:
+                setup()
+            sync()
+            es, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            es.record()
+            torch.cuda._sleep(120_000_000)  # pylint: disable=protected-access
+            e0.record()
+            t0 = time.perf_counter()
+            fn()
+            hs.append((time.perf_counter() - t0) * 1e3)
+            e1.record()
+            sync()
+            gs.append(e0.elapsed_time(e1))
+            ss.append(es.elapsed_time(e0))
+        if np.median(hs[1:]) > 0.5 * np.median(ss[1:]):
+            return None, None
+        return round(float(np.median(hs[1:])), 3), round(float(np.median(gs[1:])), 3)
+
     for name in a.configs.split(","):
         lib, n_ad = LIBS[name]
         folder = lib_dir / lib
@@ -210,35 +240,6 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 kv.add_sequence(s)
                 if packed:
                     kv.set_sequence_adapter(s, s % len(packed))
-
-        def queued(fn, setup=None, repeat=5):
-            """(host ms, GPU ms) of one call of fn, medians: its launches queued behind a ~60 ms sleep
-            kernel (the GPU busy, so the host never waits on it), CUDA events around its work. The
-            GPU ms is the step's work without the gaps a slow host leaves. A call that waits on the
-            GPU inside (a prefill: TVM's copies of host arrays to the device synchronize) gets
-            (None, None): its host time is the sleep's and its GPU time has the launches' gaps.
-            (cuda only; the sleep and TVM share the default stream)"""
-            if dev != "cuda":
-                return None, None
-            hs, gs, ss = [], [], []
-            for _ in range(repeat + 1):
-                if setup is not None:
-                    setup()
-                sync()
-                es, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-                es.record()
-                torch.cuda._sleep(120_000_000)  # pylint: disable=protected-access
-                e0.record()
-                t0 = time.perf_counter()
-                fn()
-                hs.append((time.perf_counter() - t0) * 1e3)
-                e1.record()
-                sync()
-                gs.append(e0.elapsed_time(e1))
-                ss.append(es.elapsed_time(e0))
-            if np.median(hs[1:]) > 0.5 * np.median(ss[1:]):
-                return None, None
-            return round(float(np.median(hs[1:])), 3), round(float(np.median(gs[1:])), 3)
 
         def one_prefill(step, ids, toks, new):
             """Time and profile one prefill call over `ids` (`new`: its sequences added afresh
