@@ -250,7 +250,8 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             fresh(new)
             sync()
             acts = [ProfilerActivity.CUDA if dev == "cuda" else ProfilerActivity.CPU]
-            with profile(activities=acts + ([ProfilerActivity.CPU] if a.profile_host and dev == "cuda" else [])) as prof:
+            host_acts = [ProfilerActivity.CPU] if a.profile_host and dev == "cuda" else []
+            with profile(activities=acts + host_acts) as prof:
                 r.prefill(kv, ids, toks, lora=lora)
                 sync()
             cats, top = breakdown(prof, 1)

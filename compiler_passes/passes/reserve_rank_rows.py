@@ -21,8 +21,8 @@ from ..ops.lora.linear_triton import rank_rows, spare_columns
 from .lora_rewrite import linear_weight_re
 
 
-def extra_rows(name: str, modules: Sequence[tuple[str, int, int]], linears: dict[str, Sequence[tuple[str, int, int]]],
-               axis: int = 0) -> int:
+def extra_rows(name: str, modules: Sequence[tuple[str, int, int]],
+               linears: dict[str, Sequence[tuple[str, int, int]]], axis: int = 0) -> int:
     """Rows reserved below (axis 0: rank_rows(P)) or columns beside (axis 1: spare_columns(in, P)) the
     param `name` for the weight of a fused linear of P parts with at least one part among the LoRA
     `modules` ((name, in, out): `in` is the linear's input width), else 0."""

@@ -443,8 +443,8 @@ if triton is not None:
                               W1: tl.constexpr, BN: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
                               ALIGN: tl.constexpr):
         """Grid (N / BN,): the slots' B rows into the spare columns beside W (w (N, KE), KE = K +
-        spare_columns(K, P)): w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the outputs o of part p
-        where rank column c is live, else 0. The slots are the pool's kept adapters (every one
+        spare_columns(K, P)): w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the
+        outputs o of part p where rank column c is live, else 0. The slots are the pool's kept adapters (every one
         resident: its rows are its own), S of them exactly (not a captured graph's tables, whose
         rows past the batch's may point at anything). The other parts' columns of these outputs
         are never written (zeros from the compile)."""
@@ -651,8 +651,9 @@ def cols_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], n
 
 # The rank columns route's spare columns end each weight row (and each row of [x | s]) on a multiple
 # of COLUMN_ALIGN elements (128 bytes in fp16/bf16). Measured on the H200 (bench_lora_fused.py
-# producers, docs/results/2026-12-06-h200-aligned-columns): cuBLAS over rows K + 96 and K + 32 apart (q|k|v,
-# o, down) took 2-8% more than over K beyond the extra inputs' share; gate|up's K + 64 did not.
+# producers, docs/results/2026-12-06-h200-aligned-columns): cuBLAS over rows K + 96 and K + 32
+# apart (q|k|v, o, down) took 2-8% more than over K beyond the extra inputs' share; gate|up's K + 64
+# did not.
 COLUMN_ALIGN = 64
 
 
@@ -801,8 +802,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     R, M, L, W, P = max_rank, num_modules, num_layers, sum(widths), len(widths)
     KW = in_f if w_cols is None else w_cols
     if KW not in (in_f, in_f + spare_columns(in_f, P)) or (rows and KW != in_f):
-        raise ValueError(f"a weight of {KW} columns for {in_f} inputs (in_f, or in_f + {spare_columns(in_f, P)} spare "
-                         "columns for the rank columns route; not with the rank rows route)")
+        raise ValueError(f"a weight of {KW} columns for {in_f} inputs (in_f, or in_f + "
+                         f"{spare_columns(in_f, P)} spare columns for the rank columns route; not with the "
+                         "rank rows route)")
     # the rank columns route past FUSED_MAX_TOKENS: a weight with spare columns and x's producer to
     # write x into [x | s] (without one, the pair over the weight's first columns: copying x there
     # cost more than the pair's expand)
@@ -1059,8 +1061,8 @@ def fill_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_mo
                  arch: str):
     """(TIR wrapper, CUDA modules) of the fill of a weight's spare columns (the rank columns route).
     Signature: (arena (size,), rank (S,), scale (S, M), b_off (S, M, R), layer: int64, w (W, in_f +
-    spare_columns(in_f, P)) [in place]): the kept adapters' B rows (the pool's tables of a batch within the
-    kept columns) into w's spare columns, `lora_fill_cols_kernel` over layer `layer`'s arena region."""
+    spare_columns(in_f, P)) [in place]): the kept adapters' B rows (the pool's tables of a batch
+    within the kept columns) into w's spare columns, `lora_fill_cols_kernel` over layer `layer`'s arena region."""
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     from ..kernel_attrs import kernel_attrs  # pylint: disable=import-outside-toplevel
@@ -1103,8 +1105,8 @@ class FusedLinear:
         """y = x @ W.T + every token's delta, (n, W) reshaped to `out_shape` (not yet emitted).
         ctx: the rewrite's LoraContext; x (n, in) and w (W, in) relax Vars (w of W + rank_rows(P)
         rows: the weight reserves the rank rows route's rows, which it then takes above
-        FUSED_MAX_TOKENS; of in + spare_columns(in, P) columns: the rank columns route's); parts: ops/lora
-        Parts; counters: the function's (COUNTER_SLOTS,) int32 zeros (`counters()`), shared by its
+        FUSED_MAX_TOKENS; of in + spare_columns(in, P) columns: the rank columns route's); parts:
+        ops/lora Parts; counters: the function's (COUNTER_SLOTS,) int32 zeros (`counters()`), shared by its
         linears; producer (a weight with spare columns only): x's producer for the wrapper to run
         instead of reading x, (kind, its inputs, eps): ("rms_norm", [h, g], eps) or ("silu_mul",
         [y], 0.0) (linear_wrapper)."""

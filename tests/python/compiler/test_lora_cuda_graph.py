@@ -202,16 +202,17 @@ def test_rank_rows_library_widens_the_weights_and_fuses_past_the_small_kernel():
 
 @pytest.mark.parametrize("fold_silu", [False, True])
 def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_first_columns(fold_silu, monkeypatch):
-    """Spare columns (the rank columns route): every targeted weight of every function has 32
-    columns per part beside its own, padded to a row of a multiple of 64 (spare_columns); the fused
+    """Spare columns (the rank columns route): every targeted weight of every function has 32 columns
+    per part beside its own, padded to a row of a multiple of 64 (spare_columns); the fused
     functions' linears (the rank columns wrapper, inside decode_fused's graphs and in prefill_fused)
-    take the whole weight, every other GEMM (gemv / cuBLAS wrappers) too, with its row stride: no slice is copied per call and no linear falls back
-    to TVM's matmul; lm_head is untouched. The route runs where x's producer writes x into [x | s]:
-    q|k|v and gate|up take the RMSNorm's input and gain (no RMSNorm kernel left before them in the
-    fused functions, only the final norm); down the gate|up output (silu * up) where
-    lora_rewrite.FOLD_SILU_MUL says so (on by default). o (x the attention's), and down without the
-    fold, keep the pair over their weights' first columns, and their columns are not filled.
-    decode_fused's first q|k|v reads the function's input, so it runs before the first graph."""
+    take the whole weight, every other GEMM (gemv / cuBLAS wrappers) too, with its row stride: no
+    slice is copied per call and no linear falls back to TVM's matmul; lm_head is untouched. The
+    route runs where x's producer writes x into [x | s]: q|k|v and gate|up take the RMSNorm's input
+    and gain (no RMSNorm kernel left before them in the fused functions, only the final norm); down
+    the gate|up output (silu * up) where lora_rewrite.FOLD_SILU_MUL says so (on by default). o (x
+    the attention's), and down without the fold, keep the pair over their weights' first columns,
+    and their columns are not filled. decode_fused's first q|k|v reads the function's input, so it
+    runs before the first graph."""
     pytest.importorskip("triton")
     from mlc_lora.compiler_passes.passes import lora_rewrite
 

@@ -1,9 +1,9 @@
-"""ReserveRankColumns: the LoRA-targeted weights of every function get 32 columns per part beside
-their own (the rank columns route's), then zeros to a row length of a multiple of 64, every use reads a strided_slice of the first columns, and
-LoraRewrite and DispatchCublas hand the whole buffer to the GEMMs, which read the first columns
-with the weight's row stride. Exact IR (Before/After) and numerics on llvm: the reserved columns
-hold NaN, and the module (gather stage, then the CPU GEMM extern) gives what the module without
-them gives, bit for bit."""
+"""ReserveRankColumns: the LoRA-targeted weights of every function get 32 columns per part beside their
+own (the rank columns route's), then zeros to a row length of a multiple of 64; every use reads a
+strided_slice of the first columns, and LoraRewrite and DispatchCublas hand the whole buffer to the
+GEMMs, which read the first columns with the weight's row stride. Exact IR (Before/After) and
+numerics on llvm: the reserved columns hold NaN, and the module (gather stage, then the CPU GEMM
+extern) gives what the module without them gives, bit for bit."""
 
 import numpy as np
 import pytest

@@ -59,9 +59,10 @@ def test_extra_rows_per_weight():
     assert extra_rows("model.layers.3.self_attn.o_proj.weight", MODULES, LINEARS, axis=1) == 56
     wide = [("o_proj", 4096, 4096), ("q_proj", 4096, 4096), ("gate_proj", 4096, 11008), ("down_proj", 11008, 4096)]
     llama = {"qkv_proj": LINEARS["qkv_proj"], "o_proj": LINEARS["o_proj"],
-             "gate_up_proj": [("gate_proj", 0, 11008), ("up_proj", 11008, 22016)], "down_proj": [("down_proj", 0, 4096)]}
-    assert [extra_rows(f"model.layers.0.{k}.weight", wide, llama, axis=1)
-            for k in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")] == [128, 64, 64, 64]
+             "gate_up_proj": [("gate_proj", 0, 11008), ("up_proj", 11008, 22016)],
+             "down_proj": [("down_proj", 0, 4096)]}
+    kinds = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    assert [extra_rows(f"model.layers.0.{k}.weight", wide, llama, axis=1) for k in kinds] == [128, 64, 64, 64]
     with pytest.raises(ValueError, match="no LoRA-targeted weight"):
         ReserveRankRows(param_names=["lm_head.weight"], modules=MODULES, linears=LINEARS)(Before)
 
