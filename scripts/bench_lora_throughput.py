@@ -365,6 +365,15 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
             print(f"| {label} | {v['runs']} | {v['prefill']:.2f} | {v['decode']:.2f} | {v['steps']:.2f} | "
                   f"{v['steps'] / base if base else float('nan'):.3f} |")
         print("(each bucket's mean step time in the config's runs times its mean step count over all runs)")
+        if "base" in sums and len(sums) > 1:  # where each config's extra seconds sit, bucket by bucket
+            others = [k for k in sums if k != "base"]
+            keys = sorted(sums["base"]["buckets"], key=lambda k: (k.split("_")[0], int(k.split("=")[1])))
+            print("\n| bucket | base, s | " + " | ".join(f"{k} - base" for k in others) + " |\n|---|---|" +
+                  "---|" * len(others))
+            for k in keys:
+                b = sums["base"]["buckets"][k]
+                print(f"| {k} | {b:.3f} | " + " | ".join(f"{sums[o]['buckets'].get(k, float('nan')) - b:+.3f}"
+                                                         for o in others) + " |")
     cli.write_results(out, {"model": cfg["model_name"], "model_config": cfg["model_config"], "device": a.device,
                             "requests_file": str(a.requests), "tokenizer": note,
                             "sampling": "temperature 1.0, top_p 1.0, EOS ignored", "results": results,
@@ -379,7 +388,8 @@ def step_sums(results) -> dict:
     and decode steps with the runs' different mixes of batch sizes taken out: each step-size bucket's
     mean time per step in the config's runs times the bucket's mean step count over all runs (runs
     of one request set schedule the same work into slightly different buckets, which moves their raw
-    sums by more than most changes being timed). Only the buckets every config stepped in count."""
+    sums by more than most changes being timed). Only the buckets every config stepped in count;
+    "buckets" holds each one's seconds."""
     timed = [r for r in results if r.get("step_times")]
     groups: dict[str, list] = {}
     for r in timed:
@@ -390,12 +400,13 @@ def step_sums(results) -> dict:
     count = {k: sum(r["step_times"].get(k, {}).get("steps", 0) for r in timed) / len(timed) for k in buckets}
     out = {}
     for label, runs in groups.items():
-        v = {"runs": len(runs), "prefill": 0.0, "decode": 0.0}
+        v = {"runs": len(runs), "prefill": 0.0, "decode": 0.0, "buckets": {}}
         for k in buckets:
             steps = sum(r["step_times"].get(k, {}).get("steps", 0) for r in runs)
             secs = sum(r["step_times"].get(k, {}).get("seconds", 0.0) for r in runs)
             if steps:
-                v[k.split("_")[0]] += secs / steps * count[k]
+                v["buckets"][k] = secs / steps * count[k]
+                v[k.split("_")[0]] += v["buckets"][k]
         v["steps"] = v["prefill"] + v["decode"]
         out[label] = v
     return out

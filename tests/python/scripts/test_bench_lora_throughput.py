@@ -148,8 +148,10 @@ def test_step_sums_take_out_the_runs_mix_of_batch_sizes():
     sums = bench.step_sums(results)
     assert list(sums) == ["base", "lora4", "lora4@cmp"]
     # mean counts over the four runs: decode_<=8 10, prefill_<=512 4; prefill_<=16 only in one run
-    assert sums["base"] == {"runs": 1, "prefill": 2.0, "decode": 1.0, "steps": 3.0}
+    assert sums["base"] == {"runs": 1, "prefill": 2.0, "decode": 1.0, "steps": 3.0,
+                            "buckets": {"decode_<=8": 1.0, "prefill_<=512": 2.0}}
     # lora4: decode (1.8 + 1.2) / 20 = 0.15 s a step x 10; prefill (1.2 + 3.6) / 8 = 0.6 x 4
     assert sums["lora4"]["runs"] == 2
     assert abs(sums["lora4"]["decode"] - 1.5) < 1e-12 and abs(sums["lora4"]["prefill"] - 2.4) < 1e-12
     assert abs(sums["lora4@cmp"]["steps"] - (2.0 + 4.0)) < 1e-12
+    assert abs(sums["lora4"]["buckets"]["decode_<=8"] - 1.5) < 1e-12 and "prefill_<=16" not in sums["lora4"]["buckets"]
