@@ -337,11 +337,14 @@ def test_loads_while_64_streams_fill_the_pool(busy_server, setup, tmp_path):
     assert m["mlc_lora_adapter_host_bytes"] > 0
     # a4 loaded while the pool is full gets no pages, so its host copy is dropped (budget 0) and its
     # request reads the folder again. If the last streams freed pages while its folder was being
-    # read, the load took them and the request finds it resident (nothing evicts it meanwhile).
-    if after['mlc_lora_adapters{state="resident"}'] > busy['mlc_lora_adapters{state="resident"}']:
+    # read, the load took them and the request may find it resident; but the streams may also evict
+    # it (idle) before its request, or page an evicted a0-a3 back in (the resident count says nothing
+    # of a4): which happened is a race, so the counters are checked against the path they report.
+    assert after['mlc_lora_adapters{state="loaded"}'] == busy['mlc_lora_adapters{state="loaded"}'] + 1
+    if hits["disk"] == 0:  # a4 was resident when its request came
         assert hits == {"device": 64 + 1, "host": 0, "disk": 0}
     else:
-        assert hits["disk"] >= 1
+        assert hits["disk"] == 1 and hits["device"] == 64
         assert m["mlc_lora_adapter_disk_reads_total"] >= 1 and m["mlc_lora_adapter_host_drops_total"] >= 1
         assert m["mlc_lora_adapter_page_ins_total"] >= 1
     lead = m["mlc_lora_adapter_prefetch_lead_seconds_count"]
