@@ -242,35 +242,70 @@ def test_half_precision_library_matches_peft(lora_setup, tmp_path, dtype, tol):
         assert len(out.choices[0].token_ids) == 3 and eng.list_adapters()[0]["resident"]
 
 
+def _reserved_library(lora_setup, tmp_path, monkeypatch, route: str, axis: int):
+    """Compile the sgmv library with the fused functions forced on (on llvm they are the stage's
+    copies) and `route` ("rank_rows" / "spare_columns") on; check that every weight's own part
+    equals the plain library's and its reserved rows (axis 0) or columns (axis 1) are zeros, then
+    put NaN in them. Returns (library folder, params with the NaN, plain params, reserved count by
+    linear kind)."""
+    import dataclasses
+
+    from safetensors.numpy import load_file
+
+    import mlc_lora.compile as C
+    from mlc_lora.contract import PARAMS_FILE
+
+    _, root, _, compiled = lora_setup
+    real = C.lora_spec
+    monkeypatch.setattr(C, "lora_spec", lambda c, o: dataclasses.replace(
+        real(c, o), fused={"rank_columns": 32, "slot_columns": 16, route: True}))
+    out = C.compile_model(root / "hf", tmp_path / route, CompileOptions(
+        prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96, max_lora_rank=64, lora_kernel="sgmv"),
+        progress=False)
+    params, plain = load_file(out / PARAMS_FILE), load_file(compiled["sgmv"] / PARAMS_FILE)
+    extra = {}
+    for name, arr in params.items():
+        ax = min(axis, arr.ndim - 1)  # (vectors: their one axis, never widened)
+        own, rest = [slice(None)] * arr.ndim, [slice(None)] * arr.ndim
+        own[ax], rest[ax] = slice(0, plain[name].shape[ax]), slice(plain[name].shape[ax], None)
+        np.testing.assert_array_equal(arr[tuple(own)], plain[name])
+        assert not arr[tuple(rest)].any()
+        if arr.shape[ax] > plain[name].shape[ax]:
+            extra[name.split(".")[-2]] = arr.shape[ax] - plain[name].shape[ax]
+            arr[tuple(rest)] = np.nan
+    return out, params, plain, extra
+
+
+def _matches_peft_with_nan_reserved(lora_setup, out, params, label: str):
+    """The library at `out` with `params` (NaN in the reserved parts) against PEFT: all requests
+    (ranks past the fused limits), then adapter 1 (rank 4) with base rows (the fused functions)."""
+    from safetensors.numpy import save_file
+
+    from mlc_lora.contract import PARAMS_FILE
+
+    _, root, refs, _ = lora_setup
+    save_file(params, str(out / PARAMS_FILE), metadata={"dtype": "float32"})
+    runner = ModelRunner(out)
+    for batch in (list(range(len(REQUESTS))), [0, 1, 5, 7]):
+        kv = runner.create_pool(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
+        for aid in (3, 1, 5, 2, 4):
+            kv.load_packed_adapter(aid, pack_peft_adapter(root / f"adapter{aid}", runner.config), False)
+        out_, seqs = _run_batches(runner, "pool", [batch], kv=kv)
+        print(f"{label} library: max abs error vs PEFT {_check_against_peft(refs, out_, seqs):.2e}")
+        kv.check_invariants()
+    return runner
+
+
 def test_rank_rows_library_matches_peft(lora_setup, tmp_path, monkeypatch):
     """A library whose targeted weights reserve the rank rows route's rows (--lora-rank-rows; the
     fused functions are forced on here, on llvm, where they are the stage's copies: the route's
     kernels are CUDA): the compile writes every such weight 32 rows per part taller, its rows
     then zeros; with NaN put in them, mixed batches and a batch within the fused limits still
     match PEFT: the base GEMMs and the stage read the weights' own rows only."""
-    import dataclasses
+    from safetensors.numpy import load_file
 
-    from safetensors.numpy import load_file, save_file
-
-    import mlc_lora.compile as C
-    from mlc_lora.contract import PARAMS_FILE
-
-    cfg, root, refs, compiled = lora_setup
-    real = C.lora_spec
-    monkeypatch.setattr(C, "lora_spec", lambda c, o: dataclasses.replace(
-        real(c, o), fused={"rank_columns": 32, "slot_columns": 16, "rank_rows": True}))
-    out = C.compile_model(root / "hf", tmp_path / "rows", CompileOptions(
-        prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96, max_lora_rank=64, lora_kernel="sgmv"),
-        progress=False)
-    params, plain = load_file(out / PARAMS_FILE), load_file(compiled["sgmv"] / PARAMS_FILE)
-    extra = {}
-    for name, arr in params.items():
-        n = plain[name].shape[0]
-        np.testing.assert_array_equal(arr[:n], plain[name])
-        assert not arr[n:].any()
-        if arr.shape[0] > n:
-            extra[name.split(".")[-2]] = arr.shape[0] - n
-            arr[n:] = np.nan
+    cfg, root, _, _ = lora_setup
+    out, params, plain, extra = _reserved_library(lora_setup, tmp_path, monkeypatch, "rank_rows", 0)
     assert extra == {"qkv_proj": 96, "o_proj": 32, "gate_up_proj": 64, "down_proj": 32}
     # the config records them, for a runtime that converts the weights itself (check_gpu_parity.py)
     recorded = json.loads((out / "mlc-lora-config.json").read_text())["param_reserved"]
@@ -284,17 +319,8 @@ def test_rank_rows_library_matches_peft(lora_setup, tmp_path, monkeypatch):
     assert {k: a.shape for k, a in again.items()} == {k: a.shape for k, a in params.items()}
     assert all(not a[plain[k].shape[0]:].any() for k, a in again.items())
     assert sum(a.shape[0] > plain[k].shape[0] for k, a in params.items()) == 4 * cfg.num_hidden_layers
-    save_file(params, str(out / PARAMS_FILE), metadata={"dtype": "float32"})
-    runner = ModelRunner(out)
+    runner = _matches_peft_with_nan_reserved(lora_setup, out, params, "rank rows")
     assert runner.lora.fused.get("rank_rows") is True
-    # all requests (ranks past the fused limits), then adapter 1 (rank 4) with base rows: the fused functions
-    for batch in (list(range(len(REQUESTS))), [0, 1, 5, 7]):
-        kv = runner.create_pool(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
-        for aid in (3, 1, 5, 2, 4):
-            kv.load_packed_adapter(aid, pack_peft_adapter(root / f"adapter{aid}", runner.config), False)
-        out_, seqs = _run_batches(runner, "pool", [batch], kv=kv)
-        print(f"rank rows library: max abs error vs PEFT {_check_against_peft(refs, out_, seqs):.2e}")
-        kv.check_invariants()
 
 
 def test_spare_columns_library_matches_peft(lora_setup, tmp_path, monkeypatch):
@@ -304,30 +330,10 @@ def test_spare_columns_library_matches_peft(lora_setup, tmp_path, monkeypatch):
     part, then zeros to a row of a multiple of 64), zeros; with NaN put in them, mixed batches and a
     batch within the fused limits still match PEFT: every GEMM reads each row's own columns only,
     with the weight's row stride. The config records the columns for check_gpu_parity.py."""
-    import dataclasses
-
-    from safetensors.numpy import load_file, save_file
-
-    import mlc_lora.compile as C
     from mlc_lora.compiler_passes.ops.lora.linear_triton import spare_columns
-    from mlc_lora.contract import PARAMS_FILE
 
-    cfg, root, refs, compiled = lora_setup
-    real = C.lora_spec
-    monkeypatch.setattr(C, "lora_spec", lambda c, o: dataclasses.replace(
-        real(c, o), fused={"rank_columns": 32, "slot_columns": 16, "spare_columns": True}))
-    out = C.compile_model(root / "hf", tmp_path / "cols", CompileOptions(
-        prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96, max_lora_rank=64, lora_kernel="sgmv"),
-        progress=False)
-    params, plain = load_file(out / PARAMS_FILE), load_file(compiled["sgmv"] / PARAMS_FILE)
-    extra = {}
-    for name, arr in params.items():
-        k = plain[name].shape[-1]
-        np.testing.assert_array_equal(arr[..., :k], plain[name])
-        assert not arr[..., k:].any()
-        if arr.shape[-1] > k:
-            extra[name.split(".")[-2]] = arr.shape[-1] - k
-            arr[:, k:] = np.nan
+    cfg = lora_setup[0]
+    out, params, plain, extra = _reserved_library(lora_setup, tmp_path, monkeypatch, "spare_columns", 1)
     h, i = cfg.hidden_size, cfg.intermediate_size
     assert extra == {"qkv_proj": spare_columns(h, 3), "o_proj": spare_columns(h, 1),
                      "gate_up_proj": spare_columns(h, 2), "down_proj": spare_columns(i, 1)}
@@ -336,13 +342,5 @@ def test_spare_columns_library_matches_peft(lora_setup, tmp_path, monkeypatch):
     recorded = json.loads((out / "mlc-lora-config.json").read_text())["param_reserved"]
     assert recorded == {k: [0, a.shape[-1] - plain[k].shape[-1]] for k, a in params.items()
                         if a.shape[-1] > plain[k].shape[-1]}
-    save_file(params, str(out / PARAMS_FILE), metadata={"dtype": "float32"})
-    runner = ModelRunner(out)
+    runner = _matches_peft_with_nan_reserved(lora_setup, out, params, "spare columns")
     assert runner.lora.fused.get("spare_columns") is True
-    for batch in (list(range(len(REQUESTS))), [0, 1, 5, 7]):
-        kv = runner.create_pool(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
-        for aid in (3, 1, 5, 2, 4):
-            kv.load_packed_adapter(aid, pack_peft_adapter(root / f"adapter{aid}", runner.config), False)
-        out_, seqs = _run_batches(runner, "pool", [batch], kv=kv)
-        print(f"spare columns library: max abs error vs PEFT {_check_against_peft(refs, out_, seqs):.2e}")
-        kv.check_invariants()
