@@ -8,8 +8,8 @@ base vs 4 adapters of rank 8 (or 64 of ranks 8/16/32/64 in turn: `lora64`), on a
 For every (library, adapters, step) it reports: the step's wall time with a sync (median of
 samples, harness/timing.wall_time), the host time of the call alone (launches queued, no sync:
 what the engine pays before the GPU starts when it waits on every step), the step's GPU work alone
-(its launches queued behind a sleep kernel: without the gaps a slow host leaves; decode steps only,
-a prefill call waits on the GPU inside), and the GPU kernel time by kind from a torch.profiler
+(harness/timing.queued_time: without the gaps a slow host leaves; decode steps only, a prefill
+call waits on the GPU inside), and the GPU kernel time by kind from a torch.profiler
 trace (cuBLAS GEMMs, LoRA kernels, attention, other), per step.
 Decode runs with `--ctx` tokens of context per sequence (adapters round-robin over the batch);
 prefill is one batch of 4 sequences of T/4 tokens each; `--mixed T` adds the steps the engine runs
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 from harness import cli
-from harness.timing import HBM_TBS, wall_time
+from harness.timing import HBM_TBS, queued_time, wall_time
 
 LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofused", 4),
         "lora4-rows": ("lora-rows", 4), "lora4-cols": ("lora-cols", 4),
@@ -183,34 +183,8 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     mixed = [int(t) for t in a.mixed.split(",") if t]
     rows = []
 
-    def queued(fn, setup=None, repeat=5):
-        """(host ms, GPU ms) of one call of fn, medians: its launches queued behind a ~60 ms sleep
-        kernel (the GPU busy, so the host never waits on it), CUDA events around its work. The
-        GPU ms is the step's work without the gaps a slow host leaves. A call that waits on the
-        GPU inside (a prefill: TVM's copies of host arrays to the device synchronize) gets
-        (None, None): its host time is the sleep's and its GPU time has the launches' gaps.
-        (cuda only; the sleep and TVM share the default stream)"""
-        if dev != "cuda":
-            return None, None
-        hs, gs, ss = [], [], []
-        for _ in range(repeat + 1):
-            if setup is not None:
-                setup()
-            sync()
-            es, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            es.record()
-            torch.cuda._sleep(120_000_000)  # pylint: disable=protected-access
-            e0.record()
-            t0 = time.perf_counter()
-            fn()
-            hs.append((time.perf_counter() - t0) * 1e3)
-            e1.record()
-            sync()
-            gs.append(e0.elapsed_time(e1))
-            ss.append(es.elapsed_time(e0))
-        if np.median(hs[1:]) > 0.5 * np.median(ss[1:]):
-            return None, None
-        return round(float(np.median(hs[1:])), 3), round(float(np.median(gs[1:])), 3)
+    def queued(fn, setup=None):  # (host ms, GPU ms alone) of a call; (None, None) off CUDA
+        return queued_time(fn, setup=setup) if dev == "cuda" else (None, None)
 
     for name in a.configs.split(","):
         lib, n_ad = LIBS[name]

@@ -9,7 +9,8 @@ On "cpu" the same interface runs the n calls as a loop timed by the host clock (
 
 Host-side work (`wall_time`): perf_counter around `number` back-to-back calls after `warmup`
 untimed samples; the median (or the minimum: the least-disturbed sample on a loaded host) of
-`repeat` samples, in seconds per call.
+`repeat` samples, in seconds per call. A GPU step's own work (`queued_time`): its launches queued
+behind a sleep kernel, CUDA events around them, so a slow host leaves no gaps in it.
 """
 
 from __future__ import annotations
@@ -133,3 +134,35 @@ def wall_time(fn: Callable[..., Any], *, repeat: int = 5, warmup: int = 1, numbe
         if i >= warmup:
             samples.append((time.perf_counter() - t0) / number)
     return statistics.median(samples) if stat == "median" else min(samples)
+
+
+def queued_time(fn: Callable[[], Any], *, setup: Callable[[], Any] | None = None, repeat: int = 5,
+                sleep_cycles: int = 120_000_000) -> tuple[float, float] | tuple[None, None]:
+    """(host ms, GPU ms) of one call of fn, medians of `repeat` samples after one warm-up: each
+    call's launches queued behind a sleep kernel of `sleep_cycles` (~60 ms on an H200, so the host
+    never waits on the GPU), CUDA events around its work. The GPU ms is the call's work without the
+    gaps a slow host leaves. A call that waits on the GPU inside (its host time over half the
+    sleep's: e.g. TVM's copies of host arrays to the device synchronize) gets (None, None): its host
+    time is the sleep's and its GPU time has the launches' gaps. CUDA only; fn must launch on the
+    default stream, as the sleep does."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    hs, gs, ss = [], [], []
+    for _ in range(repeat + 1):
+        if setup is not None:
+            setup()
+        torch.cuda.synchronize()
+        es, e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        es.record()
+        torch.cuda._sleep(sleep_cycles)  # pylint: disable=protected-access
+        e0.record()
+        t0 = time.perf_counter()
+        fn()
+        hs.append((time.perf_counter() - t0) * 1e3)
+        e1.record()
+        torch.cuda.synchronize()
+        gs.append(e0.elapsed_time(e1))
+        ss.append(es.elapsed_time(e0))
+    if statistics.median(hs[1:]) > 0.5 * statistics.median(ss[1:]):
+        return None, None
+    return round(statistics.median(hs[1:]), 3), round(statistics.median(gs[1:]), 3)

@@ -444,9 +444,9 @@ if triton is not None:
                               ALIGN: tl.constexpr):
         """Grid (N / BN,): the slots' B rows into the spare columns beside W (w (N, KE), KE = K +
         spare_columns(K, P)): w[o, K + p x RS + c] = B^T(column c of part p)[o - o_p] for the
-        outputs o of part p where rank column c is live, else 0. The slots are the pool's kept adapters (every one
-        resident: its rows are its own), S of them exactly (not a captured graph's tables, whose
-        rows past the batch's may point at anything). The other parts' columns of these outputs
+        outputs o of part p where rank column c is live, else 0. The slots are the pool's kept
+        adapters (every one resident: its rows are its own), S of them exactly (not a captured
+        graph's tables, whose rows past the batch's may point at anything). The other parts' columns of these outputs
         are never written (zeros from the compile)."""
         p, m, o_p = _part(tl.program_id(0) * BN, m0, m1, m2, W0, W1)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -508,10 +508,9 @@ if triton is not None:
         """Grid (token tiles, split): xe (n, KE) = [x | s], x in its first K columns (its producer
         wrote it there), s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p)))
         for token t's own slot's live columns, else 0, and s[t, P x RS:] = 0 (the padding up to KE,
-        COLUMN_ALIGN). Split k takes its `chunk` inputs of x and
-        sums its part of the products into v; with split > 1 the block of a tile that counts last
-        in cnt[tile] sums the splits in order (the same bits whichever block is last), writes s and
-        sets cnt[tile] back to 0."""
+        COLUMN_ALIGN). Split k takes its `chunk` inputs of x and sums its part of the products into
+        v; with split > 1 the block of a tile that counts last in cnt[tile] sums the splits in order
+        (the same bits whichever block is last), writes s and sets cnt[tile] back to 0."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
