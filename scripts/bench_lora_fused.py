@@ -219,6 +219,32 @@ def _linear_configs(LT, pt):
     return out
 
 
+def _splitk_configs(LT, pt):
+    """Tile shapes for the one-kernel linear at pt.T tokens aimed at the memory: every linear's
+    products transposed (the outputs on the warpgroup MMA's rows, the batch's token tier its
+    columns), BN 64-256 outputs, BK 64/128 inputs, 3-6 stages, and per shape the input splits
+    that give about one and about two blocks an SM (132 SMs); the compiled shape first."""
+    in_f, widths = pt.in_f, pt.widths
+    cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, LT.token_tier(pt.T), 8)
+    out = [(cur, warps)]
+    bm = max(16, LT.token_tier(pt.T))
+    for bn in (64, 128, 256):
+        if any(x % bn for x in widths):
+            continue
+        tiles = sum(widths) // bn
+        for bk in (64, 128):
+            steps = in_f // bk
+            splits = sorted({next((s for s in range(1, 17) if tiles * s >= want or steps // (s + 1) < 4), 16)
+                             for want in (132, 264)})
+            for split in splits:
+                for stages in (3, 4, 6):
+                    c = dict(cur, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split, SWAP=1)
+                    w = 8 if bn == 256 else 4
+                    if (c, w) not in out:
+                        out.append((c, w))
+    return out
+
+
 def _pair_configs(LT, pt):
     """(shrink launches, expand launches) for the pair at pt.T tokens: the compiled ones first."""
     T, in_f, widths = pt.T, pt.in_f, pt.widths
@@ -332,7 +358,7 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
             pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
             groups = {}
             if T <= LT.FUSED_MAX_TOKENS:
-                cfgs = _linear_configs(LT, pt)
+                cfgs = (_splitk_configs if a.shapes == "splitk" else _linear_configs)(LT, pt)
                 groups["linear"] = {f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"
                                     f"{' swap' if c['SWAP'] else ''}": (
                     lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in cfgs}
@@ -710,6 +736,8 @@ def main(argv=None) -> int:
     t.add_argument("--tokens", default="1,16,64,128,256,1024,4096")
     t.add_argument("--linears", default=",".join(LINEARS))
     t.add_argument("--dtype", default="float16")
+    t.add_argument("--shapes", default="default", choices=("default", "splitk"),
+                   help="the one-kernel linear's shapes to try: the tuned set, or splits aimed at the memory")
     t.add_argument("--out", default="bench_lora_fused_tune.json")
     o = sub.add_parser("routes", help="time the routes a linear could take with its delta (the GPU)")
     o.add_argument("--tokens", default="16,64,128,256,512,1024,2048")
