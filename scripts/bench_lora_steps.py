@@ -29,8 +29,9 @@ from harness import cli
 from harness.timing import HBM_TBS, queued_time, wall_time
 
 LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofused", 4),
-        "lora4-rows": ("lora-rows", 4), "lora4-cols": ("lora-cols", 4),
-        "lora64": ("lora", 64)}  # (lora-rows: --lora-rank-rows; lora-cols: CompileOptions.lora_spare_columns)
+        "lora4-rows": ("lora-rows", 4), "lora4-cols": ("lora-cols", 4), "lora4-pair": ("lora-pair", 4),
+        "lora64": ("lora", 64), "lora0": ("lora", 0), "lora0-cols": ("lora-cols", 0)}
+# (lora-rows: --lora-rank-rows; lora-cols / lora-pair: CompileOptions.lora_spare_columns True / False)
 RANK = 8
 RANKS = {"lora64": (8, 16, 32, 64)}  # adapter i's rank: RANKS[config][i % 4] (bench_lora_throughput's lora64), else RANK
 KINDS = ("gemm", "lora", "attention", "other")

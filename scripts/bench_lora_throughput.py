@@ -60,11 +60,15 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # shrink inside cuBLAS's GEMM; and with no adapter (its base functions read views of the weights)
     "lora4-rows": ("lora-rows", [(8, 4)]),
     "lora0-rows": ("lora-rows", []),
-    # the library whose targeted weights carry the rank columns route's spare columns: every GEMM
-    # over them reads their first columns with the wider row stride
+    # the library whose targeted weights carry the rank columns route's spare columns (the default
+    # where the fused functions are built; asked for by name): every GEMM over them reads their first
+    # columns with the wider row stride
     "lora4-cols": ("lora-cols", [(8, 4)]),
     "lora64-cols": ("lora-cols", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     "lora0-cols": ("lora-cols", []),
+    # the library without them (--no-lora-spare-columns): past 64 tokens cuBLAS + the shrink/expand pair
+    "lora4-pair": ("lora-pair", [(8, 4)]),
+    "lora0-pair": ("lora-pair", []),
     # the same 64 mixed with the engine's max_loras (as vLLM's --max-loras): the running requests
     # span at most that many adapters, so a step reads fewer adapters' rows (MAX_LORAS below)
     "lora64-max16": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
@@ -126,11 +130,12 @@ def compile_libs(a) -> int:
             "lora-r16": CompileOptions(**lora, max_lora_rank=16),
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir"),
             "lora-rows": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_rank_rows=True),
-            "lora-cols": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_spare_columns=True)}
+            "lora-cols": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_spare_columns=True),
+            "lora-pair": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_spare_columns=False)}
     # by default every library the target can build (the CUDA C++ and Triton stage 3 and the rank
-    # rows and columns routes are CUDA only)
+    # rows and columns routes are CUDA only; without them lora-pair and lora-cols are lora)
     names = a.libs.split(",") if a.libs else [n for n, o in libs.items() if a.target == "cuda" or (
-        o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows and not o.lora_spare_columns)]
+        o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows and o.lora_spare_columns is None)]
     for name in names:
         if name not in libs:
             raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")

@@ -58,10 +58,14 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # targeted weight stored with 32 spare rows per part for the batch's A rows, so that cuBLAS's GEMM
     # computes the shrink too; passes/reserve_rank_rows.py) instead of cuBLAS + a shrink/expand pair
     lora_rank_rows: bool = False
-    # with lora_fused: each targeted weight stored with 32 spare columns per part beside its own, for
-    # the rank columns route (passes/reserve_rank_columns.py: the batch's B rows beside W, each token's
-    # shrink beside x, one cuBLAS GEMM over both); every GEMM over the weight reads its first columns
-    lora_spare_columns: bool = False
+    # with lora_fused: each targeted weight stored with 32 spare columns per part beside its own (then
+    # zeros to a row of a multiple of 64 elements), for the rank columns route past 64 tokens
+    # (passes/reserve_rank_columns.py: the batch's B rows beside W, each token's shrink beside x, one
+    # cuBLAS GEMM over both) instead of cuBLAS + a shrink/expand pair; every GEMM over the weight reads
+    # its first columns. None: on wherever the fused functions are built with --gemm cublas and
+    # without the rank rows route (measured faster than the pair past 64 tokens and equal below:
+    # docs/SGMV.md); False: the pair
+    lora_spare_columns: bool | None = None
     # Megatron-style tensor parallelism over this many GPUs (docs/TP.md).
     tensor_parallel_shards: int = 1
 
@@ -217,10 +221,13 @@ def lora_spec(cfg, options: CompileOptions):
         from .compiler_passes.ops.lora import linear_triton  # pylint: disable=import-outside-toplevel
 
         if linear_triton.triton is not None:
+            cols = options.lora_spare_columns
+            if cols is None:  # the default route where it can run
+                cols = options.gemm == "cublas" and not options.lora_rank_rows
             spec = dataclasses.replace(spec, fused={
                 "rank_columns": linear_triton.RANK_COLUMNS, "slot_columns": linear_triton.SLOT_COLUMNS,
                 **({"rank_rows": True} if options.lora_rank_rows else {}),
-                **({"spare_columns": True} if options.lora_spare_columns else {})})
+                **({"spare_columns": True} if cols else {})})
     for on, what in ((options.lora_rank_rows, "--lora-rank-rows"), (options.lora_spare_columns, "spare columns")):
         if on and spec.fused is None:
             raise CompileError(f"{what} is a route of the fused functions, which this compile does not build "

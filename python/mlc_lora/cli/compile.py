@@ -51,6 +51,12 @@ def parser() -> argparse.ArgumentParser:
                    help="with the fused functions: batches past 64 tokens compute the LoRA shrink inside cuBLAS's GEMM "
                         "over each targeted weight and 32 rows per part reserved below it for the batch's A rows "
                         "(the weights grow by those rows)")
+    p.add_argument("--no-lora-spare-columns", dest="lora_spare_columns", action="store_const", const=False,
+                   default=None,
+                   help="with the fused functions: batches past 64 tokens take cuBLAS + a shrink/expand pair "
+                        "instead of the rank columns route (by default each targeted weight is stored with "
+                        "spare columns for the batch's B rows, and one cuBLAS GEMM over [x | shrink] and them "
+                        "gives the output)")
     p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
                    help="split the model over K GPUs (Megatron-style; docs/TP.md)")
     return p
@@ -64,7 +70,7 @@ def main(argv: list[str]) -> int:
                           lora_pool_pages=a.lora_pool_pages, max_lora_rank=a.max_lora_rank,
                           lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
                           lora_sgmv_backend=a.lora_sgmv_backend, lora_fused=a.lora_fused,
-                          lora_rank_rows=a.lora_rank_rows,
+                          lora_rank_rows=a.lora_rank_rows, lora_spare_columns=a.lora_spare_columns,
                           gemm=a.gemm, gemv_max_rows=a.gemv_max_rows, cuda_graph=a.cuda_graph, attention=a.attention,
                           tensor_parallel_shards=a.tensor_parallel_shards)
     out = compile_model(a.model, a.output, opts)

@@ -59,11 +59,17 @@ def test_rank_rows_flag_and_spec(monkeypatch, tmp_path):
     assert rows("model.layers.1.self_attn.qkv_proj.weight") == (96, 0)
     assert rows("model.layers.0.mlp.down_proj.weight") == (32, 0)
     assert rows("lm_head.weight") == (0, 0) and rows("model.embed_tokens.weight") == (0, 0)
-    plain = lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False}))
-    assert "rank_rows" not in plain.fused and weight_reserved(plain, llama, cfg)(
+    assert "spare_columns" not in spec.fused  # the rank rows route asked for: no spare columns by default
+    pair = lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False, "lora_spare_columns": False}))
+    assert "rank_rows" not in pair.fused and "spare_columns" not in pair.fused and weight_reserved(pair, llama, cfg)(
         "model.layers.1.self_attn.qkv_proj.weight") == (0, 0)
-    cols = lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False, "lora_spare_columns": True}))
+    # by default the fused functions take the rank columns route past 64 tokens (with --gemm cublas)
+    cols = lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False}))
     assert cols.fused["spare_columns"] is True and LoraSpec.from_json(cols.to_json()) == cols
+    assert cols == lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False,
+                                                    "lora_spare_columns": True}))
+    assert "spare_columns" not in lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False,
+                                                                   "gemm": "tvm"})).fused
     reserved = weight_reserved(cols, llama, cfg)  # the rank columns, then zeros to rows of a multiple of 64
     assert reserved("model.layers.1.self_attn.qkv_proj.weight") == (0, 128)  # 64 + 96 -> 192
     assert reserved("model.layers.0.mlp.down_proj.weight") == (0, 64)  # 128 + 32 -> 192
@@ -73,6 +79,18 @@ def test_rank_rows_flag_and_spec(monkeypatch, tmp_path):
                      ({"lora_spare_columns": True, "lora_fused": False}, "route of the fused functions")):
         with pytest.raises(CompileError, match=why):
             lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rank_rows": False, **bad}))
+
+
+def test_no_spare_columns_flag(monkeypatch, tmp_path):
+    """--no-lora-spare-columns reaches CompileOptions as False (the pair past 64 tokens); without it
+    the option is None: the route where the fused functions are built."""
+    seen = []
+    monkeypatch.setattr(cli, "compile_model", lambda model, out, opts: seen.append(opts) or out)
+    args = ["m", "-o", str(tmp_path), "--lora-pool-pages", "64", "--max-lora-rank", "16", "--lora-kernel", "sgmv",
+            "--target", "cuda"]
+    cli.main(args)
+    cli.main(args + ["--no-lora-spare-columns"])
+    assert [o.lora_spare_columns for o in seen] == [None, False]
 
 
 def test_without_lora_flags_the_model_has_no_lora_inputs(tiny_models):
