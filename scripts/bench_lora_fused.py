@@ -245,6 +245,111 @@ def _splitk_configs(LT, pt):
     return out
 
 
+_TMA = {}
+
+
+def tma_gemm_kernel():
+    """A candidate for the one-kernel linear's GEMM at a few tokens: the products transposed (the
+    outputs on the warpgroup MMA's rows) with x's and W's tiles loaded by the tensor memory
+    accelerator (Triton's device-side tensor descriptors, which take its global scratch: the
+    allocator set in `_tma_group`)."""
+    if "k" in _TMA:
+        return _TMA["k"]
+    import triton  # pylint: disable=import-outside-toplevel
+    import triton.language as tl  # pylint: disable=import-outside-toplevel
+
+    @triton.jit
+    def tma_gemm(x_ptr, w_ptr, y_ptr, ws_ptr, cnt_ptr, n, K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr):
+        """Semantics: y (n, N) = x (n, K) @ w (N, K).T, n <= BM, the products summed in fp32 and
+        rounded once (reference: torch.matmul, which the benchmark checks it against). Grid
+        (N / BN, SPLIT): split k sums inputs [k * PER, (k + 1) * PER) (PER a multiple of BK); with
+        SPLIT > 1 each split stores its partial in ws and counts itself in cnt[tile], and the
+        block that counts last sums the SPLIT partials in split order, stores y and sets cnt[tile]
+        back to 0 (cnt holds zeros when the kernel starts). x's rows past n load as zeros (TMA)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n, K], strides=[K, 1], block_shape=[BM, BK])
+        PER: tl.constexpr = (K // BK + SPLIT - 1) // SPLIT * BK
+        k_lo = pid_k * PER
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for k0 in tl.range(k_lo, tl.minimum(K, k_lo + PER), BK, num_stages=STAGES):
+            acc = tl.dot(w_desc.load([pid_n * BN, k0]), tl.trans(x_desc.load([0, k0])), acc)
+        rows = tl.arange(0, BM)
+        y_ptrs = y_ptr + rows[None, :].to(tl.int64) * N + (pid_n * BN + tl.arange(0, BN))[:, None]
+        ymask = (rows < n)[None, :]
+        if SPLIT == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+        else:
+            at = tl.arange(0, BN)[:, None] * BM + rows[None, :]
+            tl.store(ws_ptr + (pid_n * SPLIT + pid_k).to(tl.int64) * (BN * BM) + at, acc)
+            tl.debug_barrier()  # every thread's partial stored before the count (released by it)
+            if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                tot = tl.zeros((BN, BM), dtype=tl.float32)
+                for k in tl.static_range(SPLIT):
+                    tot += tl.load(ws_ptr + (pid_n * SPLIT + k).to(tl.int64) * (BN * BM) + at, cache_modifier=".cg")
+                tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=ymask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+    _TMA["k"] = tma_gemm
+    return tma_gemm
+
+
+def _tma_configs(LT, pt):
+    """Launches of tma_gemm_kernel at pt.T tokens: BN 64/128 outputs, BK 64/128 inputs, 3-6 stages,
+    the input splits for about one and about two blocks an SM (132 SMs)."""
+    bm = max(16, LT.token_tier(pt.T))
+    out = []
+    for bn in (64, 128):
+        if any(x % bn for x in pt.widths):
+            continue
+        tiles = sum(pt.widths) // bn
+        for bk in (64, 128):
+            if pt.in_f % bk:  # (the splits end on whole steps; the last at K)
+                continue
+            steps = pt.in_f // bk
+            splits = sorted({next((s for s in range(1, 17) if tiles * s >= want or steps // (s + 1) < 4), 16)
+                             for want in (132, 264)})
+            out += [dict(BM=bm, BN=bn, BK=bk, STAGES=st, SPLIT=sp) for sp in splits for st in (3, 4, 6)]
+    return out
+
+
+def _tma_group(torch, LT, pt):
+    """The GEMM alone at pt.T tokens: tma_gemm_kernel per launch of _tma_configs (each checked
+    against cuBLAS's y), cuBLAS, and the compiled one-kernel linear with no adapter in the batch."""
+    import triton  # pylint: disable=import-outside-toplevel
+
+    # the descriptors' global scratch (a torch allocation per launch; inside a captured graph, from its pool)
+    triton.set_allocator(lambda size, align, stream: torch.empty((size,), dtype=torch.int8, device="cuda"))
+    kernel = tma_gemm_kernel()
+    out_f, in_f, T = sum(pt.widths), pt.in_f, pt.T
+    ys = [torch.empty_like(pt.y[0]) for _ in range(2)]
+    pt.launch_gemm(0)
+    torch.cuda.synchronize()
+    want = pt.y[0].float()
+    group = {"cublas": pt.launch_gemm}  # first: the line tune prints is each candidate against it
+    for c in _tma_configs(LT, pt):
+        label = f"tma BN{c['BN']} BK{c['BK']} S{c['STAGES']} split{c['SPLIT']}"
+
+        def launch(i, c=c):
+            kernel[(out_f // c["BN"], c["SPLIT"])](pt.x[i], pt.w[i], ys[i % 2], pt.ws, pt.cnt, T, K=in_f, N=out_f,
+                                                   **c, num_warps=4)
+        try:
+            launch(0)
+            torch.cuda.synchronize()
+        except Exception as e:  # pylint: disable=broad-except  (e.g. out of shared memory)
+            print(f"  {pt.T} tokens {label}: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        if not torch.allclose(ys[0].float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+            print(f"  {pt.T} tokens {label}: y differs from cuBLAS's: left out")
+            continue
+        group[label] = launch
+    cur, warps = LT.constants(in_f, pt.widths, pt.mod_ids, len(pt.widths), pt.r, LT.token_tier(T), 8)
+    group["compiled linear, no adapter"] = lambda i: pt.launch_linear(i, cur, warps, 0)
+    return group
+
+
 def _pair_configs(LT, pt):
     """(shrink launches, expand launches) for the pair at pt.T tokens: the compiled ones first."""
     T, in_f, widths = pt.T, pt.in_f, pt.widths
@@ -357,7 +462,9 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
         for T in map(int, a.tokens.split(",")):
             pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
             groups = {}
-            if T <= LT.FUSED_MAX_TOKENS:
+            if T <= LT.FUSED_MAX_TOKENS and a.shapes == "tma":  # the GEMM alone, its tiles loaded by TMA
+                groups["gemm"] = _tma_group(torch, LT, pt)
+            elif T <= LT.FUSED_MAX_TOKENS:
                 cfgs = (_splitk_configs if a.shapes == "splitk" else _linear_configs)(LT, pt)
                 groups["linear"] = {f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"
                                     f"{' swap' if c['SWAP'] else ''}": (
@@ -736,8 +843,9 @@ def main(argv=None) -> int:
     t.add_argument("--tokens", default="1,16,64,128,256,1024,4096")
     t.add_argument("--linears", default=",".join(LINEARS))
     t.add_argument("--dtype", default="float16")
-    t.add_argument("--shapes", default="default", choices=("default", "splitk"),
-                   help="the one-kernel linear's shapes to try: the tuned set, or splits aimed at the memory")
+    t.add_argument("--shapes", default="default", choices=("default", "splitk", "tma"),
+                   help="the one-kernel linear's shapes to try: the tuned set, or splits aimed at the memory; "
+                        "tma: the GEMM alone with its tiles loaded by TMA (tma_gemm_kernel) against cuBLAS")
     t.add_argument("--out", default="bench_lora_fused_tune.json")
     o = sub.add_parser("routes", help="time the routes a linear could take with its delta (the GPU)")
     o.add_argument("--tokens", default="16,64,128,256,512,1024,2048")

@@ -18,12 +18,14 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("mode,tokens,linears", [("producers", "70", "qkv,o,down"), ("routes", "16,70", "o,down"),
-                                                 ("tune", "70", "down")])
-def test_gpu_modes_run_their_checks_on_cpu(tmp_path, mode, tokens, linears):
+@pytest.mark.parametrize("mode,tokens,linears,extra", [("producers", "70", "qkv,o,down", []),
+                                                       ("routes", "16,70", "o,down", []),
+                                                       ("tune", "70", "down", []),
+                                                       ("tune", "40", "down", ["--shapes", "tma"])])
+def test_gpu_modes_run_their_checks_on_cpu(tmp_path, mode, tokens, linears, extra):
     out = tmp_path / f"{mode}.json"
     proc = subprocess.run([sys.executable, "-m", "tests.python.scripts.gpu_bench_on_cpu", mode, "--tokens", tokens,
-                           "--linears", linears, "--dtype", "float16", "--out", str(out)], cwd=ROOT,
+                           "--linears", linears, "--dtype", "float16", "--out", str(out), *extra], cwd=ROOT,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -34,6 +36,9 @@ def test_gpu_modes_run_their_checks_on_cpu(tmp_path, mode, tokens, linears):
     assert {(r["linear"], r["T"]) for r in rows} == want
     if mode == "producers":  # the route with x in place, the pair and base, per linear
         assert all({"base", "pair", "route·in place", "route·copy"} <= set(r["us"]) for r in rows)
+    if extra:  # the TMA GEMM's launches that matched cuBLAS's y, beside it and the compiled linear
+        assert all(r["kind"] == "gemm" and r["compiled"] == "cublas" and "compiled linear, no adapter" in r["us"]
+                   and sum(k.startswith("tma ") for k in r["us"]) >= 3 for r in rows)
 
 
 @pytest.mark.parametrize("T", [16, 32, 64])
