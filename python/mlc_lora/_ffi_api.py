@@ -25,6 +25,7 @@ pool_lora_num_slots(kv)                    distinct adapters of the batch (0: ba
 pool_lora_rank_total(kv)                   the sum of their ranks
 pool_stats(kv)                             {total,free,kv,adapter,evictable,pinned}_pages, adapter counts,
                                            the prefix cache's pages and counters
+pool_admittable_pages(kv)                  free + evictable pages (what a batch can take; per step)
 pool_adapter_info(kv, id), pool_sequence_pages(kv, seq), pool_check_invariants(kv)   (tests)
 pool_poison_free_pages(kv)                 NaN into every free page (tests: reads of unowned pages show)
 pool_prefix_lookup(kv, adapter, tokens)    -> [matched tokens, idle pages among them]; -1: base model

@@ -79,6 +79,14 @@ void PagePool::ReleaseAdapterPages(Adapter* a) {
   a->resident = false;
 }
 
+int64_t PagePool::AdmittablePages() const {
+  int64_t n = num_free() + static_cast<int64_t>(idle_cache_.size());
+  for (const auto& [id, a] : adapters_) {
+    if (a.resident && a.idle()) n += a.n_pages;
+  }
+  return n;
+}
+
 PoolStats PagePool::Stats() const {
   PoolStats s{num_pages_, num_free(), 0, 0, 0, 0, static_cast<int64_t>(adapters_.size()),
               evictions_, page_ins_, static_cast<int64_t>(cache_.size()),

@@ -80,6 +80,10 @@ class PagePool {
   /*! \brief The free page ids (in no particular order). */
   const std::vector<int32_t>& free_pages() const { return free_; }
   PoolStats Stats() const;
+  /*! \brief Pages a batch can take: the free ones plus those that idle resident adapters and idle
+   *  cached prefixes would give back (Stats' free + evictable, without the rest of Stats: the
+   *  scheduler asks it every step). */
+  int64_t AdmittablePages() const;
   /*! \brief Forget every sequence; adapters stay loaded, their references drop to zero. */
   void Clear();
 

@@ -279,6 +279,8 @@ TVM_FFI_STATIC_INIT_BLOCK() {
       .def("mlc_lora.runtime.pool_lora_num_slots", [](Ref kv) { return Pool(kv)->LoraNumSlots(); })
       .def("mlc_lora.runtime.pool_lora_rank_total", [](Ref kv) { return Pool(kv)->LoraRankTotal(); })
       .def("mlc_lora.runtime.pool_stats", [](Ref kv) { return Pool(kv)->Stats(); })
+      .def("mlc_lora.runtime.pool_admittable_pages",
+           [](Ref kv) { return Pool(kv)->AdmittablePages(); })
       .def("mlc_lora.runtime.pool_adapter_info",
            [](Ref kv, int64_t id) { return Pool(kv)->adapters().Info(id); })
       .def("mlc_lora.runtime.pool_adapter_pages_to_run",

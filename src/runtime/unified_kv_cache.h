@@ -127,6 +127,7 @@ class UnifiedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
   /*! \brief The sum of the ranks of those adapters. */
   int64_t LoraRankTotal() const;
   tvm::ffi::Map<tvm::ffi::String, int64_t> Stats() const;
+  int64_t AdmittablePages() const { return pool_.AdmittablePages(); }
   /*! \brief The prefix cache (page_pool.h): [matched tokens, idle pages among them]. */
   tvm::ffi::Shape PrefixLookup(int64_t adapter, const tvm::ffi::Shape& tokens) const;
   /*! \brief An empty sequence takes its cached prefix; returns the matched tokens. */

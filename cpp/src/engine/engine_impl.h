@@ -74,7 +74,7 @@ struct Engine::Impl {
   std::set<int32_t> stop_ids;
   tvm::ffi::Any lib, vm;  // the library and VM modules, kept alive
   tvm::ffi::Function f_embed, f_prefill, f_decode, f_create_kv;
-  tvm::ffi::Function kv_add, kv_remove, kv_begin, kv_end, kv_pages, pool_stats;
+  tvm::ffi::Function kv_add, kv_remove, kv_begin, kv_end, kv_pages, pool_stats, pool_admittable;
   tvm::ffi::Function t_alloc, t_view, t_from_bytes, t_to_bytes;
   tvm::ffi::Array<tvm::ffi::Tensor> params;
   tvm::ffi::Any kv;

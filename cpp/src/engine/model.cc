@@ -216,6 +216,7 @@ void Engine::Impl::LoadModule(const std::string& path) {
   kv_end = Global("vm.builtin.kv_state_end_forward");
   kv_pages = Global("vm.builtin.attention_kv_cache_get_num_available_pages");
   pool_stats = Global("mlc_lora.runtime.pool_stats");
+  pool_admittable = Global("mlc_lora.runtime.pool_admittable_pages");
   t_alloc = Global("runtime.TVMTensorAllocWithScope");
   t_view = Global("runtime.TVMTensorCreateView");
   t_from_bytes = Global("runtime.TVMTensorCopyFromBytes");

@@ -87,7 +87,7 @@ int64_t Engine::Impl::Headroom(const std::vector<Running*>& active) const {
   for (const Running* r : active) reserved += r->reserved_pages;
   // KV the active requests hold already is part of their reservation; adapters they use that are
   // not resident yet are paged in by their next forward pass.
-  int64_t out = PoolStat("free_pages") + PoolStat("evictable_pages") + PoolStat("kv_pages") - reserved;
+  int64_t out = pool_admittable(kv).cast<int64_t>() + PoolStat("kv_pages") - reserved;
   std::set<int64_t> seen;
   for (const Running* r : active) {
     if (r->adapter >= 0 && seen.insert(r->adapter).second && !AdapterStat(r->adapter, "resident")) {

@@ -232,6 +232,9 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
                 a.read_error = self._read_failed(a, out)
             elif not a.on_host:
                 self._set_host(a, out)
+        if not self.by_slot:  # no adapter loaded: none to note, trim, read or page in
+            self._resident = set()
+            return
         self._resident = self.pool.resident_adapters()
         self._trim_host()
         if self.prefetch:
@@ -379,8 +382,7 @@ class AdapterTable:  # pylint: disable=too-many-instance-attributes
     def available_pages(self) -> int:
         """Pages a batch can take: free ones plus those of idle unpinned adapters and of cached
         prefixes no sequence holds (evicted LRU)."""
-        free = self.pool.available_pages()
-        return free + (self.pool.stats().evictable_pages if self.runner.lora is not None else 0)
+        return self.pool.admittable_pages()
 
     def pages_to_run(self, slots: list[int]) -> list[int]:
         """Pages a batch must find for each adapter of `slots`: all of them unless it is resident

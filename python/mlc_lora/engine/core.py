@@ -100,12 +100,10 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         ad = self.adapters
         self.prefix_caching = bool(enable_prefix_caching)
         ad.prefix_caching = self.prefix_caching
-        prefix, free_pages = {}, ad.available_pages
+        prefix = {}
         if self.prefix_caching:
             prefix = dict(prefix_lookup=self._prefix_lookup, prefix_attach=self._prefix_attach)
-            if lora is None:  # without adapters, cached pages are all a batch can evict
-                free_pages = lambda: self.pool.available_pages() + self.pool.stats().cached_idle_pages  # noqa: E731
-        self.scheduler = Scheduler(free_pages, ad.add_sequence, self.pool.remove_sequence,
+        self.scheduler = Scheduler(ad.available_pages, ad.add_sequence, self.pool.remove_sequence,
                                    self.max_num_seqs, chunk, adapter_pages=ad.pages_to_run,
                                    one_adapter_per_batch=lora is not None and lora.kernel == "single",
                                    fair_share=fair_share, adapter_ready=ad.ready, adapter_resident=ad.resident,
@@ -245,7 +243,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             self.adapters.detach(seq)
         self.scheduler.rejected.clear()
         if lora:
-            for seq, err in self.adapters.unreadable(list(self.scheduler.waiting)):
+            for seq, err in self.adapters.unreadable(self.scheduler.waiting):
                 self._fail(seq, err)
         if batch is None:
             if lora and self.adapters.reads_pending():

@@ -327,8 +327,8 @@ class Scheduler:
         raised; a preview admits nothing, so it raises a copy of the counters as each pick's
         admission would (its prompt's weight), and sees the order admission would take if every
         request fitted."""
-        if not self.fair_share:
-            yield from list(self.waiting)
+        if not self.fair_share:  # (a preview's reader takes its window before anything changes the queue)
+            yield from (self.waiting if preview else list(self.waiting))
             return
         resumed, queues = [], {}
         for s in self.waiting:

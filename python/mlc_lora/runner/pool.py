@@ -50,6 +50,7 @@ POOL_LORA_GRAPH_TABLES = "mlc_lora.runtime.pool_lora_graph_tables"
 POOL_LORA_NUM_SLOTS = "mlc_lora.runtime.pool_lora_num_slots"
 POOL_LORA_RANK_TOTAL = "mlc_lora.runtime.pool_lora_rank_total"
 POOL_STATS = "mlc_lora.runtime.pool_stats"
+POOL_ADMITTABLE_PAGES = "mlc_lora.runtime.pool_admittable_pages"
 POOL_ADAPTER_INFO = "mlc_lora.runtime.pool_adapter_info"
 POOL_ADAPTER_PAGES_TO_RUN = "mlc_lora.runtime.pool_adapter_pages_to_run"
 POOL_SEQUENCE_PAGES = "mlc_lora.runtime.pool_sequence_pages"
@@ -206,8 +207,14 @@ class Pool(abc.ABC):
 
     def available_pages(self) -> int:
         """Free pages (not counting those idle adapters and cached prefixes would give back: see
-        `stats`)."""
+        `admittable_pages`)."""
         return int(self._value(KV_AVAILABLE_PAGES))
+
+    def admittable_pages(self) -> int:
+        """Pages a batch can take: the free ones plus those idle resident adapters and idle cached
+        prefixes would give back (evicted on demand): stats()'s free + evictable pages, in one
+        small call (the scheduler asks every step)."""
+        return int(self._value(POOL_ADMITTABLE_PAGES))
 
     # --- the prefix cache: full KV pages keyed by (adapter, token chain) -------------------------
 

@@ -137,6 +137,7 @@ static void TestAdapters() {
   auto s = pool.Stats();
   CHECK(s.free + s.kv + s.adapter == s.total);
   CHECK(s.evictable == 2 && s.resident_adapters == 2 && s.loaded_adapters == 2);
+  CHECK(pool.AdmittablePages() == 1 + 2);  // the free page and the idle unpinned adapter's
   // 7 and 9 were evicted once each and paged back in once each; the refused pin counted nothing.
   CHECK(s.evictions == 2 && s.page_ins == 2);
   EXPECT_ERROR(pool, kValue, "unknown adapter", pool.SetSequenceAdapter(0, 123));
@@ -251,6 +252,7 @@ static void TestPrefixCache() {
   pool.RemoveSequence(0);
   auto st = pool.Stats();
   CHECK(st.cached == 3 && st.cached_idle == 3 && st.kv == 0 && st.evictable == 3 + 4);
+  CHECK(pool.AdmittablePages() == st.free + st.evictable);
   CHECK(st.free + st.kv + st.adapter + st.cached_idle == st.total);
   auto hit = pool.LookupPrefix(1, prompt);
   CHECK(hit.tokens == 12 && hit.idle_pages == 3);
@@ -349,6 +351,7 @@ static void TestOneEvictionPolicy() {
   pool.AddAdapter(3, 1, /*pinned=*/true, &ev);
   // 12 pages: X 2, adapter 1 2, Y 2, adapter 2 3, adapter 3 1 (pinned): 2 free
   CHECK(pool.num_free() == 2 && pool.Stats().evictable == 9);
+  CHECK(pool.AdmittablePages() == 2 + 9);
   pool.AddSequence(9);
   std::vector<std::string> order;
   int64_t cached_ev = 0;
@@ -511,6 +514,7 @@ static void TestPageInsWithPrefixCache() {
   pool.AddSequence(9);
   pool.ReserveAppend({9}, {24});          // 6 KV pages: nothing free, 6 evictable
   CHECK(pool.num_free() == 0 && pool.Stats().evictable == 6);
+  CHECK(pool.AdmittablePages() == 6);
   // a load evicts X (tail, head), then adapter 1; Y, used later, stays
   CHECK(pool.AddAdapter(2, 4, false, &ev));
   CHECK(ev == std::vector<int64_t>{1});

@@ -74,15 +74,19 @@ def test_stats_and_adapter_info_follow_load_pin_and_unload(runner, qv_models):
     assert (plan4.name, plan4.num_pages, plan4.use_rslora, plan4.scales["q_proj"]) == ("four", n4, True, 4 / 2)
     s = pool.stats()
     assert (s.adapter_pages, s.evictable_pages) == (n8 + n4, n8)
+    # what a batch can take: the free pages and the idle unpinned adapter's (not the pinned one's)
+    assert pool.admittable_pages() == POOL_PAGES - n8 - n4 + n8
     assert not set(pool.adapter_info(9).pages) & set(pool.adapter_info(7).pages)
     pool.pin_adapter(7, True)
     assert pool.stats().evictable_pages == 0 and pool.adapter_info(7).pinned
+    assert pool.admittable_pages() == POOL_PAGES - n8 - n4
     pool.pin_adapter(7, False)
     assert pool.stats().evictable_pages == n8
     # a sequence on the adapter: one more user, not evictable while it holds it
     pool.add_sequence(0)
     pool.set_sequence_adapter(0, 7)
     assert pool.adapter_info(7).refs == 1 and pool.stats().evictable_pages == 0
+    assert pool.admittable_pages() == POOL_PAGES - n8 - n4
     pool.unload_adapter(7)  # deferred: sequence 0 still uses it
     assert pool.stats().loaded_adapters == 2
     pool.remove_sequence(0)

@@ -269,6 +269,7 @@ def test_prefetch_keeps_the_cached_prefixes_of_waiting_requests(runner):
     pool.end_forward()
     before = pool.stats()
     assert (before.free_pages, before.cached_idle_pages) == (0, 4)
+    assert pool.admittable_pages() == 4  # the idle cached pages (the adapters wait without pages)
     assert not pool.prefetch_adapter(4, [], [(None, x), (None, y)])  # only protected pages: no change
     assert pool.stats() == before
     # x is what a waiting request would hit: y's chain goes, though x's is older

@@ -23,6 +23,7 @@ def check_accounting(pool, seqs, adapters):
     st_ = pool.stats()
     assert st_.free_pages + st_.kv_pages + st_.adapter_pages == st_.total_pages
     assert st_.free_pages == pool.available_pages()
+    assert st_.free_pages + st_.evictable_pages == pool.admittable_pages()
     kv_pages = set()
     for s, n in seqs.items():
         pages = pool.sequence_pages(s)
