@@ -79,10 +79,10 @@ void PagePool::ReleaseAdapterPages(Adapter* a) {
   a->resident = false;
 }
 
-int64_t PagePool::AdmittablePages() const {
-  int64_t n = num_free() + static_cast<int64_t>(idle_cache_.size());
+int64_t PagePool::EvictablePages() const {
+  int64_t n = static_cast<int64_t>(idle_cache_.size());
   for (const auto& [id, a] : adapters_) {
-    if (a.resident && a.idle()) n += a.n_pages;
+    if (a.idle()) n += a.n_pages;  // (idle: resident, unpinned, no sequence on it)
   }
   return n;
 }
@@ -92,14 +92,12 @@ PoolStats PagePool::Stats() const {
               evictions_, page_ins_, static_cast<int64_t>(cache_.size()),
               static_cast<int64_t>(idle_cache_.size()), prefix_queries_, prefix_query_tokens_,
               prefix_hit_tokens_, cached_evictions_};
-  s.evictable = s.cached_idle;
+  s.evictable = EvictablePages();
   s.kv = owned_[static_cast<int>(Owner::kKV)];
   s.adapter = owned_[static_cast<int>(Owner::kAdapter)];
   for (const auto& [id, a] : adapters_) {
     if (a.pinned) s.pinned += a.n_pages;
-    if (!a.resident) continue;
-    ++s.resident_adapters;
-    if (a.idle()) s.evictable += a.n_pages;
+    if (a.resident) ++s.resident_adapters;
   }
   return s;
 }

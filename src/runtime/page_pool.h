@@ -80,10 +80,12 @@ class PagePool {
   /*! \brief The free page ids (in no particular order). */
   const std::vector<int32_t>& free_pages() const { return free_; }
   PoolStats Stats() const;
-  /*! \brief Pages a batch can take: the free ones plus those that idle resident adapters and idle
-   *  cached prefixes would give back (Stats' free + evictable, without the rest of Stats: the
-   *  scheduler asks it every step). */
-  int64_t AdmittablePages() const;
+  /*! \brief Pages that idle resident adapters (unpinned, no sequence on them) and idle cached
+   *  prefixes would give back: evicted on demand (Stats' evictable). */
+  int64_t EvictablePages() const;
+  /*! \brief Pages a batch can take: the free ones and the evictable ones (without the rest of
+   *  Stats: the scheduler asks it every step). */
+  int64_t AdmittablePages() const { return num_free() + EvictablePages(); }
   /*! \brief Forget every sequence; adapters stay loaded, their references drop to zero. */
   void Clear();
 
