@@ -219,11 +219,18 @@ def _linear_configs(LT, pt):
     return out
 
 
+def _memory_splits(tiles: int, steps: int) -> list[int]:
+    """The input splits (of whole steps, at least 4 a split) giving `tiles` output tiles about one
+    and about two blocks an SM (132 SMs), at most 16."""
+    return sorted({next((s for s in range(1, 17) if tiles * s >= want or steps // (s + 1) < 4), 16)
+                   for want in (132, 264)})
+
+
 def _splitk_configs(LT, pt):
     """Tile shapes for the one-kernel linear at pt.T tokens aimed at the memory: every linear's
     products transposed (the outputs on the warpgroup MMA's rows, the batch's token tier its
-    columns), BN 64-256 outputs, BK 64/128 inputs, 3-6 stages, and per shape the input splits
-    that give about one and about two blocks an SM (132 SMs); the compiled shape first."""
+    columns), BN 64-256 outputs, BK 64/128 inputs, 3-6 stages, and per shape _memory_splits; the
+    compiled shape first."""
     in_f, widths = pt.in_f, pt.widths
     cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, LT.token_tier(pt.T), 8)
     out = [(cur, warps)]
@@ -233,10 +240,9 @@ def _splitk_configs(LT, pt):
             continue
         tiles = sum(widths) // bn
         for bk in (64, 128):
-            steps = in_f // bk
-            splits = sorted({next((s for s in range(1, 17) if tiles * s >= want or steps // (s + 1) < 4), 16)
-                             for want in (132, 264)})
-            for split in splits:
+            if in_f % bk:  # (the splits end on whole steps; the last at K)
+                continue
+            for split in _memory_splits(tiles, in_f // bk):
                 for stages in (3, 4, 6):
                     c = dict(cur, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split, SWAP=1)
                     w = 8 if bn == 256 else 4
@@ -298,7 +304,7 @@ def tma_gemm_kernel():
 
 def _tma_configs(LT, pt):
     """Launches of tma_gemm_kernel at pt.T tokens: BN 64/128 outputs, BK 64/128 inputs, 3-6 stages,
-    the input splits for about one and about two blocks an SM (132 SMs)."""
+    _memory_splits."""
     bm = max(16, LT.token_tier(pt.T))
     out = []
     for bn in (64, 128):
@@ -308,10 +314,8 @@ def _tma_configs(LT, pt):
         for bk in (64, 128):
             if pt.in_f % bk:  # (the splits end on whole steps; the last at K)
                 continue
-            steps = pt.in_f // bk
-            splits = sorted({next((s for s in range(1, 17) if tiles * s >= want or steps // (s + 1) < 4), 16)
-                             for want in (132, 264)})
-            out += [dict(BM=bm, BN=bn, BK=bk, STAGES=st, SPLIT=sp) for sp in splits for st in (3, 4, 6)]
+            out += [dict(BM=bm, BN=bn, BK=bk, STAGES=st, SPLIT=sp) for sp in _memory_splits(tiles, pt.in_f // bk)
+                    for st in (3, 4, 6)]
     return out
 
 
