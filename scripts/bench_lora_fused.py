@@ -63,27 +63,6 @@ class Point:  # pylint: disable=too-many-instance-attributes,too-few-public-meth
                               device=dev, dtype=torch.float32) if T <= LT.FUSED_MAX_TOKENS else self.v
         self.cnt = torch.zeros((LT.COUNTER_SLOTS * 4,), device=dev, dtype=torch.int32)
         self.mod_ids = list(range(P))
-        self._tiles = {}
-
-    def sorted_tiles(self, bm):
-        """(order, tiles) on the device: the tokens sorted by slot as the pool sorts them and the
-        batch's tiles of bm positions of one slot (sgmv_triton's table; what the rank columns
-        route's shrink reads where its blocks take one slot's tokens)."""
-        if bm not in self._tiles:
-            from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST  # pylint: disable=import-outside-toplevel
-
-            order, start = ST.sort_tokens_ref(self.slot.cpu().numpy(), self.N)
-            tiles = self.torch.from_numpy(ST.tiles_ref(start, bm)).to("cuda")
-            self._tiles[bm] = (self.torch.from_numpy(order).to("cuda"), tiles)
-        return self._tiles[bm]
-
-    def launch_xs(self, c, g, xe, v, warps=None):
-        """The rank columns route's shrink of copy c adding s beside x in xe = [x | s] (v: the
-        partial sums), launched per `g` (xs_launch's, or another plan of it)."""
-        order, tiles = self.sorted_tiles(g["shrink"]["BM"])
-        self.LT.lora_shrink_xs_kernel[g["shrink_grid"]](
-            self.arena, self.slot, self.rank, self.scale, self.a_off[c], xe, v, self.cnt, order, tiles, self.T,
-            self.N, 0, g["chunk"], g["split"], **g["shrink"], num_warps=warps or g["shrink_warps"])
 
     def launch_gemm(self, c):
         """cuBLAS (torch.matmul): y = x @ W.T, the base linear alone."""
@@ -424,13 +403,15 @@ def _xs_group(torch, LT, pt, name):
     each checked against the compiled one's [x | s], beside the pair's shrink."""
     cfgs = _xs_configs(LT, pt)
     T = pt.T
-    xe = [torch.zeros((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
+    xe = [torch.empty((T, cfgs[0]["cols"]), device="cuda", dtype=pt.x[0].dtype) for _ in range(pt.copies)]
     for i in range(pt.copies):
-        xe[i][:, :pt.in_f].copy_(pt.x[i])  # x and zeros beside it, as x's producer leaves [x | s]
+        xe[i][:, :pt.in_f].copy_(pt.x[i])
     v = torch.empty((LT.scratch_elems(T, pt.widths),), device="cuda", dtype=torch.float32)
 
     def launch(i, g):
-        pt.launch_xs(i, g, xe[i], v, g["warps"])
+        LT.lora_shrink_xs_kernel[g["shrink_grid"]](
+            pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], v, pt.cnt, T, pt.N, 0, g["chunk"], g["split"],
+            **g["shrink"], num_warps=g["warps"])
 
     launch(0, cfgs[0])
     torch.cuda.synchronize()
@@ -585,7 +566,9 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
                                                              0, **go_xs["fill"], num_warps=go_xs["fill_warps"])
 
             def shrink_xs(i):  # the compiled route's shrink, adding s beside x (its producer's) in [x | s]
-                pt.launch_xs(i, go_xs, x_ext[i], pt.v)
+                LT.lora_shrink_xs_kernel[go_xs["shrink_grid"]](
+                    pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], x_ext[i], pt.v, pt.cnt, T, pt.N, 0,
+                    go_xs["chunk"], go_xs["split"], **go_xs["shrink"], num_warps=go_xs["shrink_warps"])
 
             for c in range(pt.copies):
                 w_ext[c].zero_()
@@ -654,11 +637,9 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     producer into x, cuBLAS), `pair` (the same, then the shrink and the in-place expand),
     `route·copy` (the producer into x, x copied into [x | s] by torch, the shrink, cuBLAS over both:
     what a linear whose x comes from elsewhere would pay, o's case), `route·in place` (the producer
-    into [x | s]'s first columns, the shrink adding s there, cuBLAS over both; `route·sorted` and
-    `route·consecutive` the same with the shrink's blocks over the batch's tiles of one slot, or
-    over consecutive tokens); and the parts: the producer into x and into [x | s], the pair's
-    shrink and expand, cuBLAS over [x | s], x's copy, the shrink per launch plan, sorted tiles or
-    not (the compiled one first)."""
+    into [x | s]'s first columns, the shrink adding s there, cuBLAS over both); and the parts: the
+    producer into x and into [x | s], the pair's shrink and expand, cuBLAS over [x | s], x's copy,
+    the shrink per launch plan (the compiled one first)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops import activation_triton as AT  # pylint: disable=import-outside-toplevel
@@ -688,7 +669,9 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                                                                    num_warps=AT.WARPS)
 
             def xs(i, g):
-                pt.launch_xs(i, g, xe[i], pt.v)
+                LT.lora_shrink_xs_kernel[g["shrink_grid"]](
+                    pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], pt.v, pt.cnt, T, pt.N, 0,
+                    g["chunk"], g["split"], **g["shrink"], num_warps=g["shrink_warps"])
 
             def copy_x(i):
                 xe[i][:, :K].copy_(pt.x[i])
@@ -697,8 +680,6 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                 torch.matmul(xe[i], w_ext[i].t(), out=pt.y[i % 2])
 
             go_ip = LT.xs_launch(T, K, pt.widths, pt.mod_ids, P, pt.r, 8)
-            go_sorted = LT.xs_launch(T, K, pt.widths, pt.mod_ids, P, pt.r, 8, sorted_tiles=True)
-            go_consec = LT.xs_launch(T, K, pt.widths, pt.mod_ids, P, pt.r, 8, sorted_tiles=False)
             for c in range(pt.copies):
                 w_ext[c][:, :K].copy_(pt.w[c])
                 LT.lora_fill_cols_kernel[go_ip["fill_grid"]](pt.arena, pt.rank, pt.scale, pt.b_off[c], w_ext[c], pt.N,
@@ -729,27 +710,22 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                      "pair": lambda i: (before(i, pt.x[i], K), pt.launch_pair(i, go)),
                      "route·copy": lambda i: (before(i, pt.x[i], K), copy_x(i), xs(i, go_ip), gemm_ext(i)),
                      "route·in place": in_place,
-                     "route·sorted": lambda i: in_place(i, go_sorted),
-                     "route·consecutive": lambda i: in_place(i, go_consec),
                      "producer": lambda i: before(i, pt.x[i], K), "producer·xe": lambda i: before(i, xe[i], ke),
                      "pair's shrink": lambda i: pt.launch_shrink(i, go), "expand": lambda i: pt.launch_expand(i, go),
                      "cublas(K+cols)": gemm_ext, "copy of x": copy_x}
-            srt = lambda g: " sorted" if g["shrink"]["SORTED"] else ""  # noqa: E731
-            plans = [(go_ip["shrink"]["BM"], go_ip["shrink"]["BK"], go_ip["split"], go_ip["shrink"]["SORTED"])]
-            cands[f"shrink·in place BM{plans[0][0]} BK{plans[0][1]} split{plans[0][2]}{srt(go_ip)} (compiled)"] = (
+            plans = [(go_ip["shrink"]["BM"], go_ip["shrink"]["BK"], go_ip["split"])]
+            cands[f"shrink·in place BM{plans[0][0]} BK{plans[0][1]} split{plans[0][2]} (compiled)"] = (
                 lambda i: xs(i, go_ip))
-            for sort in (0, 1):
-                for bm in (16, 32, 64):
-                    for bk in (64, 128):
-                        for target in (264, 528):
-                            _, per, split = LT.shrink_split(T, K // bk, bm, target=target, most=16)
-                            g = dict(go_ip, shrink=dict(go_ip["shrink"], BM=bm, BK=bk, SPLIT_MAX=16, SORTED=sort),
-                                     split=split, chunk=per * bk, shrink_grid=(LT.xs_grid(T, bm, sort), split))
-                            if (bm, bk, split, sort) not in plans:
-                                plans.append((bm, bk, split, sort))
-                                cands[f"shrink·in place BM{bm} BK{bk} split{split}{srt(g)}"] = lambda i, g=g: xs(i, g)
-            _check_deltas(torch, pt, name, cands, ("pair", "route·copy", "route·in place", "route·sorted",
-                                                   "route·consecutive"))
+            for bm in (16, 32, 64):
+                for bk in (64, 128):
+                    for target in (132, 264, 528):
+                        tiles, per, split = LT.shrink_split(T, K // bk, bm, target=target, most=16)
+                        g = dict(go_ip, shrink=dict(go_ip["shrink"], BM=bm, BK=bk, SPLIT_MAX=16), split=split,
+                                 chunk=per * bk, shrink_grid=(tiles, split))
+                        if (bm, bk, split) not in plans:
+                            plans.append((bm, bk, split))
+                            cands[f"shrink·in place BM{bm} BK{bk} split{split}"] = lambda i, g=g: xs(i, g)
+            _check_deltas(torch, pt, name, cands, ("pair", "route·copy", "route·in place"))
             us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
             shr = {k: v for k, v in us.items() if k.startswith("shrink·in place")}
             best = min(shr, key=shr.get)
@@ -760,14 +736,15 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             del w_ext, xe, h, pt, s_raw
             torch.cuda.empty_cache()
     print("\nOne layer (the four linears), us:")
-    labels = ["base", "pair", "route·copy", "route·consecutive", "route·sorted", "route·cublas shrink"]
-    print("| T | " + " | ".join(labels) + " | " + " | ".join(f"{k} - base" for k in labels[1:]) + " |")
-    print("|---|" + "---|" * (2 * len(labels) - 1))
+    labels = ["base", "pair", "route·copy", "route·in place", "route·cublas shrink"]
+    print("| T | " + " | ".join(labels) + " | pair - base | copy - base | in place - base | cublas shrink - base |")
+    print("|---|" + "---|" * (len(labels) + 4))
     for T in sorted({r["T"] for r in out}):
         rows = [r["us"] for r in out if r["T"] == T]
         tot = {k: sum(r[k] for r in rows) for k in labels}
-        print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) + " | " +
-              " | ".join(f"{tot[k] - tot['base']:.1f}" for k in labels[1:]) + " |")
+        print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) +
+              f" | {tot['pair'] - tot['base']:.1f} | {tot['route·copy'] - tot['base']:.1f} | "
+              f"{tot['route·in place'] - tot['base']:.1f} | {tot['route·cublas shrink'] - tot['base']:.1f} |")
     cli.write_results(Path(a.out), {"producers": out, "complete": True})
     return 0
 

@@ -9,9 +9,7 @@ in every function of a library, base or LoRA.
 
 Semantics (y (n, 2I) = [gate | up], model dtype; h (n, I)):
   h[t, j] = round(silu(g) * u),  g = y[t, j], u = y[t, I + j] (as float32),
-  silu(g) = g / (1 + exp(-g)), computed in float32 and rounded once to the model dtype;
-  h's rows may be the first I columns of wider rows LDH apart (the rank columns route's [x | s]):
-  their columns I .. LDH are set to 0.
+  silu(g) = g / (1 + exp(-g)), computed in float32 and rounded once to the model dtype.
 Reference: `silu_mul_ref` below.
 """
 
@@ -61,8 +59,7 @@ if triton is not None:
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_silu_mul", "y_ptr"))
     def silu_mul_kernel(y_ptr, h_ptr, n, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LDH: tl.constexpr):
         """Grid (token tiles, I / BN): h = silu(gate) * up, h's rows LDH apart (I; or the width of
-        the rank columns route's [x | s], whose first I columns h is: the blocks of the last
-        column tile also write zeros into columns I .. LDH, s before the shrink)."""
+        the rank columns route's [x | s], whose first I columns h is)."""
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         rmask = rows < n
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -72,11 +69,6 @@ if triton is not None:
         h = g / (1.0 + tl.exp(-g)) * u
         tl.store(h_ptr + rows[:, None].to(tl.int64) * LDH + cols[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=rmask[:, None])
-        if tl.program_id(1) == tl.num_programs(1) - 1:
-            for j in tl.static_range(I, LDH, 64):  # [x | s]: s's columns zeros
-                tail = j + tl.arange(0, 64)
-                tl.store(h_ptr + rows[:, None].to(tl.int64) * LDH + tail[None, :],
-                         tl.zeros((BM, 64), dtype=h_ptr.dtype.element_ty), mask=rmask[:, None] & (tail < LDH)[None, :])
 
 
 def _signature(dtype: str) -> dict:

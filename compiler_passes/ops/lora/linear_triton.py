@@ -54,7 +54,6 @@ import numpy as np
 from .. import triton_build
 from .. import activation_triton as ACT
 from ..activation_triton import silu_mul_ref
-from . import sgmv_triton as SG
 from .stage import MAX_PARTS
 
 try:
@@ -263,7 +262,8 @@ if triton is not None:
                            W1: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
                            SPLIT: tl.constexpr, SWAP: tl.constexpr):
-        """Grid (token tiles x SPLIT, N / BN). SPLIT > 1 (narrow linears: too few output tiles to
+        """Grid (token tiles x SPLIT, N / BN); a block reads the A rows of the slots its tile's tokens
+        use (at one token, one adapter's of the batch's). SPLIT > 1 (narrow linears: too few output tiles to
         keep the memory busy): split k of a tile sums inputs [k * PER, (k + 1) * PER) into its slot
         of ws (fp32 x @ W.T and xa) and counts itself in cnt[tile]; the block that counts last sums
         the SPLIT slots in split order (the same bits whichever block is last), adds the delta,
@@ -278,7 +278,7 @@ if triton is not None:
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
         scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
         a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
-        # A rows only of the slots this tile's tokens use (each output tile's block reads them)
+        # A rows only of the slots this tile's tokens use (every output tile's block reads them)
         read = valid & _present(slot_ptr, rows, rmask, jc)
         if SPLIT == 1:
             acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, 0, K, K, KW, BM, BN, BK,
@@ -495,8 +495,7 @@ if triton is not None:
         """Grid (n,), one row per block, the row loaded once (BK: K rounded up to a power of two):
         out[t * LDO : + K] = the RMSNorm of h[t] (PRODUCERS' "rms_norm": the rank columns route's x
         for the one-kernel linear, LDO = K; past FUSED_MAX_TOKENS [x | s]'s first columns, LDO = its
-        width), out[t * LDO + K : + LDO - K] = 0 (s before the shrink, which writes only its tiles'
-        tokens' columns)."""
+        width)."""
         cols = tl.arange(0, BK)
         h_row = h_ptr + tl.program_id(0).to(tl.int64) * K + cols
         if BK == K:
@@ -508,56 +507,38 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
         x = (h * rstd * g).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * LDO + cols, x, mask=cols < K)
-        for j in tl.static_range(K, LDO, 64):  # [x | s]: s's columns zeros
-            tail = j + tl.arange(0, 64)
-            tl.store(out_ptr + tl.program_id(0).to(tl.int64) * LDO + tail,
-                     tl.zeros((64,), dtype=out_ptr.dtype.element_ty), mask=tail < LDO)
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "xe_ptr"))
-    def lora_shrink_xs_kernel(arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr, order_ptr,
-                              tiles_ptr, n, S, base, chunk, split, K: tl.constexpr, KE: tl.constexpr,
-                              M: tl.constexpr, R: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
-                              m2: tl.constexpr, P: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                              RS: tl.constexpr, SC: tl.constexpr, SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr,
-                              ALIGN: tl.constexpr, SORTED: tl.constexpr):
-        """Grid (token tiles, split): xe (n, KE) = [x | s], x in its first K columns and zeros past
-        them (its producer wrote both), s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c
-        of part p))) for token t's own slot's live columns, else 0. SORTED: tile i is tile i of the
-        batch's tiles of BM positions of one slot along the pool's token order (tiles_ptr: the
-        table xs_tiles_wrapper lays out; past its total a block has nothing to do), and its block
-        reads only that slot's A rows; base-model tokens are in no tile (their s stays the
-        producer's zeros). Else tile i is tokens i x BM .. + BM, whose block reads the A rows of
-        every slot its tokens use. Split k takes its `chunk` inputs of x and sums its part of the products into v; with
-        split > 1 the block of a tile that counts last in cnt[tile] sums the splits in order (the
-        same bits whichever block is last), writes s and sets cnt[tile] back to 0."""
+    def lora_shrink_xs_kernel(arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr, n, S, base,
+                              chunk, split, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
+                              m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, P: tl.constexpr,
+                              BM: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr, SC: tl.constexpr,
+                              SPLIT_MAX: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr):
+        """Grid (token tiles, split): xe (n, KE) = [x | s], x in its first K columns (its producer
+        wrote it there), s[t, p x RS + c] = round(scale[s, m_p] * (x[t] . A(column c of part p)))
+        for token t's own slot's live columns, else 0, and s[t, P x RS:] = 0 (the padding up to KE,
+        COLUMN_ALIGN). A block reads the A rows of the slots its tokens use. Split k takes its
+        `chunk` inputs of x and sums its part of the products into v; with split > 1 the block of a
+        tile that counts last in cnt[tile] sums the splits in order (the same bits whichever block
+        is last), writes s and sets cnt[tile] back to 0."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        rmask = rows < n
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
-        if SORTED:
-            if pid_m >= tl.load(tiles_ptr):
-                return
-            ts, p0, p1 = SG.tile_at(tiles_ptr, pid_m)
-            pos = p0 + tl.arange(0, BM)
-            rmask = pos < p1
-            rows = tl.load(order_ptr + pos, mask=rmask, other=0)
-            own = jc == ts  # the tile's slot's rank columns: the only A rows its block reads
-        else:
-            rows = pid_m * BM + tl.arange(0, BM)
-            rmask = rows < n
-            pos = rows
-            own = _present(slot_ptr, rows, rmask, jc)  # the slots of the tile's tokens
         a0, v0 = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         a1, v1 = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK
         kk = k_start + tl.arange(0, BK)
         xe_rows = xe_ptr + rows[:, None].to(tl.int64) * KE
-        acc0, acc1, acc2 = _shrink_steps(xe_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0, v0 & own,
-                                         a1, v1 & own, a2, v2 & own, BM, RS, P, BK, STAGES)
+        here = _present(slot_ptr, rows, rmask, jc)  # A rows only of the slots the tile's tokens use
+        acc0, acc1, acc2 = _shrink_steps(xe_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0,
+                                         v0 & here, a1, v1 & here, a2, v2 & here, BM, RS, P, BK, STAGES)
         c = tl.arange(0, RS)
         last = split == 1
         if split > 1:
-            _store_parts(v_ptr + ((pid_k * n + pos[:, None]).to(tl.int64) * P) * RS + c[None, :], rmask, acc0, acc1,
+            _store_parts(v_ptr + ((pid_k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :], rmask, acc0, acc1,
                          acc2, RS, P)
             tl.debug_barrier()  # every thread's partial stored before the count (released by it)
             last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel", scope="gpu") == split - 1
@@ -566,7 +547,7 @@ if triton is not None:
                 acc1 = tl.zeros((BM, RS), dtype=tl.float32)
                 acc2 = tl.zeros((BM, RS), dtype=tl.float32)
                 for k in tl.static_range(SPLIT_MAX):
-                    part = v_ptr + ((k * n + pos[:, None]).to(tl.int64) * P) * RS + c[None, :]
+                    part = v_ptr + ((k * n + rows[:, None]).to(tl.int64) * P) * RS + c[None, :]
                     on = rmask[:, None] & (k < split)
                     acc0 += tl.load(part, mask=on, other=0.0, cache_modifier=".cg")
                     if P > 1:
@@ -577,6 +558,10 @@ if triton is not None:
         if last:
             _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
                            K, M, R, P, RS, SC)
+            for j in tl.static_range(K + P * RS, KE, RS):  # s's padding to the row's length (COLUMN_ALIGN): zeros
+                pad = j + c
+                tl.store(xe_rows + pad[None, :], tl.zeros((BM, RS), dtype=xe_ptr.dtype.element_ty),
+                         mask=rmask[:, None] & (pad < KE)[None, :])
 
 
 def _signature(dtype: str) -> dict:
@@ -620,13 +605,8 @@ EXPAND_BM, EXPAND_WARPS = 32, 4
 # steps are the best or within 3% of it at every point (0.55-0.92x the plans before at 1024 tokens),
 # the wide inputs (down) with twice the blocks.
 XS_WIDE_INPUTS = 4096
-XS_TILE = 16  # tokens per shrink block (both plans), and of the sorted tiles (xs_tiles_wrapper)
-XS_PLAN = {False: dict(BM=XS_TILE, BK=128, target=264, most=16, warps=4),
-           True: dict(BM=XS_TILE, BK=128, target=528, most=16, warps=4)}
-# The shrink's blocks take BM tokens of one slot along the pool's token order and read only that
-# slot's A rows (`lora_shrink_xs_kernel`'s SORTED), rather than BM consecutive tokens, whose block
-# reads the A rows of every slot of the batch (at 4 x r8, 4x the A bytes a tile needs).
-XS_SORTED = False
+XS_PLAN = {False: dict(BM=16, BK=128, target=264, most=16, warps=4),
+           True: dict(BM=16, BK=128, target=528, most=16, warps=4)}
 
 
 def _cols_signatures(dtype: str) -> tuple[dict, dict]:
@@ -749,22 +729,19 @@ def _cols_route_signatures(dtype: str) -> tuple[dict, dict]:
     fill.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "W0", "W1", "BN", "RS", "SC",
                                            "ALIGN")})
     shrink = dict(arena_ptr=e, slot_ptr="*i32", rank_ptr="*i32", scale_ptr="*fp32", aoff_ptr="*i32", xe_ptr=e,
-                  v_ptr="*fp32", cnt_ptr="*i32", order_ptr="*i32", tiles_ptr="*i32", n="i32", S="i32", base="i64",
-                  chunk="i32", split="i32")
+                  v_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32", base="i64", chunk="i32", split="i32")
     shrink.update({k: "constexpr" for k in ("K", "KE", "M", "R", "m0", "m1", "m2", "P", "BM", "BK", "RS", "SC",
-                                             "SPLIT_MAX", "STAGES", "ALIGN", "SORTED")})
+                                             "SPLIT_MAX", "STAGES", "ALIGN")})
     return fill, shrink
 
 
 def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules: int, max_rank: int,
-              align: int, sorted_tiles: bool | None = None) -> dict:
+              align: int) -> dict:
     """How the rank columns route launches for n tokens (the fill of the spare columns, by
     fill_wrapper when the kept columns change; after x's producer, the shrink into [x | s] and
     cuBLAS over K + P * RANK_COLUMNS inputs, by the linear's TIR wrapper): constants, split, grids,
     warps; `plan`, the shrink's (BM, BK, input steps, target, most) for the wrapper's split
-    (XS_PLAN); sorted_tiles (default XS_SORTED): the shrink's blocks over the batch's tiles of one
-    slot (xs_grid)."""
-    sorted_tiles = XS_SORTED if sorted_tiles is None else sorted_tiles
+    (XS_PLAN)."""
     plan = XS_PLAN[in_f > XS_WIDE_INPUTS]
     cs, _ = cols_constants(in_f, widths, mods, num_modules, max_rank, "small", align)
     bk = next(b for b in (128, 64, 32, 16) if b <= plan["BK"] and in_f % b == 0)
@@ -775,17 +752,10 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
     bn = next(b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths))
     fill = dict(K=in_f, KE=ke, M=num_modules, R=max_rank, m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BN=bn,
                 RS=RANK_COLUMNS, SC=SLOT_COLUMNS, ALIGN=align)
-    consts = dict(cs, BM=plan["BM"], BK=bk, KE=ke, SPLIT_MAX=plan["most"], SORTED=int(sorted_tiles))
+    consts = dict(cs, BM=plan["BM"], BK=bk, KE=ke, SPLIT_MAX=plan["most"])
     return dict(fill=fill, shrink=consts, split=split, chunk=per * bk, fill_grid=(sum(widths) // bn,),
-                shrink_grid=(xs_grid(n, plan["BM"], sorted_tiles), split), fill_warps=4, shrink_warps=plan["warps"], cols=ke,
+                shrink_grid=(tiles, split), fill_warps=4, shrink_warps=plan["warps"], cols=ke,
                 plan=(plan["BM"], bk, in_f // bk, plan["target"], plan["most"]))
-
-
-def xs_grid(n, bm: int, sorted_tiles: bool, minimum=min):
-    """The shrink's blocks along x for n tokens in tiles of bm: a block per bm tokens, and with
-    sorted tiles one more per slot that may hold tokens (each slot's last tile may be partial;
-    minimum: min, or T.min for TIR expressions)."""
-    return (n + bm - 1) // bm + (minimum(n, SLOT_COLUMNS) if sorted_tiles else 0)
 
 
 def norm_launch(in_f: int, ldo: int | None = None) -> dict:
@@ -929,16 +899,13 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.Cast("int32", (n + EXPAND_BM - 1) // EXPAND_BM), e_nt, eth, esh)
 
     @T.macro
-    def shrink_xs(name, plan, threads, shared, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt, order,
-                  tiles):
+    def shrink_xs(name, plan, threads, shared, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt):
         """The shrink `name` adding s to xe = [x | s] (x written by its producer); plan: its (BM, BK,
-        input steps, target, most) (xs_launch); tiles: the batch's sorted tiles (xs_tiles_wrapper's),
-        read where XS_SORTED."""
+        input steps, target, most) (xs_launch)."""
         T.call_packed(name, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data, v.data,
-                      cnt.data, order.data, tiles.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                      cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
                       T.Cast("int32", xs_split(n, plan)[1] * plan[1]), T.Cast("int32", xs_split(n, plan)[2]),
-                      T.int64(0), T.int64(0),
-                      T.Cast("int32", xs_grid(n, plan[0], XS_SORTED, lambda a, b: T.min(a, T.int64(b)))),
+                      T.int64(0), T.int64(0), T.Cast("int32", xs_split(n, plan)[0]),
                       T.Cast("int32", xs_split(n, plan)[2]), threads, shared)
 
     @T.macro
@@ -1010,8 +977,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                               shared)
 
         @T.macro
-        def produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, order, tiles, y, v, xe,
-                     x):
+        def produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x):
             """The producer into x and the one-kernel linear, or the producer into xe, the shrink adding
             s in place and cuBLAS."""
             if n > 0:
@@ -1019,20 +985,17 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                     produce(rn, rth, rsh, n, h, g, x)
                     one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:
-                    assert xs_grid(n, q_plan[0], XS_SORTED, lambda a, b: T.min(a, T.int64(b))) <= COUNTER_SLOTS, (
-                        "more tokens than the rank columns route's split counters cover")
                     produce(cn, cth, csh, n, h, g, xe)
-                    shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt,
-                              order, tiles)
+                    shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
         @T.prim_func(s_tir=True)
         def lora_linear_norm(h_h: T.handle, g_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle,
                              rank_h: T.handle, scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle,
-                             layer: T.int64, cnt_h: T.handle, order_h: T.handle, tiles_h: T.handle, y_h: T.handle,
-                             v_h: T.handle, xe_h: T.handle, x_h: T.handle):
+                             layer: T.int64, cnt_h: T.handle, y_h: T.handle, v_h: T.handle, xe_h: T.handle,
+                             x_h: T.handle):
             T.func_attr(kernel_attrs(True))
-            n, S, size, nv, nt = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
             h = T.match_buffer(h_h, (n, in_f), dtype)
             g = T.match_buffer(g_h, (in_f,), dtype)
             w = T.match_buffer(w_h, (W, KE), dtype)
@@ -1043,22 +1006,18 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
             b_off = T.match_buffer(boff_h, (S, M, R), "int32")
             cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
-            order = T.match_buffer(order_h, (n,), "int32")
-            tiles = T.match_buffer(tiles_h, (nt,), "int32")
             y = T.match_buffer(y_h, (n, W), dtype)
             v = T.match_buffer(v_h, (nv,), "float32")
             xe = T.match_buffer(xe_h, (n, KE), dtype)
             x = T.match_buffer(x_h, (n, in_f), dtype)
-            produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, order, tiles, y, v, xe,
-                     x)
+            produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x)
 
         @T.prim_func(s_tir=True)
         def lora_linear_silu(h_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
                              scale_h: T.handle, aoff_h: T.handle, boff_h: T.handle, layer: T.int64, cnt_h: T.handle,
-                             order_h: T.handle, tiles_h: T.handle, y_h: T.handle, v_h: T.handle, xe_h: T.handle,
-                             x_h: T.handle):
+                             y_h: T.handle, v_h: T.handle, xe_h: T.handle, x_h: T.handle):
             T.func_attr(kernel_attrs(True))
-            n, S, size, nv, nt = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
             h = T.match_buffer(h_h, (n, 2 * in_f), dtype)
             w = T.match_buffer(w_h, (W, KE), dtype)
             arena = T.match_buffer(arena_h, (size,), dtype)
@@ -1068,14 +1027,11 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
             b_off = T.match_buffer(boff_h, (S, M, R), "int32")
             cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
-            order = T.match_buffer(order_h, (n,), "int32")
-            tiles = T.match_buffer(tiles_h, (nt,), "int32")
             y = T.match_buffer(y_h, (n, W), dtype)
             v = T.match_buffer(v_h, (nv,), "float32")
             xe = T.match_buffer(xe_h, (n, KE), dtype)
             x = T.match_buffer(x_h, (n, in_f), dtype)
-            produced(n, S, size, layer, h, h, w, arena, slot, rank, scale, a_off, b_off, cnt, order, tiles, y, v, xe,
-                     x)
+            produced(n, S, size, layer, h, h, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x)
 
         return (lora_linear_norm if producer == "rms_norm" else lora_linear_silu), mods_out
 
@@ -1109,42 +1065,6 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                                   y, v)
 
     return lora_linear_triton, mods_out
-
-
-def xs_tiles_wrapper(max_slots: int, arch: str):
-    """(TIR wrapper, CUDA modules). Signature: (order (n,) int32, slot_start (cap + 1,) int32, tiles
-    (>= sgmv_triton.tile_table_len(n),) int32 [out]): past FUSED_MAX_TOKENS tokens the batch's
-    tiles of XS_TILE positions of one slot along the pool's token order (sgmv_triton's tile
-    kernel), which the rank columns route's shrinks read where XS_SORTED; up to it nothing (the
-    one-kernel linear reads no tiles)."""
-    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
-
-    from ..kernel_attrs import kernel_attrs  # pylint: disable=import-outside-toplevel
-
-    consts = SG.tiles_constants("tiny", max_slots, {"BM": XS_TILE})
-    name, threads, shared, mod = SG.tiles_module(consts, arch)
-    SP = consts["SP"]
-
-    # pylint: disable=unused-variable
-    @T.prim_func(s_tir=True)
-    def lora_xs_tiles(order_h: T.handle, start_h: T.handle, tiles_h: T.handle):
-        T.func_attr(kernel_attrs(True))
-        n, cap1, nt = T.int64(), T.int64(), T.int64()
-        order = T.match_buffer(order_h, (n,), "int32")
-        start = T.match_buffer(start_h, (cap1,), "int32")
-        tiles = T.match_buffer(tiles_h, (nt,), "int32")
-        # a root block: relax's reshape detection reads the body of a function whose buffers
-        # share one dtype (here all int32) and expects one
-        with T.sblock("root"):
-            T.reads(start[0:cap1])
-            T.writes(tiles[0:nt])
-            assert cap1 - 1 <= SP, "more LoRA slots than the kernels were built for"
-            assert nt >= SG.tile_table_len(n), "the LoRA tile table is too short for the batch"
-            if n > FUSED_MAX_TOKENS:
-                T.call_packed(name, start.data, tiles.data, T.Cast("int32", cap1 - 1), T.int64(0), T.int64(0),
-                              T.Cast("int32", SG.tiles_grid(n, cap1 - 1, XS_TILE, T.min)), 1, threads, shared)
-
-    return lora_xs_tiles, [mod]
 
 
 def fill_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str, align: int,
@@ -1238,21 +1158,9 @@ class FusedLinear:
                      relax.TensorType([n, w_cols], dtype), relax.TensorType([n, in_f], dtype)]
         else:
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
-        ins = [w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"], t["lora_scale"], t["lora_a_off"],
-               t["lora_b_off"], layer_arg(layer), counters]
-        if cols:  # the batch's tiles of one slot, laid out once per function for its shrinks
-            order, start = t["lora_token_order"], t["lora_slot_start"]
-
-            def make_tiles():
-                func, mods_ = xs_tiles_wrapper(ctx.max_slots, str(ctx.target.arch))
-                for i, mod in enumerate(mods_):
-                    ctx.external(("xs_tiles", "module", i), lambda mod=mod: mod)
-                return func
-
-            tiles_fn = ctx.kernel(("xs_tiles",), "lora_xs_tiles", make_tiles)
-            ins += [order, ctx.per_function(("xs tiles",), lambda: bb.emit(relax.call_tir(
-                tiles_fn, [order, start], relax.TensorType([SG.tile_table_len(n)], "int32"))))]
-        out = bb.emit(relax.call_tir(fn, head + ins, outs))
+        out = bb.emit(relax.call_tir(fn, head + [w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
+                                                 t["lora_scale"], t["lora_a_off"], t["lora_b_off"], layer_arg(layer),
+                                                 counters], outs))
         y = bb.emit(relax.TupleGetItem(out, 0))
         return relax.op.reshape(y, out_shape)
 

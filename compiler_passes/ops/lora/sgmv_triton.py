@@ -260,7 +260,7 @@ if triton is not None:
         tl.store(tiles_ptr + 3 + 3 * t, p1, mask=ok)
 
     @triton.jit
-    def tile_at(tiles_ptr, t):
+    def _tile_at(tiles_ptr, t):
         """(slot, first sorted position, end position) of tile t of the table."""
         return tl.load(tiles_ptr + 1 + 3 * t), tl.load(tiles_ptr + 2 + 3 * t), tl.load(tiles_ptr + 3 + 3 * t)
 
@@ -305,7 +305,7 @@ if triton is not None:
         for w in range(pid_c * gx + tl.program_id(0), total * cd, C * gx):
             t = w % total
             c = w // total
-            s, p0, p1 = tile_at(tiles_ptr, t)
+            s, p0, p1 = _tile_at(tiles_ptr, t)
             sc = tl.load(scale_ptr + s * M + m)
             r_s = tl.load(rank_ptr + s)
             if (sc != 0.0) & (rb * RBS < r_s):
@@ -357,7 +357,7 @@ if triton is not None:
             q = w // total
             part = tl.where(q < a0, 0, tl.where(q < a0 + a1, 1, 2))
             m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
-            s, p0, p1 = tile_at(tiles_ptr, t)
+            s, p0, p1 = _tile_at(tiles_ptr, t)
             sc = tl.load(scale_ptr + s * M + tl.maximum(m, 0))
             if (m >= 0) & (sc != 0.0):
                 width = tl.where(part == 0, w0, tl.where(part == 1, w1, w2))
@@ -598,13 +598,6 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     return lora_expand_triton, [b[3] for b in built.values()]
 
 
-def tiles_module(consts: dict, arch: str):
-    """(name, launch threads, dynamic shared bytes, TVM CUDA module) of the tile kernel with
-    `consts` (tiles_constants'; BM, SP, TB)."""
-    return triton_build.cuda_module(lora_tiles_kernel, _signature("tiles", ""), consts, 4, arch, Path(__file__),
-                                    num_stages=1)
-
-
 def tiles_wrapper(max_slots: int, arch: str):
     """(TIR wrapper, CUDA modules). Signature: (order (n,) int32, slot_start (cap + 1,) int32,
     tiles (>= tile_table_len(n),) int32 [out]): the batch's tiles in the tile variant's BM
@@ -612,7 +605,8 @@ def tiles_wrapper(max_slots: int, arch: str):
     from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
 
     SP = _slot_pad(max_slots)
-    built = {var: tiles_module(tiles_constants(var, max_slots), arch) for var in VARIANTS}
+    built = {var: triton_build.cuda_module(lora_tiles_kernel, _signature("tiles", ""), tiles_constants(var, max_slots),
+                                           4, arch, Path(__file__), num_stages=1) for var in VARIANTS}
 
     def args(var, n, cap1):  # after the pointers: S, the launch (grid x, y, threads, shared bytes)
         _, threads, shared, _ = built[var]

@@ -13,16 +13,15 @@ from mlc_lora.compiler_passes.ops.activation_triton import block_cols, silu_mul_
 from .lora.conftest import interpret  # noqa: E402
 
 
-@pytest.mark.parametrize("dtype,ldh", [(np.float32, 48), (np.float16, 48), (np.float16, 48 + 96)])
+@pytest.mark.parametrize("dtype,ldh", [(np.float32, 48), (np.float16, 48), (np.float16, 48 + 32)])
 def test_silu_mul_kernel_matches_reference(tmp_path, dtype, ldh):
     """h = silu(gate) * up over 37 tokens (a partial block) of 2 x 48; also into the first 48 columns
-    of rows 144 apart (the rank columns route's [x | s]), the columns past them set to zeros over
-    NaN (s before the shrink)."""
+    of rows 80 apart (the rank columns route's [x | s]), the columns past them left alone."""
     y = (np.random.default_rng(6).standard_normal((37, 96)) * 3).astype(dtype)
     h = interpret(tmp_path, gate_up=y, ldh=ldh)["h"]
     got = h[:, :48].astype(np.float64)
     np.testing.assert_allclose(got, silu_mul_ref(y), rtol=1e-5 if dtype == np.float32 else 2e-3, atol=1e-6)
-    assert (h[:, 48:] == 0).all()
+    assert np.isnan(h[:, 48:]).all()
 
 
 def test_supported_names_what_it_cannot_run():

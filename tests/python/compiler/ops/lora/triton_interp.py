@@ -115,16 +115,13 @@ def run_xs(inp: dict) -> dict:
     NaN before, as an earlier fill's B rows; the other parts' zeros, as compiled) from the tables
     of the kept slots (`fill_slots` of them: not the stale one past them, which the forward's
     tables keep), x's producer into [x | s]'s first columns (h: its input, g: its gain, eps; with
-    none, x and zeros beside it written there as a producer would), the shrink adding s (xe and the
-    partial sums NaN before, the counters zeros; `sorted`: over the batch's tiles of one slot along
-    the pool's token order), then [x | s] @ [W | B cols].T (as cuBLAS:
-    fp32 sums, rounded to the dtype), launched as fill_wrapper and the linear's TIR wrapper launch
-    them."""
+    none, x written there as a producer would), the shrink adding s (xe and the partial sums NaN
+    before, the counters zeros), then [x | s] @ [W | B cols].T (as cuBLAS: fp32 sums, rounded to the
+    dtype), launched as fill_wrapper and the linear's TIR wrapper launch them."""
     import torch
 
     from mlc_lora.compiler_passes.ops import activation_triton as AT
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
-    from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
 
     _interpreter_scalars()
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
@@ -132,12 +129,7 @@ def run_xs(inp: dict) -> dict:
     mods, widths = [int(m) for m in inp["mods"]], [int(v) for v in inp["widths"]]
     n, K = x.shape
     producer = str(inp.get("producer", "copy"))
-    sorted_tiles = bool(inp.get("sorted", LT.XS_SORTED))
-    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8, sorted_tiles)
-    order, start = ST.sort_tokens_ref(inp["slot"], len(inp["rank"]))
-    tiles = np.full(ST.tile_table_len(n), -7, np.int32)  # entries past the table's own: garbage
-    table = ST.tiles_ref(start, go["shrink"]["BM"])
-    tiles[:len(table)] = table
+    go = LT.xs_launch(n, K, widths, mods, scale.shape[1], int(inp["R"]), 8)
     w_ext = torch.zeros((sum(widths), go["cols"]), dtype=t(x).dtype)
     w_ext[:, :K] = t(w)
     o = 0
@@ -161,10 +153,9 @@ def run_xs(inp: dict) -> dict:
                                                       num_warps=AT.WARPS)
     else:
         xe[:, :K] = t(x)
-        xe[:, K:] = 0
     LT.lora_shrink_xs_kernel[go["shrink_grid"]](
-        t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt, t(order), t(tiles), n,
-        S, base, go["chunk"], go["split"], **go["shrink"], num_warps=go["shrink_warps"])
+        t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt, n, S, base,
+        go["chunk"], go["split"], **go["shrink"], num_warps=go["shrink_warps"])
     y = (xe.numpy().astype(np.float32) @ w_ext.numpy().astype(np.float32).T).astype(x.dtype)
     return {"y": y, "cnt": cnt.numpy(), "cols": w_ext[:, K:].numpy(), "xe": xe.numpy()}
 
