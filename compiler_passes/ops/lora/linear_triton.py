@@ -223,14 +223,20 @@ if triton is not None:
         return in1 + in2, m0 + in1 * (m1 - m0) + in2 * (m2 - m1), in1 * W0 + in2 * W1
 
     @triton.jit
-    def _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo, k_hi, K: tl.constexpr,
-                KW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr,
-                STAGES: tl.constexpr, SWAP: tl.constexpr):
+    def _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo, k_hi, n, r0, c0, K: tl.constexpr,
+                KW: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                RS: tl.constexpr, STAGES: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
         """(x @ W.T, x @ A_cat.T) over inputs [k_lo, k_hi), W's rows KW apart: (BM x BN, BM x RS)
-        fp32. SWAP: the
+        fp32 for x's rows `rows` (from r0) and W's rows `cols` (from c0). SWAP: the
         products taken transposed (W @ x.T: the outputs are the MMA's rows, the tokens its columns,
-        so a block of few tokens still fills Hopper's 64-row warpgroup MMA), then transposed back."""
+        so a block of few tokens still fills Hopper's 64-row warpgroup MMA), then transposed back.
+        TMA: x's and W's tiles loaded by the tensor memory accelerator (device-side descriptors,
+        which need Triton's global scratch at launch; x's rows past n load as zeros); the A rows
+        (one per rank column, anywhere in the arena) by pointers either way."""
         kk = tl.arange(0, BK)
+        if TMA:
+            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n, K], strides=[K, 1], block_shape=[BM, BK])
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[KW, 1], block_shape=[BN, BK])
         if SWAP:
             x_ptrs = x_ptr + rows[None, :].to(tl.int64) * K + kk[:, None]  # (BK, BM)
             w_ptrs = w_ptr + cols[:, None].to(tl.int64) * KW + kk[None, :]  # (BN, BK)
@@ -238,8 +244,13 @@ if triton is not None:
             acc_t = tl.zeros((BN, BM), dtype=tl.float32)
             xa_t = tl.zeros((RS, BM), dtype=tl.float32)
             for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-                xt = tl.load(x_ptrs + k0, mask=rmask[None, :], other=0.0)
-                acc_t = tl.dot(tl.load(w_ptrs + k0), xt, acc_t)
+                if TMA:
+                    xt = tl.trans(x_desc.load([r0, k0]))
+                    wt = w_desc.load([c0, k0])
+                else:
+                    xt = tl.load(x_ptrs + k0, mask=rmask[None, :], other=0.0)
+                    wt = tl.load(w_ptrs + k0)
+                acc_t = tl.dot(wt, xt, acc_t)
                 xa_t = tl.dot(tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0), xt, xa_t)
             return tl.trans(acc_t), tl.trans(xa_t)
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
@@ -248,8 +259,13 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         xa = tl.zeros((BM, RS), dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
-            acc = tl.dot(xt, tl.load(w_ptrs + k0), acc)
+            if TMA:
+                xt = x_desc.load([r0, k0])
+                wt = tl.trans(w_desc.load([c0, k0]))
+            else:
+                xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
+                wt = tl.load(w_ptrs + k0)
+            acc = tl.dot(xt, wt, acc)
             xa = tl.dot(xt, tl.load(a_ptrs + k0, mask=valid[None, :], other=0.0), xa)
         return acc, xa
 
@@ -261,7 +277,7 @@ if triton is not None:
                            m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr,
                            W1: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
-                           SPLIT: tl.constexpr, SWAP: tl.constexpr):
+                           SPLIT: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
         """Grid (token tiles x SPLIT, N / BN); a block reads the A rows of the slots its tile's tokens
         use (at one token, one adapter's of the batch's). SPLIT > 1 (narrow linears: too few output tiles to
         keep the memory busy): split k of a tile sums inputs [k * PER, (k + 1) * PER) into its slot
@@ -281,8 +297,8 @@ if triton is not None:
         # A rows only of the slots this tile's tokens use (every output tile's block reads them)
         read = valid & _present(slot_ptr, rows, rmask, jc)
         if SPLIT == 1:
-            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, 0, K, K, KW, BM, BN, BK,
-                              RS, STAGES, SWAP)
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, 0, K, n, pid_m * BM,
+                              pid_n * BN, K, KW, N, BM, BN, BK, RS, STAGES, SWAP, TMA)
             delta, _ = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
                               o_p, x_ptr.dtype.element_ty, ALIGN)
             tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
@@ -292,7 +308,8 @@ if triton is not None:
             k_lo = tl.multiple_of(pid_k * PER, BK)
             # no mask along the inputs (a varying one makes scalar loads): the last split ends at K
             acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, k_lo,
-                              tl.minimum(K, k_lo + PER), K, KW, BM, BN, BK, RS, STAGES, SWAP)
+                              tl.minimum(K, k_lo + PER), n, pid_m * BM, pid_n * BN, K, KW, N, BM, BN, BK, RS, STAGES,
+                              SWAP, TMA)
             TILE: tl.constexpr = BM * (BN + RS)
             tile = pid_m * (N // BN) + pid_n
             r = tl.arange(0, BM)
@@ -570,7 +587,7 @@ def _signature(dtype: str) -> dict:
                aoff_ptr="*i32", boff_ptr="*i32", y_ptr=e, ws_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32",
                base="i64")
     sig.update({k: "constexpr" for k in ("K", "KW", "N", "M", "R", "m0", "m1", "m2", "W0", "W1", "BM", "BN", "BK",
-                                          "RS", "SC", "STAGES", "ALIGN", "SPLIT", "SWAP")})
+                                          "RS", "SC", "STAGES", "ALIGN", "SPLIT", "SWAP", "TMA")})
     return sig
 
 
@@ -582,7 +599,8 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     m, w = padded_parts(mods, widths)
     consts = dict(K=in_f, KW=in_f if w_cols is None else w_cols, N=sum(widths), M=num_modules, R=max_rank,
                   m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
-                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"])
+                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"],
+                  TMA=0)  # (TMA loads need Triton's global scratch, which the library's launches do not pass)
     return consts, cfg["num_warps"]
 
 

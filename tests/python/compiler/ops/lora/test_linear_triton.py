@@ -44,6 +44,18 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
     ("xs", 70, 1, 0, 0), ("xs", 130, 1, 0, 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
+    _check_kernel(tmp_path, bm, n, split, swap, cols, dtype)
+
+
+@pytest.mark.parametrize("bm,n,split,swap,cols", [(16, 21, 2, 0, 0), (32, 29, 3, 1, 32), (64, 70, 1, 0, 96),
+                                                  (16, 21, 3, 1, 0)])
+def test_kernel_with_tma_loads_matches_reference(tmp_path, bm, n, split, swap, cols):
+    """The one-kernel linear with x's and W's tiles loaded by TMA (device-side descriptors: a
+    partial token tile's rows past n load as zeros; W's first K columns of rows KW apart)."""
+    _check_kernel(tmp_path, bm, n, split, swap, cols, np.float16, tma=1)
+
+
+def _check_kernel(tmp_path, bm, n, split, swap, cols, dtype, tma=0):
     """bm 16/32/64: the fused kernel's token tiers (their block heights), its K loop in `split` blocks per tile (3: one
     input step each, 2: two and one), its products taken transposed (`swap`); `cols`: the weight
     stored with that many columns beside its own (NaN: never read); "small"/"large":
@@ -68,6 +80,8 @@ def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
     c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
     assert not (c["slot"] == stale).any()
     kw = dict(bm=bm, split=split, swap=swap) if isinstance(bm, int) else dict(bm=64, variant=bm, fill_slots=stale)
+    if tma:
+        kw["tma"] = 1
     wide = np.concatenate([c["w"], np.full((c["w"].shape[0], cols), np.nan, c["w"].dtype)], axis=1)
     out = interpret(tmp_path, **{**c, "w": wide}, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
