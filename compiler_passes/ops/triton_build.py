@@ -5,7 +5,9 @@ launches with `T.call_packed(name, *args, 0, 0, grid..., threads, shared_bytes)`
 A kernel's signature maps each argument to a Triton type ("*fp16", "i32", "i64", "fp32", "constexpr");
 pointers and the `base` offset are declared 16-byte divisible (TVM's allocations are; the layer base
 of the LoRA arena too) so loads vectorize. Triton appends two scratch pointers (global and profile
-scratch, unused: the launch passes null) and the grid/launch arguments follow them.
+scratch) and the grid/launch arguments follow them. A kernel built with `scratch=True` may use
+global scratch (device-side tensor descriptors: TMA loads): its launch passes a buffer of
+`global_scratch` bytes (the metadata's) per program there; others get null for both.
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ _DIVISIBLE = ("base",)  # integer arguments that are multiples of 16 bytes' wort
 MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
-def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
+def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3,
+                   scratch: bool = False):
     """(kernel name, cubin, metadata) of `fn` built with `consts` (num_stages: the software
     pipeline's depth, Triton's default 3); cached on disk by the content of `source` (the file
-    holding fn), the signature, the constants, the launch options, the arch and Triton's version."""
+    holding fn), the signature, the constants, the launch options, the arch and Triton's version.
+    A kernel that needs global scratch is refused unless `scratch` (metadata: `global_scratch`
+    bytes per program, `global_scratch_align`)."""
     from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
     from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
 
@@ -48,14 +53,17 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
     if out.with_suffix(".json").exists():
         meta = json.loads(out.with_suffix(".json").read_text())
         _check_shared(meta, cap, consts)
+        _check_scratch(meta, scratch)
         return meta["name"], out.with_suffix(".cubin").read_bytes(), meta
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     md = k.metadata
-    if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
-        raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
-    meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared)
+    if getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
+        raise RuntimeError(f"{md.name}: the Triton kernel needs profile scratch or clusters; unsupported")
+    meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared, global_scratch=md.global_scratch_size,
+                global_scratch_align=md.global_scratch_align)
     _check_shared(meta, cap, consts)
+    _check_scratch(meta, scratch)
     write_cached(out.with_suffix(".cubin"), k.asm["cubin"])
     write_cached(out.with_suffix(".json"), json.dumps(meta))  # last: a reader that sees it finds the cubin
     return md.name, k.asm["cubin"], meta
@@ -69,22 +77,32 @@ def _check_shared(meta: dict, cap: int, consts: dict) -> None:
                          f"may take on sm_{cap} (constants {consts}); fewer stages or smaller tiles")
 
 
-def arg_types(sig: dict) -> list[str]:
+def _check_scratch(meta: dict, scratch: bool) -> None:
+    """Refuse a kernel that needs global scratch where its launch passes none."""
+    if meta.get("global_scratch", 0) and not scratch:
+        raise RuntimeError(f"{meta['name']}: the Triton kernel needs {meta['global_scratch']} bytes of global "
+                           "scratch a program, which its launch does not pass")
+
+
+def arg_types(sig: dict, scratch: bool = False) -> list[str]:
     """The TVM types of a kernel's launch arguments (its signature's non-constexpr ones, then the
-    scratch pointers): how TVM's CUDA module packs each value it is called with."""
+    scratch pointers: the global one a pointer where the kernel takes `scratch`): how TVM's CUDA
+    module packs each value it is called with."""
     bad = [f"{k}: {t}" for k, t in sig.items() if not t.startswith("*") and t != "constexpr" and t not in _ARG_TYPES]
     if bad:
         raise ValueError(f"scalar kernel arguments of types {bad}: only {sorted(_ARG_TYPES)} are launched")
-    return ["handle" if t.startswith("*") else _ARG_TYPES[t] for t in sig.values() if t != "constexpr"] + [
-        "int64"] * SCRATCH
+    return ["handle" if t.startswith("*") else _ARG_TYPES[t] for t in sig.values() if t != "constexpr"] + (
+        ["handle", "int64"] if scratch else ["int64"] * SCRATCH)
 
 
-def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
-    """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant."""
+def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3,
+                scratch: bool = False):
+    """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant (scratch:
+    it may take global scratch, a pointer its launch passes; `scratch_bytes` says how much)."""
     import tvm  # pylint: disable=import-outside-toplevel
 
-    name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages)
-    types = arg_types(sig)
+    name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages, scratch)
+    types = arg_types(sig, scratch)
     info = {"tvm_version": tvm.__version__, "func_info": {name: {
         "name": "", "arg_types": types, "launch_param_tags": _LAUNCH_TAGS}}}
     fmap = tvm.get_global_func("runtime.LoadMetaDataFromJSON")(json.dumps(info))
@@ -104,3 +122,10 @@ def kernel_namer(prefix: str, ptr_arg: str):
         return f"{prefix}_{dtype}_" + "_".join(f"{k}{v}".replace("-", "n") for k, v in sorted(c.items()))
 
     return name
+
+
+def scratch_bytes(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
+    """(global scratch bytes per program, their alignment) of a kernel variant built with scratch
+    (from the on-disk cache after cuda_module built it)."""
+    _, _, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages, scratch=True)
+    return meta.get("global_scratch", 0), meta.get("global_scratch_align", 1)

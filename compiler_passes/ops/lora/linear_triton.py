@@ -75,6 +75,11 @@ DTYPES = ("float16", "bfloat16")
 # at blocks of 16 tokens, the first that fits (H200, Llama-2-7B: o 32 steps -> 2, down 86 -> 3)
 SPLIT_STEPS = ((3, 64), (2, 16))
 COUNTER_SLOTS = 1024  # the split tiles' counters of one forward (zeros; each kernel leaves them so)
+# The one-kernel linear loads x's and W's tiles by TMA (its TMA constant; Triton's device-side
+# descriptors, written to global scratch that the wrapper passes from the call's scratch v): off
+# until `bench_lora_fused.py tune --shapes tma-linear` says it beats the pointer loads.
+LINEAR_TMA = False
+TMA_SCRATCH_BYTES = 512  # global scratch a program may take (Triton 3.6: 128 bytes per descriptor, two)
 
 
 def padded_parts(mods: Sequence[int], widths: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -142,6 +147,19 @@ def tile_config(in_f: int, widths: Sequence[int], tier: int) -> dict:
     bk = next((b for b in (256, 128, 64, 32, 16) if b <= prefer and in_f % b == 0), None)
     warps = 8 if (bn == 128 and bk == 128) else 4
     return dict(BM=bm, BN=bn, BK=bk, STAGES=4, SPLIT=split, SWAP=0, num_warps=warps)
+
+
+def tma_scratch(in_f: int, widths: Sequence[int]) -> tuple[int, int]:
+    """(offset, elements) in the call's fp32 scratch v of the one-kernel linear's global scratch
+    (LINEAR_TMA: TMA_SCRATCH_BYTES a program for the most programs of a tier; after the split
+    partial sums, 256-byte aligned), (0, 0) without."""
+    if not LINEAR_TMA:
+        return 0, 0
+    most = 0
+    for tier in TOKEN_TIERS:
+        cfg = tile_config(in_f, widths, tier)
+        most = max(most, -(-tier // cfg["BM"]) * cfg["SPLIT"] * (sum(widths) // cfg["BN"]))
+    return -(-split_scratch_elems(in_f, widths) // 64) * 64, most * TMA_SCRATCH_BYTES // 4
 
 
 def split_scratch_elems(in_f: int, widths: Sequence[int]) -> int:
@@ -599,8 +617,7 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     m, w = padded_parts(mods, widths)
     consts = dict(K=in_f, KW=in_f if w_cols is None else w_cols, N=sum(widths), M=num_modules, R=max_rank,
                   m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
-                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"],
-                  TMA=0)  # (TMA loads need Triton's global scratch, which the library's launches do not pass)
+                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"], TMA=int(LINEAR_TMA))
     return consts, cfg["num_warps"]
 
 
@@ -846,7 +863,13 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         key = (tuple(sorted(consts.items())), warps)
         if key not in kernels:
             name, threads, shared, mod = triton_build.cuda_module(lora_linear_kernel, _signature(dtype), consts,
-                                                                  warps, arch, Path(__file__))
+                                                                  warps, arch, Path(__file__), scratch=LINEAR_TMA)
+            if LINEAR_TMA:
+                size, at = triton_build.scratch_bytes(lora_linear_kernel, _signature(dtype), consts, warps, arch,
+                                                      Path(__file__))
+                if size > TMA_SCRATCH_BYTES or 256 % at:
+                    raise RuntimeError(f"{name}: {size} bytes of global scratch a program aligned to {at}; the "
+                                       f"wrapper passes {TMA_SCRATCH_BYTES} aligned to 256")
             kernels[key] = (name, threads, shared)
             mods_out.append(mod)
         built[tier] = kernels[key] + (consts["BM"], W // consts["BN"], consts["SPLIT"])
@@ -926,13 +949,23 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.int64(0), T.int64(0), T.Cast("int32", xs_split(n, plan)[0]),
                       T.Cast("int32", xs_split(n, plan)[2]), threads, shared)
 
+    tma_at, _ = tma_scratch(in_f, widths)
+
     @T.macro
     def tier_kernel(name, bm, nt, split, threads, shared, n, S, size, layer, x, w, arena, slot, rank, scale, a_off,
                     b_off, y, v, cnt):
-        """The one-kernel linear `name` (blocks of bm tokens, nt output tiles, split inputs)."""
-        T.call_packed(name, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data, b_off.data,
-                      y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                      T.int64(0), T.int64(0), T.Cast("int32", (n + bm - 1) // bm * split), nt, threads, shared)
+        """The one-kernel linear `name` (blocks of bm tokens, nt output tiles, split inputs); with
+        LINEAR_TMA its global scratch at v[tma_at:] (tma_scratch)."""
+        if LINEAR_TMA:
+            T.call_packed(name, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
+                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                          layer * (size // L), T.address_of(v[tma_at]), T.int64(0),
+                          T.Cast("int32", (n + bm - 1) // bm * split), nt, threads, shared)
+        else:
+            T.call_packed(name, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
+                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
+                          layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + bm - 1) // bm * split),
+                          nt, threads, shared)
 
     @T.macro
     def one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):
@@ -1168,14 +1201,15 @@ class FusedLinear:
             f"_of{w_cols}" if w_cols != in_f else "") + {"copy": "", "rms_norm": "_norm", "silu_mul": "_silu"}[kind]
         fn = ctx.kernel(key, name, make)
         outs = [relax.TensorType([n, W], dtype)]
+        at, tma = tma_scratch(in_f, widths)  # the split partial sums, then the TMA descriptors' scratch
+        fixed = max(split_scratch_elems(in_f, widths), at + tma)
         if rows:  # no shrink partials; e = x @ [W; rank rows].T
-            outs += [relax.TensorType([max(1, split_scratch_elems(in_f, widths))], "float32"),
-                     relax.TensorType([n, w_rows], dtype)]
+            outs += [relax.TensorType([max(1, fixed)], "float32"), relax.TensorType([n, w_rows], dtype)]
         elif cols:  # the shrink's partial sums; xe = [x | s]; x, which the wrapper makes
-            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32"),
+            outs += [relax.TensorType([scratch_elems(n, widths) + fixed], "float32"),
                      relax.TensorType([n, w_cols], dtype), relax.TensorType([n, in_f], dtype)]
         else:
-            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
+            outs += [relax.TensorType([scratch_elems(n, widths) + fixed], "float32")]
         out = bb.emit(relax.call_tir(fn, head + [w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
                                                  t["lora_scale"], t["lora_a_off"], t["lora_b_off"], layer_arg(layer),
                                                  counters], outs))

@@ -5,6 +5,7 @@ tile choice fits every linear it accepts; LoraSpec decides which batches it cove
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -203,6 +204,37 @@ def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
     assert script.count("mlc_lora_triton_shrink_cols_bf16") == 2 and "mlc_lora_triton_expand_cols_bf16" in script
     assert script.count("mlc_lora.runtime.cublas_gemm") == 1
     # the host code computes the launches without scalar buffers (which would live in device memory)
+    import tvm
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
+    mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule({"main": fn.with_attr("global_symbol", "main")}))
+    host = tvm.ir.transform.Sequential([tvm.tirx.transform.MakePackedAPI(), tvm.tirx.transform.LowerTVMBuiltin()])(mod)
+    assert "TVMBackendAllocWorkspace" not in host.script()
+
+
+def test_tma_loads_take_global_scratch_from_the_wrapper(cubin_cache, monkeypatch):
+    """With LINEAR_TMA the one-kernel linear's descriptors need Triton's global scratch: a build
+    that would launch it without is refused; the wrapper passes a pointer into the call's scratch
+    v (after the split partial sums, 256-byte aligned, TMA_SCRATCH_BYTES a program for the most
+    programs of a tier), declared a pointer in the module's launch types, and the host code still
+    computes the launches without scalar buffers."""
+    from mlc_lora.compiler_passes.ops import triton_build
+
+    consts, warps = LT.constants(4096, (4096,), (3,), 7, 16, 32, 8)
+    with pytest.raises(RuntimeError, match="global scratch"):
+        triton_build.compile_kernel(LT.lora_linear_kernel, LT._signature("float16"), dict(consts, TMA=1), warps,
+                                    "sm_90a", Path(LT.__file__))  # pylint: disable=protected-access
+    size, align = triton_build.scratch_bytes(LT.lora_linear_kernel, LT._signature("float16"), dict(consts, TMA=1),
+                                             warps, "sm_90a", Path(LT.__file__))  # pylint: disable=protected-access
+    assert 0 < size <= LT.TMA_SCRATCH_BYTES and 256 % align == 0
+    assert triton_build.arg_types(LT._signature("float16"), scratch=True)[-2:] == ["handle", "int64"]
+    monkeypatch.setattr(LT, "LINEAR_TMA", True)
+    at, elems = LT.tma_scratch(4096, (4096,))
+    assert at % 64 == 0 and at >= LT.split_scratch_elems(4096, (4096,)) and elems > 0
+    fn, _ = LT.linear_wrapper(4096, (4096,), (3,), 2, 16, 7, "float16", 8, "sm_90a")
+    script = fn.script()
+    assert "_TMA1_" in script and "_TMA0_" not in script
+    assert script.count("T.address_of(v[" + str(at) + "])") == 3, script  # the three tiers' launches
     import tvm
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
