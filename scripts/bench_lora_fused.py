@@ -275,6 +275,14 @@ def _tma_linear_configs(LT, pt):
 _TMA = {}
 
 
+def _set_tma_allocator(torch):
+    """Triton's global scratch for device-side tensor descriptors (TMA loads) launched from here: a
+    torch allocation per launch (inside a captured graph, from its pool)."""
+    import triton  # pylint: disable=import-outside-toplevel
+
+    triton.set_allocator(lambda size, align, stream: torch.empty((size,), dtype=torch.int8, device="cuda"))
+
+
 def tma_gemm_kernel():
     """A candidate for the one-kernel linear's GEMM at a few tokens: the products transposed (the
     outputs on the warpgroup MMA's rows) with x's and W's tiles loaded by the tensor memory
@@ -343,10 +351,7 @@ def _tma_configs(LT, pt):
 def _tma_group(torch, LT, pt):
     """The GEMM alone at pt.T tokens: tma_gemm_kernel per launch of _tma_configs (each checked
     against cuBLAS's y), cuBLAS, and the compiled one-kernel linear with no adapter in the batch."""
-    import triton  # pylint: disable=import-outside-toplevel
-
-    # the descriptors' global scratch (a torch allocation per launch; inside a captured graph, from its pool)
-    triton.set_allocator(lambda size, align, stream: torch.empty((size,), dtype=torch.int8, device="cuda"))
+    _set_tma_allocator(torch)
     kernel = tma_gemm_kernel()
     out_f, in_f, T = sum(pt.widths), pt.in_f, pt.T
     ys = [torch.empty_like(pt.y[0]) for _ in range(2)]
@@ -490,11 +495,8 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
             if T <= LT.FUSED_MAX_TOKENS and a.shapes == "tma":  # the GEMM alone, its tiles loaded by TMA
                 groups["gemm"] = _tma_group(torch, LT, pt)
             elif T <= LT.FUSED_MAX_TOKENS:
-                if a.shapes == "tma-linear":  # the descriptors' global scratch, as in _tma_group
-                    import triton  # pylint: disable=import-outside-toplevel
-
-                    triton.set_allocator(lambda size, align, stream: torch.empty((size,), dtype=torch.int8,
-                                                                                 device="cuda"))
+                if a.shapes == "tma-linear":
+                    _set_tma_allocator(torch)
                 cfgs = {"splitk": _splitk_configs, "tma-linear": _tma_linear_configs}.get(
                     a.shapes, _linear_configs)(LT, pt)
                 groups["linear"] = {f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"

@@ -5,9 +5,9 @@ launches with `T.call_packed(name, *args, 0, 0, grid..., threads, shared_bytes)`
 A kernel's signature maps each argument to a Triton type ("*fp16", "i32", "i64", "fp32", "constexpr");
 pointers and the `base` offset are declared 16-byte divisible (TVM's allocations are; the layer base
 of the LoRA arena too) so loads vectorize. Triton appends two scratch pointers (global and profile
-scratch) and the grid/launch arguments follow them. A kernel built with `scratch=True` may use
-global scratch (device-side tensor descriptors: TMA loads): its launch passes a buffer of
-`global_scratch` bytes (the metadata's) per program there; others get null for both.
+scratch) and the grid/launch arguments follow them. A kernel built with `scratch` > 0 may use up
+to that many bytes of global scratch a program (device-side tensor descriptors: TMA loads), 256-byte
+aligned: its launch passes such a buffer there; others get null for both.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 2
 
 
 def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3,
-                   scratch: bool = False):
+                   scratch: int = 0):
     """(kernel name, cubin, metadata) of `fn` built with `consts` (num_stages: the software
     pipeline's depth, Triton's default 3); cached on disk by the content of `source` (the file
     holding fn), the signature, the constants, the launch options, the arch and Triton's version.
-    A kernel that needs global scratch is refused unless `scratch` (metadata: `global_scratch`
-    bytes per program, `global_scratch_align`)."""
+    A kernel that needs more global scratch a program than `scratch` bytes, or an alignment that
+    does not divide 256 bytes, is refused (metadata: `global_scratch`, `global_scratch_align`)."""
     from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
     from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
 
@@ -77,14 +77,16 @@ def _check_shared(meta: dict, cap: int, consts: dict) -> None:
                          f"may take on sm_{cap} (constants {consts}); fewer stages or smaller tiles")
 
 
-def _check_scratch(meta: dict, scratch: bool) -> None:
-    """Refuse a kernel that needs global scratch where its launch passes none."""
-    if meta.get("global_scratch", 0) and not scratch:
-        raise RuntimeError(f"{meta['name']}: the Triton kernel needs {meta['global_scratch']} bytes of global "
-                           "scratch a program, which its launch does not pass")
+def _check_scratch(meta: dict, scratch: int) -> None:
+    """Refuse a kernel that needs more global scratch than its launch passes (`scratch` bytes a
+    program, 256-byte aligned)."""
+    need, align = meta.get("global_scratch", 0), meta.get("global_scratch_align", 1)
+    if need > scratch or (need and 256 % align):
+        raise RuntimeError(f"{meta['name']}: the Triton kernel needs {need} bytes of global scratch a program "
+                           f"aligned to {align}; its launch passes {scratch} aligned to 256")
 
 
-def arg_types(sig: dict, scratch: bool = False) -> list[str]:
+def arg_types(sig: dict, scratch: int = 0) -> list[str]:
     """The TVM types of a kernel's launch arguments (its signature's non-constexpr ones, then the
     scratch pointers: the global one a pointer where the kernel takes `scratch`): how TVM's CUDA
     module packs each value it is called with."""
@@ -96,9 +98,9 @@ def arg_types(sig: dict, scratch: bool = False) -> list[str]:
 
 
 def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3,
-                scratch: bool = False):
+                scratch: int = 0):
     """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant (scratch:
-    it may take global scratch, a pointer its launch passes; `scratch_bytes` says how much)."""
+    the global scratch bytes a program its launch passes, a pointer; 0: none)."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages, scratch)
@@ -123,9 +125,3 @@ def kernel_namer(prefix: str, ptr_arg: str):
 
     return name
 
-
-def scratch_bytes(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
-    """(global scratch bytes per program, their alignment) of a kernel variant built with scratch
-    (from the on-disk cache after cuda_module built it)."""
-    _, _, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages, scratch=True)
-    return meta.get("global_scratch", 0), meta.get("global_scratch_align", 1)

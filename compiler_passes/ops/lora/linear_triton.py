@@ -862,14 +862,9 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         consts, warps = constants(in_f, widths, mods, M, R, tier, align, KW)
         key = (tuple(sorted(consts.items())), warps)
         if key not in kernels:
-            name, threads, shared, mod = triton_build.cuda_module(lora_linear_kernel, _signature(dtype), consts,
-                                                                  warps, arch, Path(__file__), scratch=LINEAR_TMA)
-            if LINEAR_TMA:
-                size, at = triton_build.scratch_bytes(lora_linear_kernel, _signature(dtype), consts, warps, arch,
-                                                      Path(__file__))
-                if size > TMA_SCRATCH_BYTES or 256 % at:
-                    raise RuntimeError(f"{name}: {size} bytes of global scratch a program aligned to {at}; the "
-                                       f"wrapper passes {TMA_SCRATCH_BYTES} aligned to 256")
+            name, threads, shared, mod = triton_build.cuda_module(
+                lora_linear_kernel, _signature(dtype), consts, warps, arch, Path(__file__),
+                scratch=TMA_SCRATCH_BYTES if LINEAR_TMA else 0)
             kernels[key] = (name, threads, shared)
             mods_out.append(mod)
         built[tier] = kernels[key] + (consts["BM"], W // consts["BN"], consts["SPLIT"])
@@ -956,16 +951,10 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                     b_off, y, v, cnt):
         """The one-kernel linear `name` (blocks of bm tokens, nt output tiles, split inputs); with
         LINEAR_TMA its global scratch at v[tma_at:] (tma_scratch)."""
-        if LINEAR_TMA:
-            T.call_packed(name, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                          layer * (size // L), T.address_of(v[tma_at]), T.int64(0),
-                          T.Cast("int32", (n + bm - 1) // bm * split), nt, threads, shared)
-        else:
-            T.call_packed(name, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data,
-                          b_off.data, y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S),
-                          layer * (size // L), T.int64(0), T.int64(0), T.Cast("int32", (n + bm - 1) // bm * split),
-                          nt, threads, shared)
+        T.call_packed(name, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data, b_off.data,
+                      y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
+                      T.address_of(v[tma_at]) if LINEAR_TMA else T.int64(0), T.int64(0),
+                      T.Cast("int32", (n + bm - 1) // bm * split), nt, threads, shared)
 
     @T.macro
     def one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):

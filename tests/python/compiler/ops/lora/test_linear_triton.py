@@ -224,10 +224,12 @@ def test_tma_loads_take_global_scratch_from_the_wrapper(cubin_cache, monkeypatch
     with pytest.raises(RuntimeError, match="global scratch"):
         triton_build.compile_kernel(LT.lora_linear_kernel, LT._signature("float16"), dict(consts, TMA=1), warps,
                                     "sm_90a", Path(LT.__file__))  # pylint: disable=protected-access
-    size, align = triton_build.scratch_bytes(LT.lora_linear_kernel, LT._signature("float16"), dict(consts, TMA=1),
-                                             warps, "sm_90a", Path(LT.__file__))  # pylint: disable=protected-access
+    _, _, meta = triton_build.compile_kernel(LT.lora_linear_kernel, LT._signature("float16"), dict(consts, TMA=1),
+                                             warps, "sm_90a", Path(LT.__file__),  # pylint: disable=protected-access
+                                             scratch=LT.TMA_SCRATCH_BYTES)
+    size, align = meta["global_scratch"], meta["global_scratch_align"]
     assert 0 < size <= LT.TMA_SCRATCH_BYTES and 256 % align == 0
-    assert triton_build.arg_types(LT._signature("float16"), scratch=True)[-2:] == ["handle", "int64"]
+    assert triton_build.arg_types(LT._signature("float16"), scratch=size)[-2:] == ["handle", "int64"]
     monkeypatch.setattr(LT, "LINEAR_TMA", True)
     at, elems = LT.tma_scratch(4096, (4096,))
     assert at % 64 == 0 and at >= LT.split_scratch_elems(4096, (4096,)) and elems > 0
