@@ -251,36 +251,7 @@ def _splitk_configs(LT, pt):
     return out
 
 
-def _tma_linear_configs(LT, pt):
-    """The one-kernel linear at pt.T tokens with x's and W's tiles loaded by TMA (its TMA
-    constant): the compiled shape without and with, then the products transposed at BN 64/128
-    outputs, BK 128 inputs (64 where 128 does not divide them), 3-4 stages and _memory_splits,
-    with."""
-    in_f, widths = pt.in_f, pt.widths
-    cur, warps = LT.constants(in_f, widths, pt.mod_ids, len(widths), pt.r, LT.token_tier(pt.T), 8)
-    out = [(cur, warps), (dict(cur, TMA=1), warps)]
-    bm = max(16, LT.token_tier(pt.T))
-    bk = 128 if in_f % 128 == 0 else 64
-    for bn in (64, 128):
-        if any(x % bn for x in widths) or in_f % bk:
-            continue
-        for split in _memory_splits(sum(widths) // bn, in_f // bk):
-            for stages in (3, 4):
-                c = dict(cur, BM=bm, BN=bn, BK=bk, STAGES=stages, SPLIT=split, SWAP=1, TMA=1)
-                if (c, 4) not in out:
-                    out.append((c, 4))
-    return out
-
-
 _TMA = {}
-
-
-def _set_tma_allocator(torch):
-    """Triton's global scratch for device-side tensor descriptors (TMA loads) launched from here: a
-    torch allocation per launch (inside a captured graph, from its pool)."""
-    import triton  # pylint: disable=import-outside-toplevel
-
-    triton.set_allocator(lambda size, align, stream: torch.empty((size,), dtype=torch.int8, device="cuda"))
 
 
 def tma_gemm_kernel():
@@ -351,7 +322,10 @@ def _tma_configs(LT, pt):
 def _tma_group(torch, LT, pt):
     """The GEMM alone at pt.T tokens: tma_gemm_kernel per launch of _tma_configs (each checked
     against cuBLAS's y), cuBLAS, and the compiled one-kernel linear with no adapter in the batch."""
-    _set_tma_allocator(torch)
+    import triton  # pylint: disable=import-outside-toplevel
+
+    # the descriptors' global scratch (a torch allocation per launch; inside a captured graph, from its pool)
+    triton.set_allocator(lambda size, align, stream: torch.empty((size,), dtype=torch.int8, device="cuda"))
     kernel = tma_gemm_kernel()
     out_f, in_f, T = sum(pt.widths), pt.in_f, pt.T
     ys = [torch.empty_like(pt.y[0]) for _ in range(2)]
@@ -495,12 +469,9 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
             if T <= LT.FUSED_MAX_TOKENS and a.shapes == "tma":  # the GEMM alone, its tiles loaded by TMA
                 groups["gemm"] = _tma_group(torch, LT, pt)
             elif T <= LT.FUSED_MAX_TOKENS:
-                if a.shapes == "tma-linear":
-                    _set_tma_allocator(torch)
-                cfgs = {"splitk": _splitk_configs, "tma-linear": _tma_linear_configs}.get(
-                    a.shapes, _linear_configs)(LT, pt)
+                cfgs = (_splitk_configs if a.shapes == "splitk" else _linear_configs)(LT, pt)
                 groups["linear"] = {f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['STAGES']} w{w} split{c['SPLIT']}"
-                                    f"{' swap' if c['SWAP'] else ''}{' tma' if c['TMA'] else ''}": (
+                                    f"{' swap' if c['SWAP'] else ''}": (
                     lambda i, c=c, w=w: pt.launch_linear(i, c, w)) for c, w in cfgs}
                 # the compiled shape with no adapter in the batch: the kernel's GEMM alone
                 groups["linear"]["compiled, no adapter"] = (lambda i, c=cfgs[0]: pt.launch_linear(i, c[0], c[1], 0))
@@ -876,10 +847,9 @@ def main(argv=None) -> int:
     t.add_argument("--tokens", default="1,16,64,128,256,1024,4096")
     t.add_argument("--linears", default=",".join(LINEARS))
     t.add_argument("--dtype", default="float16")
-    t.add_argument("--shapes", default="default", choices=("default", "splitk", "tma", "tma-linear"),
+    t.add_argument("--shapes", default="default", choices=("default", "splitk", "tma"),
                    help="the one-kernel linear's shapes to try: the tuned set, or splits aimed at the memory; "
-                        "tma: the GEMM alone with its tiles loaded by TMA (tma_gemm_kernel) against cuBLAS; "
-                        "tma-linear: the one-kernel linear with x's and W's tiles loaded by TMA")
+                        "tma: the GEMM alone with its tiles loaded by TMA (tma_gemm_kernel) against cuBLAS")
     t.add_argument("--out", default="bench_lora_fused_tune.json")
     o = sub.add_parser("routes", help="time the routes a linear could take with its delta (the GPU)")
     o.add_argument("--tokens", default="16,64,128,256,512,1024,2048")

@@ -5,9 +5,7 @@ launches with `T.call_packed(name, *args, 0, 0, grid..., threads, shared_bytes)`
 A kernel's signature maps each argument to a Triton type ("*fp16", "i32", "i64", "fp32", "constexpr");
 pointers and the `base` offset are declared 16-byte divisible (TVM's allocations are; the layer base
 of the LoRA arena too) so loads vectorize. Triton appends two scratch pointers (global and profile
-scratch) and the grid/launch arguments follow them. A kernel built with `scratch` > 0 may use up
-to that many bytes of global scratch a program (device-side tensor descriptors: TMA loads), 256-byte
-aligned: its launch passes such a buffer there; others get null for both.
+scratch, unused: the launch passes null) and the grid/launch arguments follow them.
 """
 
 from __future__ import annotations
@@ -33,13 +31,10 @@ _DIVISIBLE = ("base",)  # integer arguments that are multiples of 16 bytes' wort
 MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
-def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3,
-                   scratch: int = 0):
+def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
     """(kernel name, cubin, metadata) of `fn` built with `consts` (num_stages: the software
     pipeline's depth, Triton's default 3); cached on disk by the content of `source` (the file
-    holding fn), the signature, the constants, the launch options, the arch and Triton's version.
-    A kernel that needs more global scratch a program than `scratch` bytes, or an alignment that
-    does not divide 256 bytes, is refused (metadata: `global_scratch`, `global_scratch_align`)."""
+    holding fn), the signature, the constants, the launch options, the arch and Triton's version."""
     from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
     from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
 
@@ -53,17 +48,14 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
     if out.with_suffix(".json").exists():
         meta = json.loads(out.with_suffix(".json").read_text())
         _check_shared(meta, cap, consts)
-        _check_scratch(meta, scratch)
         return meta["name"], out.with_suffix(".cubin").read_bytes(), meta
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     md = k.metadata
-    if getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
-        raise RuntimeError(f"{md.name}: the Triton kernel needs profile scratch or clusters; unsupported")
-    meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared, global_scratch=md.global_scratch_size,
-                global_scratch_align=md.global_scratch_align)
+    if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
+        raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
+    meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared)
     _check_shared(meta, cap, consts)
-    _check_scratch(meta, scratch)
     write_cached(out.with_suffix(".cubin"), k.asm["cubin"])
     write_cached(out.with_suffix(".json"), json.dumps(meta))  # last: a reader that sees it finds the cubin
     return md.name, k.asm["cubin"], meta
@@ -77,34 +69,22 @@ def _check_shared(meta: dict, cap: int, consts: dict) -> None:
                          f"may take on sm_{cap} (constants {consts}); fewer stages or smaller tiles")
 
 
-def _check_scratch(meta: dict, scratch: int) -> None:
-    """Refuse a kernel that needs more global scratch than its launch passes (`scratch` bytes a
-    program, 256-byte aligned)."""
-    need, align = meta.get("global_scratch", 0), meta.get("global_scratch_align", 1)
-    if need > scratch or (need and 256 % align):
-        raise RuntimeError(f"{meta['name']}: the Triton kernel needs {need} bytes of global scratch a program "
-                           f"aligned to {align}; its launch passes {scratch} aligned to 256")
-
-
-def arg_types(sig: dict, scratch: int = 0) -> list[str]:
+def arg_types(sig: dict) -> list[str]:
     """The TVM types of a kernel's launch arguments (its signature's non-constexpr ones, then the
-    scratch pointers: the global one a pointer where the kernel takes `scratch`): how TVM's CUDA
-    module packs each value it is called with."""
+    scratch pointers): how TVM's CUDA module packs each value it is called with."""
     bad = [f"{k}: {t}" for k, t in sig.items() if not t.startswith("*") and t != "constexpr" and t not in _ARG_TYPES]
     if bad:
         raise ValueError(f"scalar kernel arguments of types {bad}: only {sorted(_ARG_TYPES)} are launched")
-    return ["handle" if t.startswith("*") else _ARG_TYPES[t] for t in sig.values() if t != "constexpr"] + (
-        ["handle", "int64"] if scratch else ["int64"] * SCRATCH)
+    return ["handle" if t.startswith("*") else _ARG_TYPES[t] for t in sig.values() if t != "constexpr"] + [
+        "int64"] * SCRATCH
 
 
-def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3,
-                scratch: int = 0):
-    """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant (scratch:
-    the global scratch bytes a program its launch passes, a pointer; 0: none)."""
+def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
+    """(name, launch threads, dynamic shared bytes, TVM CUDA module) of one kernel variant."""
     import tvm  # pylint: disable=import-outside-toplevel
 
-    name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages, scratch)
-    types = arg_types(sig, scratch)
+    name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages)
+    types = arg_types(sig)
     info = {"tvm_version": tvm.__version__, "func_info": {name: {
         "name": "", "arg_types": types, "launch_param_tags": _LAUNCH_TAGS}}}
     fmap = tvm.get_global_func("runtime.LoadMetaDataFromJSON")(json.dumps(info))
@@ -124,4 +104,3 @@ def kernel_namer(prefix: str, ptr_arg: str):
         return f"{prefix}_{dtype}_" + "_".join(f"{k}{v}".replace("-", "n") for k, v in sorted(c.items()))
 
     return name
-

@@ -75,11 +75,6 @@ DTYPES = ("float16", "bfloat16")
 # at blocks of 16 tokens, the first that fits (H200, Llama-2-7B: o 32 steps -> 2, down 86 -> 3)
 SPLIT_STEPS = ((3, 64), (2, 16))
 COUNTER_SLOTS = 1024  # the split tiles' counters of one forward (zeros; each kernel leaves them so)
-# The one-kernel linear loads x's and W's tiles by TMA (its TMA constant; Triton's device-side
-# descriptors, written to global scratch that the wrapper passes from the call's scratch v): off
-# until `bench_lora_fused.py tune --shapes tma-linear` says it beats the pointer loads.
-LINEAR_TMA = False
-TMA_SCRATCH_BYTES = 512  # global scratch a program may take (Triton 3.6: 128 bytes per descriptor, two)
 
 
 def padded_parts(mods: Sequence[int], widths: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -147,19 +142,6 @@ def tile_config(in_f: int, widths: Sequence[int], tier: int) -> dict:
     bk = next((b for b in (256, 128, 64, 32, 16) if b <= prefer and in_f % b == 0), None)
     warps = 8 if (bn == 128 and bk == 128) else 4
     return dict(BM=bm, BN=bn, BK=bk, STAGES=4, SPLIT=split, SWAP=0, num_warps=warps)
-
-
-def tma_scratch(in_f: int, widths: Sequence[int]) -> tuple[int, int]:
-    """(offset, elements) in the call's fp32 scratch v of the one-kernel linear's global scratch
-    (LINEAR_TMA: TMA_SCRATCH_BYTES a program for the most programs of a tier; after the split
-    partial sums, 256-byte aligned), (0, 0) without."""
-    if not LINEAR_TMA:
-        return 0, 0
-    most = 0
-    for tier in TOKEN_TIERS:
-        cfg = tile_config(in_f, widths, tier)
-        most = max(most, -(-tier // cfg["BM"]) * cfg["SPLIT"] * (sum(widths) // cfg["BN"]))
-    return -(-split_scratch_elems(in_f, widths) // 64) * 64, most * TMA_SCRATCH_BYTES // 4
 
 
 def split_scratch_elems(in_f: int, widths: Sequence[int]) -> int:
@@ -241,20 +223,14 @@ if triton is not None:
         return in1 + in2, m0 + in1 * (m1 - m0) + in2 * (m2 - m1), in1 * W0 + in2 * W1
 
     @triton.jit
-    def _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo, k_hi, n, r0, c0, K: tl.constexpr,
-                KW: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                RS: tl.constexpr, STAGES: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
+    def _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, valid, k_lo, k_hi, K: tl.constexpr,
+                KW: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RS: tl.constexpr,
+                STAGES: tl.constexpr, SWAP: tl.constexpr):
         """(x @ W.T, x @ A_cat.T) over inputs [k_lo, k_hi), W's rows KW apart: (BM x BN, BM x RS)
-        fp32 for x's rows `rows` (from r0) and W's rows `cols` (from c0). SWAP: the
+        fp32. SWAP: the
         products taken transposed (W @ x.T: the outputs are the MMA's rows, the tokens its columns,
-        so a block of few tokens still fills Hopper's 64-row warpgroup MMA), then transposed back.
-        TMA: x's and W's tiles loaded by the tensor memory accelerator (device-side descriptors,
-        which need Triton's global scratch at launch; x's rows past n load as zeros); the A rows
-        (one per rank column, anywhere in the arena) by pointers either way."""
+        so a block of few tokens still fills Hopper's 64-row warpgroup MMA), then transposed back."""
         kk = tl.arange(0, BK)
-        if TMA:
-            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[n, K], strides=[K, 1], block_shape=[BM, BK])
-            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[KW, 1], block_shape=[BN, BK])
         if SWAP:
             x_ptrs = x_ptr + rows[None, :].to(tl.int64) * K + kk[:, None]  # (BK, BM)
             w_ptrs = w_ptr + cols[:, None].to(tl.int64) * KW + kk[None, :]  # (BN, BK)
@@ -262,13 +238,8 @@ if triton is not None:
             acc_t = tl.zeros((BN, BM), dtype=tl.float32)
             xa_t = tl.zeros((RS, BM), dtype=tl.float32)
             for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-                if TMA:
-                    xt = tl.trans(x_desc.load([r0, k0]))
-                    wt = w_desc.load([c0, k0])
-                else:
-                    xt = tl.load(x_ptrs + k0, mask=rmask[None, :], other=0.0)
-                    wt = tl.load(w_ptrs + k0)
-                acc_t = tl.dot(wt, xt, acc_t)
+                xt = tl.load(x_ptrs + k0, mask=rmask[None, :], other=0.0)
+                acc_t = tl.dot(tl.load(w_ptrs + k0), xt, acc_t)
                 xa_t = tl.dot(tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0), xt, xa_t)
             return tl.trans(acc_t), tl.trans(xa_t)
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
@@ -277,13 +248,8 @@ if triton is not None:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         xa = tl.zeros((BM, RS), dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-            if TMA:
-                xt = x_desc.load([r0, k0])
-                wt = tl.trans(w_desc.load([c0, k0]))
-            else:
-                xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
-                wt = tl.load(w_ptrs + k0)
-            acc = tl.dot(xt, wt, acc)
+            xt = tl.load(x_ptrs + k0, mask=rmask[:, None], other=0.0)
+            acc = tl.dot(xt, tl.load(w_ptrs + k0), acc)
             xa = tl.dot(xt, tl.load(a_ptrs + k0, mask=valid[None, :], other=0.0), xa)
         return acc, xa
 
@@ -295,7 +261,7 @@ if triton is not None:
                            m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr, W0: tl.constexpr,
                            W1: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            RS: tl.constexpr, SC: tl.constexpr, STAGES: tl.constexpr, ALIGN: tl.constexpr,
-                           SPLIT: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):
+                           SPLIT: tl.constexpr, SWAP: tl.constexpr):
         """Grid (token tiles x SPLIT, N / BN); a block reads the A rows of the slots its tile's tokens
         use (at one token, one adapter's of the batch's). SPLIT > 1 (narrow linears: too few output tiles to
         keep the memory busy): split k of a tile sums inputs [k * PER, (k + 1) * PER) into its slot
@@ -315,8 +281,8 @@ if triton is not None:
         # A rows only of the slots this tile's tokens use (every output tile's block reads them)
         read = valid & _present(slot_ptr, rows, rmask, jc)
         if SPLIT == 1:
-            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, 0, K, n, pid_m * BM,
-                              pid_n * BN, K, KW, N, BM, BN, BK, RS, STAGES, SWAP, TMA)
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, 0, K, K, KW, BM, BN, BK,
+                              RS, STAGES, SWAP)
             delta, _ = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
                               o_p, x_ptr.dtype.element_ty, ALIGN)
             tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
@@ -326,8 +292,7 @@ if triton is not None:
             k_lo = tl.multiple_of(pid_k * PER, BK)
             # no mask along the inputs (a varying one makes scalar loads): the last split ends at K
             acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, k_lo,
-                              tl.minimum(K, k_lo + PER), n, pid_m * BM, pid_n * BN, K, KW, N, BM, BN, BK, RS, STAGES,
-                              SWAP, TMA)
+                              tl.minimum(K, k_lo + PER), K, KW, BM, BN, BK, RS, STAGES, SWAP)
             TILE: tl.constexpr = BM * (BN + RS)
             tile = pid_m * (N // BN) + pid_n
             r = tl.arange(0, BM)
@@ -605,7 +570,7 @@ def _signature(dtype: str) -> dict:
                aoff_ptr="*i32", boff_ptr="*i32", y_ptr=e, ws_ptr="*fp32", cnt_ptr="*i32", n="i32", S="i32",
                base="i64")
     sig.update({k: "constexpr" for k in ("K", "KW", "N", "M", "R", "m0", "m1", "m2", "W0", "W1", "BM", "BN", "BK",
-                                          "RS", "SC", "STAGES", "ALIGN", "SPLIT", "SWAP", "TMA")})
+                                          "RS", "SC", "STAGES", "ALIGN", "SPLIT", "SWAP")})
     return sig
 
 
@@ -617,7 +582,7 @@ def constants(in_f: int, widths: Sequence[int], mods: Sequence[int], num_modules
     m, w = padded_parts(mods, widths)
     consts = dict(K=in_f, KW=in_f if w_cols is None else w_cols, N=sum(widths), M=num_modules, R=max_rank,
                   m0=m[0], m1=m[1], m2=m[2], W0=w[0], W1=w[1], BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], RS=RANK_COLUMNS, SC=SLOT_COLUMNS,
-                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"], TMA=int(LINEAR_TMA))
+                  STAGES=cfg["STAGES"], ALIGN=align, SPLIT=cfg["SPLIT"], SWAP=cfg["SWAP"])
     return consts, cfg["num_warps"]
 
 
@@ -862,9 +827,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         consts, warps = constants(in_f, widths, mods, M, R, tier, align, KW)
         key = (tuple(sorted(consts.items())), warps)
         if key not in kernels:
-            name, threads, shared, mod = triton_build.cuda_module(
-                lora_linear_kernel, _signature(dtype), consts, warps, arch, Path(__file__),
-                scratch=TMA_SCRATCH_BYTES if LINEAR_TMA else 0)
+            name, threads, shared, mod = triton_build.cuda_module(lora_linear_kernel, _signature(dtype), consts,
+                                                                  warps, arch, Path(__file__))
             kernels[key] = (name, threads, shared)
             mods_out.append(mod)
         built[tier] = kernels[key] + (consts["BM"], W // consts["BN"], consts["SPLIT"])
@@ -944,17 +908,13 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                       T.int64(0), T.int64(0), T.Cast("int32", xs_split(n, plan)[0]),
                       T.Cast("int32", xs_split(n, plan)[2]), threads, shared)
 
-    tma_at, _ = tma_scratch(in_f, widths)
-
     @T.macro
     def tier_kernel(name, bm, nt, split, threads, shared, n, S, size, layer, x, w, arena, slot, rank, scale, a_off,
                     b_off, y, v, cnt):
-        """The one-kernel linear `name` (blocks of bm tokens, nt output tiles, split inputs); with
-        LINEAR_TMA its global scratch at v[tma_at:] (tma_scratch)."""
+        """The one-kernel linear `name` (blocks of bm tokens, nt output tiles, split inputs)."""
         T.call_packed(name, x.data, w.data, arena.data, slot.data, rank.data, scale.data, a_off.data, b_off.data,
                       y.data, v.data, cnt.data, T.Cast("int32", n), T.Cast("int32", S), layer * (size // L),
-                      T.address_of(v[tma_at]) if LINEAR_TMA else T.int64(0), T.int64(0),
-                      T.Cast("int32", (n + bm - 1) // bm * split), nt, threads, shared)
+                      T.int64(0), T.int64(0), T.Cast("int32", (n + bm - 1) // bm * split), nt, threads, shared)
 
     @T.macro
     def one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt):
@@ -1190,15 +1150,14 @@ class FusedLinear:
             f"_of{w_cols}" if w_cols != in_f else "") + {"copy": "", "rms_norm": "_norm", "silu_mul": "_silu"}[kind]
         fn = ctx.kernel(key, name, make)
         outs = [relax.TensorType([n, W], dtype)]
-        at, tma = tma_scratch(in_f, widths)  # the split partial sums, then the TMA descriptors' scratch
-        fixed = max(split_scratch_elems(in_f, widths), at + tma)
         if rows:  # no shrink partials; e = x @ [W; rank rows].T
-            outs += [relax.TensorType([max(1, fixed)], "float32"), relax.TensorType([n, w_rows], dtype)]
+            outs += [relax.TensorType([max(1, split_scratch_elems(in_f, widths))], "float32"),
+                     relax.TensorType([n, w_rows], dtype)]
         elif cols:  # the shrink's partial sums; xe = [x | s]; x, which the wrapper makes
-            outs += [relax.TensorType([scratch_elems(n, widths) + fixed], "float32"),
+            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32"),
                      relax.TensorType([n, w_cols], dtype), relax.TensorType([n, in_f], dtype)]
         else:
-            outs += [relax.TensorType([scratch_elems(n, widths) + fixed], "float32")]
+            outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
         out = bb.emit(relax.call_tir(fn, head + [w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
                                                  t["lora_scale"], t["lora_a_off"], t["lora_b_off"], layer_arg(layer),
                                                  counters], outs))

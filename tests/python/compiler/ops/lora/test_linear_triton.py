@@ -5,7 +5,6 @@ tile choice fits every linear it accepts; LoraSpec decides which batches it cove
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -45,18 +44,6 @@ def _case(rng, dtype, n, K, widths, ranks, R, M=4):
     ("xs", 70, 1, 0, 0), ("xs", 130, 1, 0, 0)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_kernel_matches_reference(tmp_path, bm, n, split, swap, cols, dtype):
-    _check_kernel(tmp_path, bm, n, split, swap, cols, dtype)
-
-
-@pytest.mark.parametrize("bm,n,split,swap,cols", [(16, 21, 2, 0, 0), (32, 29, 3, 1, 32), (64, 70, 1, 0, 96),
-                                                  (16, 21, 3, 1, 0)])
-def test_kernel_with_tma_loads_matches_reference(tmp_path, bm, n, split, swap, cols):
-    """The one-kernel linear with x's and W's tiles loaded by TMA (device-side descriptors: a
-    partial token tile's rows past n load as zeros; W's first K columns of rows KW apart)."""
-    _check_kernel(tmp_path, bm, n, split, swap, cols, np.float16, tma=1)
-
-
-def _check_kernel(tmp_path, bm, n, split, swap, cols, dtype, tma=0):
     """bm 16/32/64: the fused kernel's token tiers (their block heights), its K loop in `split` blocks per tile (3: one
     input step each, 2: two and one), its products taken transposed (`swap`); `cols`: the weight
     stored with that many columns beside its own (NaN: never read); "small"/"large":
@@ -81,8 +68,6 @@ def _check_kernel(tmp_path, bm, n, split, swap, cols, dtype, tma=0):
     c["b_off"] = np.concatenate([c["b_off"], np.full((1,) + c["b_off"].shape[1:], 50000, np.int32)])
     assert not (c["slot"] == stale).any()
     kw = dict(bm=bm, split=split, swap=swap) if isinstance(bm, int) else dict(bm=64, variant=bm, fill_slots=stale)
-    if tma:
-        kw["tma"] = 1
     wide = np.concatenate([c["w"], np.full((c["w"].shape[0], cols), np.nan, c["w"].dtype)], axis=1)
     out = interpret(tmp_path, **{**c, "w": wide}, mods=np.array(mods), widths=np.array(widths), R=R, **kw)
     ref = LT.linear_ref(c["x"], c["w"], c["arena"], c["base"], c["slot"], c["rank"], c["scale"], c["a_off"],
@@ -204,39 +189,6 @@ def test_kernel_builds_to_cubin_for_sm90(cubin_cache):
     assert script.count("mlc_lora_triton_shrink_cols_bf16") == 2 and "mlc_lora_triton_expand_cols_bf16" in script
     assert script.count("mlc_lora.runtime.cublas_gemm") == 1
     # the host code computes the launches without scalar buffers (which would live in device memory)
-    import tvm
-
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
-    mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule({"main": fn.with_attr("global_symbol", "main")}))
-    host = tvm.ir.transform.Sequential([tvm.tirx.transform.MakePackedAPI(), tvm.tirx.transform.LowerTVMBuiltin()])(mod)
-    assert "TVMBackendAllocWorkspace" not in host.script()
-
-
-def test_tma_loads_take_global_scratch_from_the_wrapper(cubin_cache, monkeypatch):
-    """With LINEAR_TMA the one-kernel linear's descriptors need Triton's global scratch: a build
-    that would launch it without is refused; the wrapper passes a pointer into the call's scratch
-    v (after the split partial sums, 256-byte aligned, TMA_SCRATCH_BYTES a program for the most
-    programs of a tier), declared a pointer in the module's launch types, and the host code still
-    computes the launches without scalar buffers."""
-    from mlc_lora.compiler_passes.ops import triton_build
-
-    consts, warps = LT.constants(4096, (4096,), (3,), 7, 16, 32, 8)
-    with pytest.raises(RuntimeError, match="global scratch"):
-        triton_build.compile_kernel(LT.lora_linear_kernel, LT._signature("float16"), dict(consts, TMA=1), warps,
-                                    "sm_90a", Path(LT.__file__))  # pylint: disable=protected-access
-    _, _, meta = triton_build.compile_kernel(LT.lora_linear_kernel, LT._signature("float16"), dict(consts, TMA=1),
-                                             warps, "sm_90a", Path(LT.__file__),  # pylint: disable=protected-access
-                                             scratch=LT.TMA_SCRATCH_BYTES)
-    size, align = meta["global_scratch"], meta["global_scratch_align"]
-    assert 0 < size <= LT.TMA_SCRATCH_BYTES and 256 % align == 0
-    assert triton_build.arg_types(LT._signature("float16"), scratch=size)[-2:] == ["handle", "int64"]
-    monkeypatch.setattr(LT, "LINEAR_TMA", True)
-    at, elems = LT.tma_scratch(4096, (4096,))
-    assert at % 64 == 0 and at >= LT.split_scratch_elems(4096, (4096,)) and elems > 0
-    fn, _ = LT.linear_wrapper(4096, (4096,), (3,), 2, 16, 7, "float16", 8, "sm_90a")
-    script = fn.script()
-    assert "_TMA1_" in script and "_TMA0_" not in script
-    assert script.count("T.address_of(v[" + str(at) + "])") == 3, script  # the three tiers' launches
     import tvm
 
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")

@@ -47,11 +47,6 @@ def run_linear(inp: dict) -> dict:
         consts["SPLIT"] = int(inp["split"])
     if "swap" in inp:
         consts["SWAP"] = int(inp["swap"])
-    if "tma" in inp:  # x's and W's tiles by TMA (device-side descriptors; their scratch from torch)
-        import triton
-
-        consts["TMA"] = int(inp["tma"])
-        triton.set_allocator(lambda size, align, stream: torch.empty((size,), dtype=torch.int8))
     y = torch.full((n, sum(widths)), float("nan"), dtype=t(x).dtype)
     grid = (-(-n // consts["BM"]) * consts["SPLIT"], sum(widths) // consts["BN"])
     # the partial sums' slots hold garbage, the counters zeros (as the wrapper gets them)
