@@ -16,7 +16,6 @@ layer's four base GEMMs (each candidate runs the GEMMs, then its LoRA; its cost 
   plan (here):             python scripts/bench_lora_kernels.py plan [SELECTION] --parts 6
   run (the GPU machine):   python scripts/bench_lora_kernels.py run --lib lora_k.so --log-dir DIR [SELECTION] [--part 1/6]
   one Llama-2-7B layer:    python scripts/bench_lora_kernels.py layer --lib lora_k.so --log-dir DIR
-  one launch per linear:   ... run ... --triton-fused default,a=16/64/8/128/4/3 (lora_fused_kernel, JIT-compiled)
   tile configurations:     ... run ... --triton-jit model,L5=32/8/128/4/4/3 (the Triton stage 3 JIT-compiled
                            on the GPU with each, beside the rest: how sgmv_triton.VARIANTS are picked)
   table + chart (here):    python scripts/bench_lora_kernels.py plot DIR/bench_lora_kernels*.json --out F.svg
@@ -400,46 +399,6 @@ def triton_jit(cfg: dict | None):
                                             p.T, 0, **ec, **kw)
         return call
     return make
-
-
-def triton_fused(cfg: dict):
-    """A backend maker: the one-launch shrink and expand (sgmv_triton.lora_fused_kernel) JIT-compiled
-    here with configuration `cfg` (FUSED's keys), its tile table laid out once per batch by the
-    tile kernel as the model's is, over a model-sized slot table."""
-
-    def make(pb: Linear):
-        ST = _triton()  # pylint: disable=invalid-name
-        p, t = pb.p, pb.env.torch
-        order, start = _sorted_tables(t, pb.slot, p.N, pb.env.device, _model_capacity(p.T))
-        slots = len(start) - 1
-        consts = ST.fused_constants(p.in_f, (0,), (p.out_f,), p.R, 1, 8, cfg)
-        tiles = t.empty((ST.tile_table_len(p.T),), dtype=t.int32, device=pb.env.device)  # once per batch
-        ST.lora_tiles_kernel[(ST.tiles_grid(p.T, slots, cfg["BM"]),)](
-            start, tiles, slots, **ST.tiles_constants("tiny", TRITON_SLOTS, cfg))
-        grid = (ST.fused_grid(p.T, slots, (p.out_f,), cfg),)
-        kw = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-        def call(k):
-            ST.lora_fused_kernel[grid](pb.x[k], pb.arena, order, tiles, pb.rank, pb.scale, pb.a_off[k], pb.b_off[k],
-                                       pb.y[k], p.T, 0, **consts, **kw)
-        return call
-    return make
-
-
-def parse_triton_fused(spec: str) -> dict:
-    """--triton-fused NAME=BM/BN/G/BK/WARPS/STAGES,... ("default": sgmv_triton.FUSED) -> {backend: cfg}."""
-    out = {}
-    for item in filter(None, spec.split(",")):
-        name, _, vals = item.partition("=")
-        if name == "default" and not vals:
-            out["triton-fused-default"] = dict(_triton().FUSED)
-            continue
-        try:
-            bm, bn, g, bk, warps, stages = (int(v) for v in vals.split("/"))
-        except ValueError:
-            raise SystemExit(f"--triton-fused {item!r}: NAME=BM/BN/G/BK/WARPS/STAGES, or default") from None
-        out[f"triton-fused-{name}"] = dict(BM=bm, BN=bn, G=g, BK=bk, num_warps=warps, num_stages=stages)
-    return out
 
 
 def parse_triton_jit(spec: str) -> dict:
@@ -868,8 +827,6 @@ def _part(points, spec: str | None):
 def run(a) -> int:
     for name, cfg in parse_triton_jit(a.triton_jit or "").items():
         BACKENDS[name] = Backend("ours", triton_jit(cfg), cuda_only=not os.environ.get("TRITON_INTERPRET"))
-    for name, cfg in parse_triton_fused(a.triton_fused or "").items():
-        BACKENDS[name] = Backend("ours", triton_fused(cfg), cuda_only=not os.environ.get("TRITON_INTERPRET"))
     points, suffix = _part(_selection(a, a.dry_run), a.part)
     log = cli.Log(a.log_dir, "bench_lora_kernels" + suffix)
     env = open_env(a, log)
@@ -1010,8 +967,6 @@ def main(argv=None) -> int:
     r.add_argument("--triton-jit", help="also time the Triton stage 3 JIT-compiled here with these tile "
                    "configurations: NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK[/MIN_STEPS[/GMIN]]]],... or "
                    "`model` (the model's variant for each point's token count); how sgmv_triton.VARIANTS were picked")
-    r.add_argument("--triton-fused", help="also time the one-launch shrink and expand (sgmv_triton.lora_fused_kernel) "
-                   "JIT-compiled here: NAME=BM/BN/G/BK/WARPS/STAGES,... or `default` (sgmv_triton.FUSED)")
     lay = cli.add_run(sub, "all seven modules of a Llama-2-7B layer vs its base GEMMs (the GPU machine)",
                       name="layer", log_dir=".")
     device_args(lay)

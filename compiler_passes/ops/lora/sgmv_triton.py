@@ -386,66 +386,6 @@ if triton is not None:
                     tl.store(yp + cols[None, :], (yv.to(tl.float32) + acc).to(yv.dtype), mask=ymask)
 
 
-    @triton.jit(repr=_kernel_name("fused"))
-    def lora_fused_kernel(x_ptr, arena_ptr, order_ptr, tiles_ptr, rank_ptr, scale_ptr, aoff_ptr, boff_ptr, y_ptr,
-                          n, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
-                          w0: tl.constexpr, w1: tl.constexpr, w2: tl.constexpr, P: tl.constexpr, K: tl.constexpr,
-                          W: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                          G: tl.constexpr, RB: tl.constexpr, ALIGN: tl.constexpr):
-        """The shrink and the expand of a linear in one launch (a candidate for batches of few
-        tiles, where the pair's two launches and its split partial sums cost more than the A rows
-        read again). Work item (tile of BM sorted positions of one slot, group of G output tiles of
-        BN columns of a part): h = round(scale * x[tile] @ A^T over all K inputs, every rank row at
-        once), then y[tile, cols] += h @ B^T per output tile of the group, in place. The items are
-        dealt over the grid's blocks in turn. Semantics: expand_ref(y, shrink_ref(..., chunk=K), ..)
-        (one split), rounded as there."""
-        total = tl.load(tiles_ptr)
-        a0, a1, a2 = _groups(w0, w1, w2, G, BN)
-        ng = a0 + a1 + a2
-        kk = tl.arange(0, RB)
-        for w in range(tl.program_id(0), total * ng, tl.num_programs(0)):
-            t = w % total
-            q = w // total
-            part = tl.where(q < a0, 0, tl.where(q < a0 + a1, 1, 2))
-            m = tl.where(part == 0, m0, tl.where(part == 1, m1, m2))
-            s, p0, p1 = _tile_at(tiles_ptr, t)
-            sc = tl.load(scale_ptr + s * M + tl.maximum(m, 0))
-            if (m >= 0) & (sc != 0.0):
-                width = tl.where(part == 0, w0, tl.where(part == 1, w1, w2))
-                o_p = tl.where(part == 0, 0, tl.where(part == 1, w0, w0 + w1))
-                grp = q - tl.where(part == 0, 0, tl.where(part == 1, a0, a0 + a1))
-                r_s = tl.load(rank_ptr + s)
-                pos = p0 + tl.arange(0, BM)
-                rmask = pos < p1
-                tok = tl.load(order_ptr + pos, mask=rmask, other=0).to(tl.int64)
-                kmask = kk < r_s
-                aoff = tl.multiple_of(tl.load(aoff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
-                xp = x_ptr + tok[:, None] * K + tl.arange(0, BK)[None, :]
-                ap = arena_ptr + base + aoff.to(tl.int64)[None, :] + tl.arange(0, BK)[:, None]
-                acc = tl.zeros((BM, RB), dtype=tl.float32)
-                for i0 in range(0, K, BK):
-                    if K % BK == 0:
-                        xt = tl.load(xp + i0, mask=rmask[:, None], other=0.0)
-                        at = tl.load(ap + i0, mask=kmask[None, :], other=0.0)
-                    else:
-                        imask = i0 + tl.arange(0, BK) < K
-                        xt = tl.load(xp + i0, mask=rmask[:, None] & imask[None, :], other=0.0)
-                        at = tl.load(ap + i0, mask=kmask[None, :] & imask[:, None], other=0.0)
-                    acc += tl.dot(xt, at)
-                hh = (acc * sc).to(arena_ptr.dtype.element_ty)  # rounded once, as PEFT rounds lora_A's output
-                boff = tl.multiple_of(tl.load(boff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
-                bp = arena_ptr + base + boff.to(tl.int64)[:, None]
-                yp = y_ptr + tok[:, None] * W + o_p
-                for g in range(G):
-                    cols = (grp * G + g) * BN + tl.arange(0, BN)
-                    cmask = cols < width
-                    bt = tl.load(bp + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
-                    out = tl.dot(hh, bt)
-                    ymask = rmask[:, None] & cmask[None, :]
-                    yv = tl.load(yp + cols[None, :], mask=ymask, other=0.0)
-                    tl.store(yp + cols[None, :], (yv.to(tl.float32) + out).to(yv.dtype), mask=ymask)
-
-
 # ---------------------------------------------------------------------------------------------
 # building the kernels (cubin for the target's arch, no GPU needed) and launching them from TIR
 
@@ -528,30 +468,6 @@ def tiles_grid(n, slots, bm: int, minimum=min):
     """The tile kernel's blocks: the batch's tiles (at most ceil(n / bm) + min(n, slots)) in blocks
     of TILE_BLOCK (minimum: min, or T.min for TIR expressions)."""
     return ((n + bm - 1) // bm + minimum(n, slots) + TILE_BLOCK - 1) // TILE_BLOCK
-
-
-# The one-launch candidate (lora_fused_kernel): tokens per tile, output columns per tile, output
-# tiles per work item, input elements per dot step; timed against the pair by
-# scripts/bench_lora_kernels.py --triton-fused, not built into a library.
-FUSED = dict(BM=16, BN=128, G=4, BK=128, num_warps=4, num_stages=3)
-
-
-def fused_constants(in_f: int, mods, widths, max_rank: int, num_modules: int, align: int,
-                    cfg: dict | None = None) -> dict:
-    """lora_fused_kernel's compile-time constants for a linear of parts `mods` of `widths`."""
-    cfg = cfg or FUSED
-    m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
-    w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
-    return dict(M=num_modules, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=len(mods), K=in_f, W=sum(widths),
-                R=max_rank, BM=cfg["BM"], BK=cfg["BK"], BN=cfg["BN"], G=cfg["G"], RB=rank_block(max_rank),
-                ALIGN=align)
-
-
-def fused_grid(n: int, slots: int, widths, cfg: dict | None = None) -> int:
-    """lora_fused_kernel's blocks for n tokens over `slots` slots: a block per work item of the
-    most tiles such a batch has (ceil(n / BM) + min(n, slots)); items past the batch's exit."""
-    cfg = cfg or FUSED
-    return ((n + cfg["BM"] - 1) // cfg["BM"] + min(n, slots)) * _groups_per_tile(widths, cfg["BN"], cfg["G"])
 
 
 def variant_for(n: int, slots: int | None = None) -> str:

@@ -162,9 +162,8 @@ def test_run_takes_the_ranks_the_library_was_built_for(tmp_path, monkeypatch):
 
 def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
     """--triton-jit: the Triton stage 3 JIT-compiled with the model's variants and with a given tile
-    configuration, and --triton-fused: the one-launch kernel with its default and another, here under
-    Triton's interpreter (set before triton is imported: a process of its own), each checked against
-    float64 before it is timed beside the library's kernels."""
+    configuration, here under Triton's interpreter (set before triton is imported: a process of its
+    own), each checked against float64 before it is timed beside the library's kernels."""
     import os
     import subprocess
     import sys
@@ -178,7 +177,7 @@ def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
             "import bench_lora_kernels as bench\n"
             f"sys.exit(bench.main(['run', '--lib', {str(dry_lib)!r}, '--dry-run', '--no-peers', '--log-dir', "
             f"{str(tmp_path)!r}, '--shapes', '64x96', '--tokens', '5,17', '--adapters', '4', '--ranks', 'mixed', "
-            "'--triton-jit', 'model,few=16/2/32/2/4/2/2', '--triton-fused', 'default,g1=16/32/1/32/4/2']))\n")
+            "'--triton-jit', 'model,few=16/2/32/2/4/2/2']))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "scripts"), str(root), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
@@ -187,14 +186,10 @@ def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
     rows = json.loads((tmp_path / "bench_lora_kernels.json").read_text())["rows"]
     assert [r["T"] for r in rows] == [5, 17]
     for r in rows:
-        for name in ("triton-jit-model", "triton-jit-few", "triton-fused-default", "triton-fused-g1"):
+        for name in ("triton-jit-model", "triton-jit-few"):
             assert r["status"][name] == "ok" and r["err"][name] < 2e-3 and r["us"][name] > 0
     with pytest.raises(SystemExit, match="BM/SPLITS/BN/G/WARPS/STAGES"):
         bench.parse_triton_jit("bad=16/2")
-    with pytest.raises(SystemExit, match="BM/BN/G/BK/WARPS/STAGES"):
-        bench.parse_triton_fused("bad=16/2")
-    assert bench.parse_triton_fused("a=16/64/8/128/4/3") == {
-        "triton-fused-a": dict(BM=16, BN=64, G=8, BK=128, num_warps=4, num_stages=3)}
     assert bench.parse_triton_jit("a=16/8/64/4/4/3,model") == {
         "triton-jit-a": dict(BM=16, SPLITS=8, BN=64, G=4, num_warps=4, num_stages=3, RSPLIT=1),
         "triton-jit-model": None}

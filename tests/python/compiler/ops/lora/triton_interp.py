@@ -209,37 +209,10 @@ def run_tiles(inp: dict) -> dict:
     return {"tiles": tiles.numpy()}
 
 
-def run_fused(inp: dict) -> dict:
-    """The tile kernel, then the one-launch shrink and expand (lora_fused_kernel) over its grid
-    (`blocks`: fewer, each taking several work items)."""
-    import torch
-
-    from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
-
-    _interpreter_scalars()
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    x, scale, start = inp["x"], inp["scale"], inp["start"]
-    mods, widths = [int(m) for m in inp["mods"]], [int(w) for w in inp["widths"]]
-    n, K = x.shape
-    cap = len(start) - 1
-    cfg = dict(ST.FUSED, **{k: int(inp[k]) for k in ("BM", "BN", "G", "BK") if k in inp})
-    consts = ST.fused_constants(K, mods, widths, int(inp["R"]), scale.shape[1], 8, cfg)
-    tiles = torch.full((ST.tile_table_len(n),), -7, dtype=torch.int32)
-    ST.lora_tiles_kernel[(ST.tiles_grid(n, cap, cfg["BM"]),)](t(start), tiles, cap, BM=cfg["BM"],
-                                                             SP=ST._slot_pad(cap), TB=ST.TILE_BLOCK)  # pylint: disable=protected-access
-    blocks = int(inp.get("blocks", ST.fused_grid(n, cap, widths, cfg)))
-    y = t(inp["y"].copy())
-    ST.lora_fused_kernel[(blocks,)](t(x), t(inp["arena"]), t(inp["order"]), tiles, t(inp["rank"]), t(scale),
-                                    t(inp["a_off"]), t(inp["b_off"]), y, n, int(inp["base"]), **consts)
-    return {"y": y.numpy(), "tiles": tiles.numpy()}
-
-
 def run(inp: dict) -> dict:
     """The shrink then the in-place expand, launched as the TIR wrappers launch them."""
     if "tiles_only" in inp:
         return run_tiles(inp)
-    if "fused" in inp:
-        return run_fused(inp)
     if "w" in inp:
         return run_linear(inp)
     if "gate_up" in inp:
