@@ -180,28 +180,39 @@ class Log:
         self._f.flush()
 
 
+class Lines:
+    """Progress as plain lines: one at every tenth of the total and at the end."""
+
+    def __init__(self, iterable=None, total=None, desc="", disable=False, **_):
+        self.iterable, self.total, self.desc, self.n, self.disable = iterable, total, desc, 0, disable
+
+    def __iter__(self):
+        for x in self.iterable:
+            yield x
+            self.update()
+
+    def update(self, k=1):
+        self.n += k
+        total = self.total or (len(self.iterable) if self.iterable is not None else 0)
+        if not self.disable and total and (self.n == total or self.n % max(1, total // 10) == 0):
+            print(f"{self.desc}: {self.n}/{total}", flush=True)
+
+    def set_postfix(self, **_):
+        pass
+
+    def close(self):
+        pass
+
+
 try:
-    from tqdm.auto import tqdm  # pylint: disable=unused-import
+    from tqdm.auto import tqdm as _bar
 except ImportError:  # the GPU machine's runtime-only environment may lack it
-    class tqdm:  # pylint: disable=invalid-name
-        """Progress as plain lines."""
+    _bar = None
 
-        def __init__(self, iterable=None, total=None, desc="", disable=False, **_):
-            self.iterable, self.total, self.desc, self.n, self.disable = iterable, total, desc, 0, disable
 
-        def __iter__(self):
-            for x in self.iterable:
-                yield x
-                self.update()
-
-        def update(self, k=1):
-            self.n += k
-            total = self.total or (len(self.iterable) if self.iterable is not None else 0)
-            if not self.disable and total and (self.n == total or self.n % max(1, total // 10) == 0):
-                print(f"{self.desc}: {self.n}/{total}", flush=True)
-
-        def set_postfix(self, **_):
-            pass
-
-        def close(self):
-            pass
+def tqdm(*args, **kwargs):
+    """Progress: tqdm's bar on a terminal; elsewhere (a log, a pipe: the GPU machine's output)
+    plain lines, so that a results log holds ten lines where a bar's redraws would be thousands."""
+    if _bar is not None and sys.stderr.isatty():
+        return _bar(*args, **kwargs)
+    return Lines(*args, **kwargs)
