@@ -20,7 +20,9 @@ import tvm
 
 from mlc_lora.contract import cache_dir, write_cached
 
-LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]
+from . import kernel_attrs
+
+LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]  # (+ kernel_attrs.PDL_TAG with PDL)
 INCLUDE = Path(__file__).parent  # dtype.cuh, the element type every .cu of ops/ includes
 
 
@@ -60,9 +62,12 @@ def build_cubin(source: Path, arch: str, defines: dict[str, str | int | None]) -
 
 def cuda_module(cubin: bytes, kernels: dict[str, list[str]]) -> tvm.runtime.Module:
     """A TVM CUDA module over `cubin`; `kernels` maps each kernel name to its argument types
-    ("handle" for pointers, "int32", "float32"). Every kernel takes LAUNCH_TAGS after them."""
+    ("handle" for pointers, "int32", "float32"). Every kernel takes LAUNCH_TAGS after them; with
+    kernel_attrs.PDL it is launched programmatically (each .cu kernel starts with
+    wait_for_producers() of dtype.cuh)."""
+    tags = LAUNCH_TAGS + ([kernel_attrs.PDL_TAG] if kernel_attrs.PDL else [])
     meta = {"tvm_version": tvm.__version__,
-            "func_info": {name: {"name": "", "arg_types": types, "launch_param_tags": LAUNCH_TAGS}
+            "func_info": {name: {"name": "", "arg_types": types, "launch_param_tags": tags}
                           for name, types in kernels.items()}}
     fmap = tvm.get_global_func("runtime.LoadMetaDataFromJSON")(json.dumps(meta))
     create = tvm.get_global_func("ffi.Module.create.cuda", allow_missing=True)

@@ -3,6 +3,13 @@
 GPU kernels are hand-scheduled (thread-bound: `tirx.is_scheduled`); all kernels are opaque
 (`op_pattern` 8) so that FuseOps leaves them alone (dlight's Fallback cannot schedule a
 gather-reduction, and a launch wrapper has nothing to fuse).
+
+Programmatic dependent launch (PDL, sm_90+): every CUDA kernel of ops/ (the Triton ones and the
+CUDA C++ ones) starts by waiting for its producers (griddepcontrol.wait: until the kernels before
+it in the stream have finished and their writes are visible; a no-op after a launch that was not
+programmatic). With PDL on, their launches take CUDA's programmatic stream serialization (TVM's
+launch tag below), so that a kernel's blocks are scheduled while the kernel before it drains
+rather than after it, inside CUDA graphs too.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import tvm
 
 OPAQUE = 8  # relax OpPatternKind kOpaque
+PDL = False  # launch ops/' CUDA kernels programmatically (above); off until timed
+PDL_TAG = "tirx.use_programtic_dependent_launch"  # TVM's launch tag for it (TVM's spelling)
 
 
 def is_gpu(target: tvm.target.Target) -> bool:

@@ -6,29 +6,66 @@ A kernel's signature maps each argument to a Triton type ("*fp16", "i32", "i64",
 pointers and the `base` offset are declared 16-byte divisible (TVM's allocations are; the layer base
 of the LoRA arena too) so loads vectorize. Triton appends two scratch pointers (global and profile
 scratch, unused: the launch passes null) and the grid/launch arguments follow them.
+
+Every kernel starts with `wait_for_producers()` (programmatic dependent launch: kernel_attrs.PDL);
+with PDL on, a kernel whose PTX does not wait is refused the programmatic launch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from mlc_lora.contract import cache_dir, write_cached
 
+from . import kernel_attrs
+
 try:  # compiling these kernels needs Triton; nothing else in mlc-lora does
     import triton
+    import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where triton is missing
-    triton = None
+    triton = tl = None
 
 PTR = {"float16": "*fp16", "bfloat16": "*bf16"}
 SCRATCH = 2  # the scratch pointers Triton appends
 _ARG_TYPES = {"i32": "int32", "i64": "int64", "fp32": "float32"}  # a scalar argument's TVM type
-_LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "threadIdx.x", "tirx.use_dyn_shared_memory"]
+_WAIT = "griddepcontrol.wait"
 _DIVISIBLE = ("base",)  # integer arguments that are multiples of 16 bytes' worth of elements
 # the most dynamic shared memory a block may take, by compute capability (CUDA's opt-in limit per
 # block): a kernel built past it would be refused only at its first launch, on the GPU
 MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+if triton is None:  # pragma: no cover
+    wait_for_producers = None
+elif os.environ.get("TRITON_INTERPRET") == "1":  # the CPU emulation runs no inline PTX, overlaps no launch
+
+    @triton.jit
+    def wait_for_producers():
+        """(Triton's interpreter: nothing to wait for.)"""
+
+else:
+
+    @triton.jit
+    def wait_for_producers():
+        """A kernel's first step: wait until the kernels before it in the stream have finished and
+        their writes are visible (griddepcontrol.wait; a no-op after a launch that was not
+        programmatic)."""
+        tl.extra.cuda.gdc_wait()
+
+
+def launch_tags(waits: bool) -> list[str]:
+    """TVM's launch tags of a kernel (grid x, y, block x, dynamic shared memory last); with
+    kernel_attrs.PDL, the programmatic launch, which only a kernel that waits for its producers
+    (`waits`: its PTX has griddepcontrol.wait) may take."""
+    pdl = kernel_attrs.PDL
+    if pdl and not waits:
+        raise ValueError("a kernel launched programmatically must wait for its producers first "
+                         "(wait_for_producers): this one reads them without waiting")
+    return ["blockIdx.x", "blockIdx.y", "threadIdx.x"] + ([kernel_attrs.PDL_TAG] if pdl else []) + [
+        "tirx.use_dyn_shared_memory"]
 
 
 def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
@@ -54,7 +91,7 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
     md = k.metadata
     if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
         raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
-    meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared)
+    meta = dict(name=md.name, num_warps=md.num_warps, shared=md.shared, waits=_WAIT in k.asm["ptx"])
     _check_shared(meta, cap, consts)
     write_cached(out.with_suffix(".cubin"), k.asm["cubin"])
     write_cached(out.with_suffix(".json"), json.dumps(meta))  # last: a reader that sees it finds the cubin
@@ -86,7 +123,7 @@ def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: 
     name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages)
     types = arg_types(sig)
     info = {"tvm_version": tvm.__version__, "func_info": {name: {
-        "name": "", "arg_types": types, "launch_param_tags": _LAUNCH_TAGS}}}
+        "name": "", "arg_types": types, "launch_param_tags": launch_tags(meta.get("waits", False))}}}
     fmap = tvm.get_global_func("runtime.LoadMetaDataFromJSON")(json.dumps(info))
     create = tvm.get_global_func("ffi.Module.create.cuda", allow_missing=True)
     if create is None:

@@ -108,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
                           const int* __restrict__ page_indices,
                           const int* __restrict__ last_page_len, T* __restrict__ o,
                           float* __restrict__ lse, int hq, int hkv, float sm_scale_log2) {
+  wait_for_producers();
   const int h = blockIdx.y, s = blockIdx.z;
   const int q0 = qo_indptr[s], q_len = qo_indptr[s + 1] - q0;
   const int m0 = blockIdx.x * BM;
@@ -289,6 +290,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
                          const int* __restrict__ last_page_len, T* __restrict__ o,
                          float* __restrict__ lse, float* part_o, float* part_lse, int* counters,
                          int hq, int hkv, int chunk, float sm_scale_log2) {
+  wait_for_producers();
   const int split = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
   const int nsplit = gridDim.x, b = gridDim.z;
   const int kv_len = seq_kv_len(page_indptr, last_page_len, s);

@@ -121,6 +121,7 @@ __device__ __forceinline__ void gemv(const T* __restrict__ x, const T* __restric
       MLC_CAT(MLC_CAT(mlc_lora_gemv_, MLC_SUFFIX), _t##NT)(const T* __restrict__ x,                  \
                                                            const T* __restrict__ w, T* __restrict__ y, \
                                                            int n, int K, int N, int LDW) {           \
+    wait_for_producers();                                                                            \
     gemv<NT>(x, w, y, n, K, N, LDW);                                                                 \
   }
 

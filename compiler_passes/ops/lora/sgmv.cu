@@ -160,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(SHRINK_THREADS)
                          const int* __restrict__ rank, const float* __restrict__ scale,
                          const int* __restrict__ a_off, float* __restrict__ v, int n, int in_f, int P, int m0, int m1, int m2,
                          int num_modules, int64_t base) {
+  wait_for_producers();
   __shared__ __align__(16) T xs[TILE][CHUNK];
   __shared__ int tok_id[TILE], tok_slot[TILE], tok_rank[TILE], d_lead[TILE], d_pre[TILE + 1], nd;
   __shared__ uint32_t tok_parts[TILE], mask[TILE], d_mask[TILE];
@@ -276,6 +277,7 @@ extern "C" __global__ void __launch_bounds__(EXPAND_THREADS)
                          const int* __restrict__ rank, const float* __restrict__ scale,
                          const int* __restrict__ b_off, T* __restrict__ y, int n, int in_chunks, int P, int m0, int m1, int m2,
                          int w0, int w1, int w2, int num_modules, int64_t base) {
+  wait_for_producers();
   __shared__ float h[TILE * R];                                // h[t, k] = sum_c v[t, p, c, k]
   __shared__ float part[R > KG ? TILE * EXPAND_OUT : 1];       // fp32 partials between rank groups
   __shared__ int tok_id[TILE], tok_slot[TILE], tok_rank[TILE], d_lead[TILE], nd;
