@@ -60,7 +60,7 @@ if triton is not None:
     def silu_mul_kernel(y_ptr, h_ptr, n, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LDH: tl.constexpr):
         """Grid (token tiles, I / BN): h = silu(gate) * up, h's rows LDH apart (I; or the width of
         the rank columns route's [x | s], whose first I columns h is)."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         rmask = rows < n
         cols = tl.program_id(1) * BN + tl.arange(0, BN)

@@ -22,7 +22,7 @@ from mlc_lora.contract import cache_dir, write_cached
 
 from . import kernel_attrs
 
-LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]  # (+ kernel_attrs.PDL_TAG with PDL)
+LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]  # (+ kernel_attrs.pdl_tags())
 INCLUDE = Path(__file__).parent  # dtype.cuh, the element type every .cu of ops/ includes
 
 
@@ -65,7 +65,7 @@ def cuda_module(cubin: bytes, kernels: dict[str, list[str]]) -> tvm.runtime.Modu
     ("handle" for pointers, "int32", "float32"). Every kernel takes LAUNCH_TAGS after them; with
     kernel_attrs.PDL it is launched programmatically (each .cu kernel starts with
     wait_for_producers() of dtype.cuh)."""
-    tags = LAUNCH_TAGS + ([kernel_attrs.PDL_TAG] if kernel_attrs.PDL else [])
+    tags = LAUNCH_TAGS + kernel_attrs.pdl_tags()
     meta = {"tvm_version": tvm.__version__,
             "func_info": {name: {"name": "", "arg_types": types, "launch_param_tags": tags}
                           for name, types in kernels.items()}}

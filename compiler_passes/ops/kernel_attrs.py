@@ -21,6 +21,11 @@ PDL = False  # launch ops/' CUDA kernels programmatically (above); off until tim
 PDL_TAG = "tirx.use_programtic_dependent_launch"  # TVM's launch tag for it (TVM's spelling)
 
 
+def pdl_tags() -> list[str]:
+    """The launch tags PDL adds to a kernel's (none while it is off)."""
+    return [PDL_TAG] if PDL else []
+
+
 def is_gpu(target: tvm.target.Target) -> bool:
     return "gpu" in target.keys
 

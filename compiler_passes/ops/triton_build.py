@@ -60,12 +60,11 @@ def launch_tags(waits: bool) -> list[str]:
     """TVM's launch tags of a kernel (grid x, y, block x, dynamic shared memory last); with
     kernel_attrs.PDL, the programmatic launch, which only a kernel that waits for its producers
     (`waits`: its PTX has griddepcontrol.wait) may take."""
-    pdl = kernel_attrs.PDL
+    pdl = kernel_attrs.pdl_tags()
     if pdl and not waits:
         raise ValueError("a kernel launched programmatically must wait for its producers first "
                          "(wait_for_producers): this one reads them without waiting")
-    return ["blockIdx.x", "blockIdx.y", "threadIdx.x"] + ([kernel_attrs.PDL_TAG] if pdl else []) + [
-        "tirx.use_dyn_shared_memory"]
+    return ["blockIdx.x", "blockIdx.y", "threadIdx.x"] + pdl + ["tirx.use_dyn_shared_memory"]
 
 
 def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):

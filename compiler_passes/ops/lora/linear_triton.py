@@ -268,7 +268,7 @@ if triton is not None:
         of ws (fp32 x @ W.T and xa) and counts itself in cnt[tile]; the block that counts last sums
         the SPLIT slots in split order (the same bits whichever block is last), adds the delta,
         stores y and sets cnt[tile] back to 0 (cnt holds zeros when the kernel starts)."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0) // SPLIT
         pid_k = tl.program_id(0) % SPLIT
         pid_n = tl.program_id(1)
@@ -359,7 +359,7 @@ if triton is not None:
                                 STAGES: tl.constexpr, ALIGN: tl.constexpr):
         """v[k, t, p, c] = sum over inputs i of split k (`chunk` of them) of x[t, i] * A(column c
         of part p)[i]."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -385,7 +385,7 @@ if triton is not None:
                                 RS: tl.constexpr, SC: tl.constexpr, ALIGN: tl.constexpr):
         """y[t, cols] += the delta of its slot, from the shrink's `split` partial sums; rows of
         base-model tokens are neither read nor written."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -414,7 +414,7 @@ if triton is not None:
         """Grid (parts, K / BK): block (p, k) writes inputs [k * BK, (k + 1) * BK) of part p's RS
         rank rows below the weight's N rows: w[N + p * RS + c] = A(column c of part p), zeros
         where the column is not live (past the batch's ranks, a module its adapter leaves alone)."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         p = tl.program_id(0)
         m = m0 + (p >= 1).to(tl.int32) * (m1 - m0) + (p >= 2).to(tl.int32) * (m2 - m1)
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
@@ -432,7 +432,7 @@ if triton is not None:
                                 SC: tl.constexpr, ALIGN: tl.constexpr):
         """y[t, cols] = e[t, cols] + the delta of t's slot, where e = x @ [W; rank rows].T (N + P * RS
         columns: the base output, then each part's products with its rank rows, xa)."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
@@ -462,7 +462,7 @@ if triton is not None:
         adapters (every one resident: its rows are its own), S of them exactly (not a captured
         graph's tables, whose rows past the batch's may point at anything). The other parts' columns of these outputs
         are never written (zeros from the compile)."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         p, m, o_p = _part(tl.program_id(0) * BN, m0, m1, m2, W0, W1)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
@@ -502,7 +502,7 @@ if triton is not None:
         out[t * LDO : + K] = the RMSNorm of h[t] (PRODUCERS' "rms_norm": the rank columns route's x
         for the one-kernel linear, LDO = K; past FUSED_MAX_TOKENS [x | s]'s first columns, LDO = its
         width)."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         cols = tl.arange(0, BK)
         h_row = h_ptr + tl.program_id(0).to(tl.int64) * K + cols
         if BK == K:
@@ -528,7 +528,7 @@ if triton is not None:
         `chunk` inputs of x and sums its part of the products into v; with split > 1 the block of a
         tile that counts last in cnt[tile] sums the splits in order (the same bits whichever block
         is last), writes s and sets cnt[tile] back to 0."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)

@@ -245,7 +245,7 @@ if triton is not None:
         """Block b: tiles b * TB .. b * TB + TB - 1 of the batch (each slot's sorted positions in
         tiles of BM, slot after slot): tiles[1 + 3 t ..] = (slot, first position, end position)
         for t < the total, which block 0 stores in tiles[0]."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         lo, hi, ntiles, tend, total = _slot_tiles(start_ptr, S, BM, SP)
         if tl.program_id(0) == 0:
             tl.store(tiles_ptr, total)
@@ -290,7 +290,7 @@ if triton is not None:
         (part, rank block rb of RS): v[tile, part, c, rank rows of rb] = scale * x[tile] @ A[those
         rows, split].T (RS = 1: every rank row at once). The batch's splits (_splits) are spread
         with its tiles over the C x grid-x blocks of each (part, rb)."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         RBS: tl.constexpr = RB // RS  # rank rows per block: the rank block rb of RS
         rb = tl.program_id(1) % RS
         pid_c = (tl.program_id(1) // RS) % C
@@ -344,7 +344,7 @@ if triton is not None:
         part): h = sum_c v[tile, part, c] once, then y[tile, cols] += h @ B^T[:rank, cols] per
         output tile. gd = G, halved down to GMIN while the batch's items (total tiles x groups)
         fall short of FILL (groups_for); the items are spread over all blocks of the grid."""
-        triton_build.wait_for_producers()  # (PDL: the kernels before this one are done)
+        triton_build.wait_for_producers()
         total = tl.load(tiles_ptr)
         cd = _splits(total, C, CMAX, STEPS, UNITS, FILL)  # the shrink's splits of this batch
         gd = G

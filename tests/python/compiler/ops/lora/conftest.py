@@ -1,5 +1,5 @@
 """Shared by the Triton kernel tests: running kernels under Triton's interpreter in a process of
-their own, and a cubin cache for building them here."""
+their own (the cubin cache for building them here: tests/python/compiler/conftest.py)."""
 
 import atexit
 import os
@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 _interpreter: list[subprocess.Popen] = []  # the process serving interpret(), once started
 
@@ -38,18 +37,3 @@ def _stop_interpreter():
     for proc in _interpreter:
         proc.stdin.close()
         proc.wait()
-
-
-@pytest.fixture
-def cubin_cache(tmp_path, monkeypatch):
-    """The folder the Triton kernels' cubins are cached in, fresh per test, with TVM's CUDA build
-    prepared (skips where nvcc is missing)."""
-    from mlc_lora.compile import prepare_cuda_build
-    from mlc_lora.errors import CompileError
-
-    monkeypatch.setenv("MLC_LORA_CACHE", str(tmp_path))
-    try:
-        prepare_cuda_build()
-    except CompileError as e:
-        pytest.skip(str(e))
-    return tmp_path / "triton"
