@@ -4,6 +4,7 @@ base vs 4 adapters of rank 8 (or 64 of ranks 8/16/32/64 in turn: `lora64`), on a
 
   python scripts/bench_lora_throughput.py compile --out DIR --libs base,lora,lora-nofused   # here
   python scripts/bench_lora_steps.py run --lib-dir DIR [--batches 1,16,64,128,256] [--prefill 512,1024,2048]
+  python scripts/bench_lora_steps.py run --lib-dir ON --compare-lib-dir OFF --configs base,base@cmp,lora4-cols,lora4-cols@cmp
 
 For every (library, adapters, step) it reports: the step's wall time with a sync (median of
 samples, harness/timing.wall_time), the host time of the call alone (launches queued, no sync:
@@ -162,8 +163,18 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     lib_dir = Path(a.lib_dir)
     cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
     mc = cfg["model_config"]
-    p = make_params(cfg, torch, dev, others=[json.loads((lib_dir / LIBS[n][0] / CONFIG_FILE).read_text())
-                                             for n in a.configs.split(",")])
+    configs = a.configs.split(",")
+    for name in configs:
+        if name.partition("@")[0] not in LIBS or name.partition("@")[2] not in ("", "cmp"):
+            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(LIBS)} (NAME@cmp: with the "
+                             "library of --compare-lib-dir)")
+        if name.endswith("@cmp") and not a.compare_lib_dir:
+            raise SystemExit(f"config {name!r} needs --compare-lib-dir")
+
+    def folder_of(name):  # the library a config runs
+        return (Path(a.compare_lib_dir) if name.endswith("@cmp") else lib_dir) / LIBS[name.partition("@")[0]][0]
+
+    p = make_params(cfg, torch, dev, others=[json.loads((folder_of(n) / CONFIG_FILE).read_text()) for n in configs])
     sync()
     V = mc["vocab_size"]
     gen = torch.Generator(device="cpu").manual_seed(a.seed)
@@ -187,12 +198,12 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     def queued(fn, setup=None):  # (host ms, GPU ms alone) of a call; (None, None) off CUDA
         return queued_time(fn, setup=setup) if dev == "cuda" else (None, None)
 
-    for name in a.configs.split(","):
-        lib, n_ad = LIBS[name]
-        folder = lib_dir / lib
+    for name in configs:
+        n_ad = LIBS[name.partition("@")[0]][1]
+        folder = folder_of(name)
         lcfg = json.loads((folder / CONFIG_FILE).read_text())
         r = ModelRunner(folder, dev, params=lib_params(p, lcfg))
-        packed, ranks = [], RANKS.get(name, (RANK,))
+        packed, ranks = [], RANKS.get(name.partition("@")[0], (RANK,))
         if n_ad:
             for i in range(n_ad):
                 ad = random_adapter(f"a{i}", mc, r.lora.module_names, ranks[i % len(ranks)], torch, dev, seed=a.seed + i)
@@ -314,6 +325,8 @@ def main(argv=None) -> int:
     r = cli.add_run(sub, "time steps on the GPU")
     r.add_argument("--lib-dir", required=True, help="the folder of bench_lora_throughput.py compile")
     r.add_argument("--configs", default="base,lora4,lora4-nofused", help=f"of {', '.join(LIBS)}")
+    r.add_argument("--compare-lib-dir", default=None, help="a second folder of libraries (e.g. the build before a "
+                   "change): config NAME@cmp runs NAME with its library from there, in the same process")
     r.add_argument("--batches", default="1,16,64,128,256", help="decode batch sizes")
     r.add_argument("--prefill", default="512,1024,2048", help="prefill token counts (4 sequences)")
     r.add_argument("--mixed", default="", help="prefill chunk sizes run beside each decode batch in one step")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import bench_lora_throughput as bench
 
 
@@ -99,6 +101,14 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert floor.keys() == want.keys() and all(abs(floor[k] - want[k]) <= 1e-3 for k in want)
     assert all(r["rows_ms"] is None for r in rows if r["config"] == "base")
     assert all(r["ms"] > 0 for r in rows) and freed == [True, True]
+    # NAME@cmp: the same config on --compare-lib-dir's library, in the same process
+    args = ["run", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,base@cmp", "--batches", "2", "--prefill", "",
+            "--ctx", "8", "--device", "cpu", "--log-dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="needs --compare-lib-dir"):
+        steps.main(args)
+    assert steps.main(args + ["--compare-lib-dir", str(tmp_path / "libs")]) == 0
+    rows = json.loads((tmp_path / "bench_lora_steps.json").read_text())["rows"]
+    assert [(r["config"], r["step"]) for r in rows] == [("base", "decode b=2"), ("base@cmp", "decode b=2")]
     assert merged.with_suffix(".svg").stat().st_size > 0 and merged.with_suffix(".png").stat().st_size > 0
 
 
