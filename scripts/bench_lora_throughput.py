@@ -117,7 +117,7 @@ def compile_libs(a) -> int:
     from mlc_lora.compiler_passes.ops import kernel_attrs  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
-    kernel_attrs.PDL = a.pdl  # our kernels' launches programmatic or not (off by default until timed)
+    kernel_attrs.PDL = not a.no_pdl  # our kernels' launches programmatic (the default) or not
 
     size = SIZES["smoke" if a.smoke else "7b"]
     model_cfg = random_model.TINY if a.smoke else random_model.LLAMA2_7B
@@ -144,7 +144,7 @@ def compile_libs(a) -> int:
             raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")
         opts = libs[name]
         secs = random_model.build(a.out / name, model_cfg, opts, name=f"llama-{'tiny' if a.smoke else '2-7b'}-random")
-        print(f"{a.out / name}: built in {secs:.0f} s{' (programmatic launches)' if a.pdl else ''}")
+        print(f"{a.out / name}: built in {secs:.0f} s{' (no programmatic launches)' if a.no_pdl else ''}")
     print(f"pool: {size['kv_pages']} KV pages + {adapters} for {NUM_ADAPTERS_MAX} adapters of rank {MAX_RANK} "
           f"on all 7 modules = --lora-pool-pages {pages}")
     return 0
@@ -459,8 +459,8 @@ def main(argv=None) -> int:
     c.add_argument("--smoke", action="store_true", help="the 2-layer model")
     c.add_argument("--libs", default=None, help="comma-separated libraries to build, of base, lora, lora-nofused, lora-triton, "
                    "lora-r16, lora-tir (default: all the target can build; a config runs on its library)")
-    c.add_argument("--pdl", action="store_true", help="launch the libraries' own CUDA kernels with programmatic "
-                   "dependent launch (ops/kernel_attrs.py PDL; time against a build without: run --compare-lib-dir)")
+    c.add_argument("--no-pdl", action="store_true", help="launch the libraries' own CUDA kernels without "
+                   "programmatic dependent launch (ops/kernel_attrs.py PDL; to time against: run --compare-lib-dir)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True)
     r.add_argument("--compare-lib-dir", default=None, help="a second folder of libraries (e.g. the build before a "

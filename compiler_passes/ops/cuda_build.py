@@ -22,7 +22,7 @@ from mlc_lora.contract import cache_dir, write_cached
 
 from . import kernel_attrs
 
-LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]  # (+ kernel_attrs.pdl_tags())
+LAUNCH_TAGS = ["blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]  # (+ kernel_attrs.pdl_tags(arch))
 INCLUDE = Path(__file__).parent  # dtype.cuh, the element type every .cu of ops/ includes
 
 
@@ -60,12 +60,12 @@ def build_cubin(source: Path, arch: str, defines: dict[str, str | int | None]) -
     return cubin
 
 
-def cuda_module(cubin: bytes, kernels: dict[str, list[str]]) -> tvm.runtime.Module:
-    """A TVM CUDA module over `cubin`; `kernels` maps each kernel name to its argument types
-    ("handle" for pointers, "int32", "float32"). Every kernel takes LAUNCH_TAGS after them; with
-    kernel_attrs.PDL it is launched programmatically (each .cu kernel starts with
+def cuda_module(cubin: bytes, kernels: dict[str, list[str]], arch: str) -> tvm.runtime.Module:
+    """A TVM CUDA module over `cubin` (built for `arch`); `kernels` maps each kernel name to its
+    argument types ("handle" for pointers, "int32", "float32"). Every kernel takes LAUNCH_TAGS after
+    them; with kernel_attrs.PDL it is launched programmatically (each .cu kernel starts with
     wait_for_producers() of dtype.cuh)."""
-    tags = LAUNCH_TAGS + kernel_attrs.pdl_tags()
+    tags = LAUNCH_TAGS + kernel_attrs.pdl_tags(arch)
     meta = {"tvm_version": tvm.__version__,
             "func_info": {name: {"name": "", "arg_types": types, "launch_param_tags": tags}
                           for name, types in kernels.items()}}

@@ -7,8 +7,9 @@ pointers and the `base` offset are declared 16-byte divisible (TVM's allocations
 of the LoRA arena too) so loads vectorize. Triton appends two scratch pointers (global and profile
 scratch, unused: the launch passes null) and the grid/launch arguments follow them.
 
-Every kernel starts with `wait_for_producers()` (programmatic dependent launch: kernel_attrs.PDL);
-with PDL on, a kernel whose PTX does not wait is refused the programmatic launch.
+Every kernel starts with `wait_for_producers()` (programmatic dependent launch: kernel_attrs.PDL;
+the wait is compiled for sm_90 and later only); with PDL on, a kernel whose PTX does not wait is
+refused the programmatic launch.
 """
 
 from __future__ import annotations
@@ -45,22 +46,23 @@ elif os.environ.get("TRITON_INTERPRET") == "1":  # the CPU emulation runs no inl
     @triton.jit
     def wait_for_producers():
         """(Triton's interpreter: nothing to wait for.)"""
-
 else:
+    _HAS_WAIT = tl.constexpr(True)  # the arch being compiled has griddepcontrol (set by compile_kernel)
 
     @triton.jit
     def wait_for_producers():
         """A kernel's first step: wait until the kernels before it in the stream have finished and
         their writes are visible (griddepcontrol.wait; a no-op after a launch that was not
-        programmatic)."""
-        tl.extra.cuda.gdc_wait()
+        programmatic; nothing before sm_90)."""
+        if _HAS_WAIT:
+            tl.extra.cuda.gdc_wait()
 
 
-def launch_tags(waits: bool) -> list[str]:
-    """TVM's launch tags of a kernel (grid x, y, block x, dynamic shared memory last); with
-    kernel_attrs.PDL, the programmatic launch, which only a kernel that waits for its producers
-    (`waits`: its PTX has griddepcontrol.wait) may take."""
-    pdl = kernel_attrs.pdl_tags()
+def launch_tags(waits: bool, arch: str) -> list[str]:
+    """TVM's launch tags of a kernel built for `arch` (grid x, y, block x, dynamic shared memory
+    last); with kernel_attrs.PDL, the programmatic launch, which only a kernel that waits for its
+    producers (`waits`: its PTX has griddepcontrol.wait) may take."""
+    pdl = kernel_attrs.pdl_tags(arch)
     if pdl and not waits:
         raise ValueError("a kernel launched programmatically must wait for its producers first "
                          "(wait_for_producers): this one reads them without waiting")
@@ -77,7 +79,8 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
              if sig[k].startswith("*") or k in _DIVISIBLE}
-    cap = int(arch.removeprefix("sm_").rstrip("a"))
+    global _HAS_WAIT  # pylint: disable=global-statement  (read by wait_for_producers as Triton compiles)
+    cap = kernel_attrs.sm_version(arch)
     key = hashlib.sha256(json.dumps([Path(source).read_text(), Path(__file__).read_text(), fn.__name__, sig,
                                      consts, num_warps, num_stages, arch, triton.__version__]).encode()).hexdigest()[:24]
     out = cache_dir() / "triton" / f"{fn.__name__}-{key}"
@@ -86,6 +89,7 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
         _check_shared(meta, cap, consts)
         return meta["name"], out.with_suffix(".cubin").read_bytes(), meta
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    _HAS_WAIT = tl.constexpr(cap >= kernel_attrs.PDL_MIN_SM)
     k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
     md = k.metadata
     if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
@@ -122,7 +126,7 @@ def cuda_module(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: 
     name, cubin, meta = compile_kernel(fn, sig, consts, num_warps, arch, source, num_stages)
     types = arg_types(sig)
     info = {"tvm_version": tvm.__version__, "func_info": {name: {
-        "name": "", "arg_types": types, "launch_param_tags": launch_tags(meta.get("waits", False))}}}
+        "name": "", "arg_types": types, "launch_param_tags": launch_tags(meta.get("waits", False), arch)}}}
     fmap = tvm.get_global_func("runtime.LoadMetaDataFromJSON")(json.dumps(info))
     create = tvm.get_global_func("ffi.Module.create.cuda", allow_missing=True)
     if create is None:

@@ -62,7 +62,7 @@ def build(dtype: str, head_dim: int, num_qo_heads: int, num_kv_heads: int, arch:
     module = cuda_build.cuda_module(cubin, {
         "mlc_lora_attn_prefill": [ptr] * 8 + [i32, i32, f32],
         "mlc_lora_attn_decode": [ptr] * 10 + [i32, i32, i32, f32],
-    })
+    }, arch)
     return _prefill(dtype, head_dim, num_qo_heads, num_kv_heads), \
         _decode(dtype, head_dim, num_qo_heads, num_kv_heads), module
 

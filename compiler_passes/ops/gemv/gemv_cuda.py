@@ -52,7 +52,7 @@ def build_module(dtype: str, arch: str):
         defines["MLC_BF16"] = None
     cubin = cuda_build.build_cubin(SOURCE, arch, defines)
     args = ["handle"] * 3 + ["int32"] * 4  # x, w, y; n, K, N, W's row stride
-    return cuda_build.cuda_module(cubin, {kernel_name(dtype, t): args for t in TOKENS})
+    return cuda_build.cuda_module(cubin, {kernel_name(dtype, t): args for t in TOKENS}, arch)
 
 
 def launch_threads(k: int) -> int:

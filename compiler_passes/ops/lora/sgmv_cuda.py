@@ -84,7 +84,7 @@ def build_module(dtype: str, max_rank: int, arch: str):
     return cuda_build.cuda_module(cubin, {
         shrink: [ptr] * 8 + [i32] * 7 + [i64],   # ..., n, in_f, P, m0..m2, num_modules, base
         expand: [ptr] * 8 + [i32] * 10 + [i64],  # ..., n, C, P, m0..m2, w0..w2, num_modules, base
-    })
+    }, arch)
 
 
 def _padded(values, fill):

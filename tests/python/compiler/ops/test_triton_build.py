@@ -63,27 +63,44 @@ if triton is not None:
 
 
 def test_programmatic_launch_only_for_kernels_that_wait(cubin_cache, monkeypatch):
-    """Off (the default): the plain launch tags. On: the PDL tag before the dynamic shared memory
-    tag (TVM wants that one last) for a library kernel, whose PTX has griddepcontrol.wait; a kernel
-    without it is refused."""
+    """On (the default): the PDL tag before the dynamic shared memory tag (TVM wants that one last)
+    for a library kernel, whose PTX has griddepcontrol.wait; a kernel without it is refused. Off, or
+    built for a GPU before sm_90: the plain launch tags."""
     from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
 
-    assert triton_build.launch_tags(False) == ["blockIdx.x", "blockIdx.y", "threadIdx.x", "tirx.use_dyn_shared_memory"]
-    monkeypatch.setattr(kernel_attrs, "PDL", True)
+    plain = ["blockIdx.x", "blockIdx.y", "threadIdx.x", "tirx.use_dyn_shared_memory"]
+    assert kernel_attrs.PDL is True
     name, _, _, mod, _ = ST.variant_kernel("shrink", "tiny", 4096, (0, 1, 2), None, 16, 7, "float16", 64, 8, "sm_90a")
     assert mod.get_function(name) is not None
     metas = [json.loads(f.read_text()) for f in cubin_cache.glob("*.json")]
     assert [m["waits"] for m in metas if m["name"] == name] == [True]
-    assert triton_build.launch_tags(True)[-2:] == ["tirx.use_programtic_dependent_launch", "tirx.use_dyn_shared_memory"]
+    assert triton_build.launch_tags(True, "sm_90a")[-2:] == [kernel_attrs.PDL_TAG, "tirx.use_dyn_shared_memory"]
+    assert triton_build.launch_tags(False, "sm_80") == plain
     sig = {"x_ptr": "*fp16", "y_ptr": "*fp16", "N": "constexpr"}
     with pytest.raises(ValueError, match="must wait for its producers"):
         triton_build.cuda_module(_no_wait_kernel, sig, {"N": 64}, 4, "sm_90a", Path(__file__))
     monkeypatch.setattr(kernel_attrs, "PDL", False)
+    assert triton_build.launch_tags(False, "sm_90a") == plain
     triton_build.cuda_module(_no_wait_kernel, sig, {"N": 64}, 4, "sm_90a", Path(__file__))  # the plain launch
 
 
+def test_kernels_built_before_sm90_do_not_wait(cubin_cache):
+    """griddepcontrol is sm_90's: for sm_80 the same kernel compiles without the wait (ptxas would
+    refuse it) and is launched plainly; built for sm_90a again, it waits."""
+    from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
+
+    for arch, waits in (("sm_80", False), ("sm_90a", True)):
+        name, _, _, mod, _ = ST.variant_kernel("shrink", "tiny", 4096, (0, 1, 2), None, 16, 7, "float16", 64, 8, arch)
+        assert mod.get_function(name) is not None
+        metas = [json.loads(f.read_text()) for f in sorted(cubin_cache.glob("*.json"), key=lambda f: f.stat().st_mtime)]
+        assert metas[-1]["name"] == name and metas[-1]["waits"] is waits, (arch, metas[-1])
+    assert kernel_attrs.sm_version("sm_80") == 80 and kernel_attrs.pdl_tags("sm_80") == []
+    assert kernel_attrs.pdl_tags("sm_100a") == [kernel_attrs.PDL_TAG]
+
+
 def test_cuda_kernels_take_the_programmatic_launch_with_pdl(cubin_cache, monkeypatch):  # noqa: ARG001  (the build)
-    """The CUDA C++ kernels' modules (gemv here): the PDL tag after the plain ones when on."""
+    """The CUDA C++ kernels' modules (gemv here): the PDL tag after the plain ones when on (for
+    sm_90a; never for sm_80)."""
     from mlc_lora.compiler_passes.ops import cuda_build as CB
     from mlc_lora.compiler_passes.ops.gemv import gemv_cuda
 
@@ -91,8 +108,8 @@ def test_cuda_kernels_take_the_programmatic_launch_with_pdl(cubin_cache, monkeyp
     monkeypatch.setattr(CB.tvm, "get_global_func", lambda name, allow_missing=False: (
         (lambda meta: seen.append(json.loads(meta)) or meta) if name == "runtime.LoadMetaDataFromJSON"
         else (lambda *a: a)))
-    for pdl in (False, True):
+    for pdl, arch in ((False, "sm_90a"), (True, "sm_90a"), (True, "sm_80")):
         monkeypatch.setattr(kernel_attrs, "PDL", pdl)
-        gemv_cuda.build_module("float16", "sm_90a")
+        gemv_cuda.build_module("float16", arch)
         tags = {tuple(f["launch_param_tags"]) for f in seen[-1]["func_info"].values()}
-        assert tags == {tuple(CB.LAUNCH_TAGS) + ((kernel_attrs.PDL_TAG,) if pdl else ())}
+        assert tags == {tuple(CB.LAUNCH_TAGS) + ((kernel_attrs.PDL_TAG,) if pdl and arch != "sm_80" else ())}
