@@ -258,11 +258,10 @@ class _Rewriter(relax.PyExprMutator):
                 fill = FUSED.fill(self.ctx, parts, in_f, w.ty, str(w.ty.dtype))
                 self.fills[o.param_names.index(name)] = (layer, fill, str(w.ty.dtype))
             return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, counters, call.ty.shape, producer)
-        y = bb.emit(call)
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
-        impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(y.ty.dtype), o.max_rank, len(parts))
+        impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(call.ty.dtype), o.max_rank, len(parts))
         self.rewritten += 1
-        return impl.emit(self.ctx, y, x2, layer, parts, self.inputs)
+        return impl.emit(self.ctx, call, x2, layer, parts, self.inputs)  # (the stage emits the GEMM)
 
     def _producer(self, x: relax.Expr, in_f: int) -> tuple | None:
         """x's producer for the rank columns route's wrapper to run in its place (writing x into

@@ -24,15 +24,16 @@ The interface (stage.py), called by passes/lora_rewrite.py once per target linea
         def supported(self, target: tvm.target.Target, dtype: str, max_rank: int,
                       num_parts: int) -> str | None
             # None if it can run this linear, else the reason in words
-        def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int,
+        def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int,
                  parts: Sequence[Part], tables: Mapping[str, relax.Var]) -> relax.Expr
-            # emits the update with ctx.builder and returns the new y (y's shape and dtype)
+            # emits the base GEMM and the update with ctx.builder, returns the new y
 
     Part(name: str, module: int, lo: int, hi: int)   # a slice y[:, lo:hi]; module -1: no adapter
     LoraContext: builder, target, num_layers, max_rank, num_modules,
         kernel(key, name, make) -> GlobalVar   # add a PrimFunc once per key
         external(key, make)                    # link a runtime module (a cubin) once per key
-    x is the linear's input as (n, in), y the base output (..., W) with W = parts[-1].hi, tables
+    x is the linear's input as (n, in), base the base output's call (..., W) with W = parts[-1].hi
+    (emitted by the stage: a shrink that reads only x may go before it), tables
     the function's contract.LORA_TABLE_INPUTS parameters (see LoraStage.emit).
 
 `select(stage, backend, ...)` picks the implementation for one linear: an explicit backend must

@@ -151,9 +151,10 @@ class GatherTir(LoraStage):
     def supported(self, target, dtype, max_rank, num_parts):
         return None  # plain TIR: every target, dtype, rank and fused linear
 
-    def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int, parts: Sequence[Part],
+    def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],
              tables: Mapping[str, relax.Var]) -> relax.Expr:
-        bb, t, n, in_f, dtype = ctx.builder, tables, tokens(x), int(x.ty.shape.values[-1]), str(y.ty.dtype)
+        bb, t, n, in_f, dtype = ctx.builder, tables, tokens(x), int(x.ty.shape.values[-1]), str(base.ty.dtype)
+        y = bb.emit(base)  # (the TIR stages' order does not matter)
 
         def delta(p: Part) -> relax.Var:
             gv = ctx.kernel(("gather", in_f, p.width, p.module, dtype), f"lora_gather_m{p.module}_{in_f}x{p.width}",

@@ -183,11 +183,11 @@ class SgmvCuda(LoraStage):
             return f"target {target.kind.name} (the kernels are CUDA)"
         return supported(dtype, max_rank, num_parts)
 
-    def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int, parts: Sequence[Part],
+    def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],
              tables: Mapping[str, relax.Var]) -> relax.Expr:
-        """y + the deltas of all parts, by one shrink and one in-place expand."""
+        """y + the deltas of all parts, by one shrink (before the GEMM) and one in-place expand."""
         bb, t, n, R = ctx.builder, tables, tokens(x), ctx.max_rank
-        in_f, dtype, L, M = int(x.ty.shape.values[-1]), str(y.ty.dtype), ctx.num_layers, ctx.num_modules
+        in_f, dtype, L, M = int(x.ty.shape.values[-1]), str(base.ty.dtype), ctx.num_layers, ctx.num_modules
         ctx.external(("sgmv_cuda", dtype, R), lambda: build_module(dtype, R, str(ctx.target.arch)))
         mods = tuple(p.module for p in parts)
         widths = tuple(p.width for p in parts)
@@ -200,6 +200,7 @@ class SgmvCuda(LoraStage):
         v = bb.emit(relax.call_tir(shrink, [x, t["lora_arena"], t["lora_token_slot"], t["lora_token_order"],
                                             t["lora_rank"], t["lora_scale"], t["lora_a_off"], layer_arg(layer)],
                                    relax.TensorType([n, len(parts), num_chunks(in_f), R], "float32")))
+        y = bb.emit(base)
         y2 = bb.emit(relax.op.reshape(y, relax.ShapeExpr([n, sum(widths)])))
         # In place: the GEMM's output takes the deltas (no delta tensor, no add, no concat).
         y2 = bb.emit(relax.call_tir_inplace(expand, [v, t["lora_arena"], t["lora_token_slot"], t["lora_token_order"],

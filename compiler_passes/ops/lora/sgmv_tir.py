@@ -277,10 +277,11 @@ class SgmvTir(LoraStage):
     def supported(self, target, dtype, max_rank, num_parts):
         return None  # plain TIR: every target, dtype, rank and fused linear
 
-    def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int, parts: Sequence[Part],
+    def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],
              tables: Mapping[str, relax.Var]) -> relax.Expr:
         bb, t, n, R = ctx.builder, tables, tokens(x), ctx.max_rank
-        in_f, dtype = int(x.ty.shape.values[-1]), str(y.ty.dtype)
+        y = bb.emit(base)  # (the TIR stages' order does not matter)
+        in_f, dtype = int(x.ty.shape.values[-1]), str(base.ty.dtype)
         L, M = ctx.num_layers, ctx.num_modules
 
         def delta(p: Part) -> relax.Var:

@@ -654,13 +654,14 @@ class SgmvTriton(LoraStage):
             return f"target {target.kind.name} (the kernels are CUDA)"
         return supported(dtype, max_rank, num_parts)
 
-    def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int, parts: Sequence[Part],
+    def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],
              tables: Mapping[str, relax.Var]) -> relax.Expr:
-        """y + the deltas of all parts: one shrink (v) and one expand adding into y in place."""
+        """y + the deltas of all parts: one shrink (v, before the GEMM) and one expand adding into y
+        in place."""
         from tvm import relax  # pylint: disable=import-outside-toplevel  (this module imports with TVM's runtime)
 
         bb, t, n, R = ctx.builder, tables, tokens(x), ctx.max_rank
-        in_f, dtype, L, M = int(x.ty.shape.values[-1]), str(y.ty.dtype), ctx.num_layers, ctx.num_modules
+        in_f, dtype, L, M = int(x.ty.shape.values[-1]), str(base.ty.dtype), ctx.num_layers, ctx.num_modules
         arch = str(ctx.target.arch)
         mods = tuple(p.module for p in parts)
         widths = tuple(p.width for p in parts)
@@ -694,6 +695,7 @@ class SgmvTriton(LoraStage):
         common = [t["lora_arena"], order, start, tiles, t["lora_rank"], t["lora_scale"]]
         v = bb.emit(relax.call_tir(shrink, [x, *common, t["lora_a_off"], layer_arg(layer)],
                                    relax.TensorType([n, len(parts), max_chunks(in_f), R], "float32")))
+        y = bb.emit(base)
         y2 = bb.emit(relax.op.reshape(y, relax.ShapeExpr([n, sum(widths)])))
         # in place: the GEMM's output takes the deltas (no delta tensor, no add, no concat)
         y2 = bb.emit(relax.call_tir_inplace(expand, [v, *common, t["lora_b_off"], layer_arg(layer), y2], [9],

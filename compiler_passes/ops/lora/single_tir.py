@@ -116,10 +116,11 @@ class SingleTir(LoraStage):
     def supported(self, target, dtype, max_rank, num_parts):
         return None  # plain TIR and dense matmuls: every target, dtype, rank and fused linear
 
-    def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int, parts: Sequence[Part],
+    def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],
              tables: Mapping[str, relax.Var]) -> relax.Expr:
         bb, t, n, R = ctx.builder, tables, tokens(x), ctx.max_rank
-        in_f, dtype = int(x.ty.shape.values[-1]), str(y.ty.dtype)
+        y = bb.emit(base)  # (the TIR stages' order does not matter)
+        in_f, dtype = int(x.ty.shape.values[-1]), str(base.ty.dtype)
         # (n, 1): 1 for tokens on an adapter slot, 0 for base-model tokens (slot -1), which get no
         # delta. Emitted per linear: a var kept across linears could belong to another dataflow block.
         on = relax.op.greater_equal(t["lora_token_slot"], relax.const(0, "int32"))

@@ -1,8 +1,8 @@
 """The interface between LoraRewrite and a LoRA stage implementation (see ops/lora/__init__.py).
 
-LoraRewrite finds each target linear `y = x @ W.T` (W possibly fused, e.g. q|k|v), emits y and the
-tokens x as (n, in), and calls `LoraStage.emit` of the implementation the registry picked; that
-emits the adapter update and returns the new y. `LoraContext` is what all calls of one rewrite
+LoraRewrite finds each target linear `y = x @ W.T` (W possibly fused, e.g. q|k|v), emits the tokens
+x as (n, in), and calls `LoraStage.emit` of the implementation the registry picked with y's call;
+that emits it and the adapter update and returns the new y. `LoraContext` is what all calls of one rewrite
 share: the block builder and the kernels and CUDA modules already added.
 """
 
@@ -83,11 +83,15 @@ class LoraStage:
         (the kernels are float16/bfloat16)"). The "auto" backend takes the first that can."""
         raise NotImplementedError
 
-    def emit(self, ctx: LoraContext, y: relax.Var, x: relax.Var, layer: int, parts: Sequence[Part],
+    def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],
              tables: Mapping[str, relax.Var]) -> relax.Expr:
-        """Emit, with ctx.builder, the adapter update of one target linear and return the new y.
+        """Emit, with ctx.builder, the base GEMM and the adapter update of one target linear and
+        return the new y.
 
-        y: the base output (..., W), already emitted; W = parts[-1].hi.
+        base: the base output's call (..., W), not yet emitted; W = parts[-1].hi. The stage emits
+          it where its kernels want it: a shrink, which reads only x, goes before it, so that it
+          follows x's producer rather than the GEMM (whose kernels let their dependents be
+          scheduled early: a shrink launched programmatically after it starts crowded).
         x: the linear's input tokens (n, in), already emitted; n = all tokens of the batch.
         layer: the decoder layer (the kernels take it as a scalar: one kernel serves all layers).
         parts: the fused linear's slices in column order; at least one has module >= 0.

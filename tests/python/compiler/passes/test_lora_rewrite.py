@@ -85,8 +85,9 @@ class ExpectedGather:
             w_qkv = params[0]
             w_o = params[1]
             w_head = params[2]
-            qkv0 = R.matmul(x, R.permute_dims(w_qkv))
+            wt_qkv = R.permute_dims(w_qkv)
             x2 = R.reshape(x, R.shape([b, 8]))
+            qkv0 = R.matmul(x, wt_qkv)  # the stage emits the GEMM
             dq = R.call_tir(cls.lora_gather_m0_8x8, (x2, lora_arena, lora_token_slot, lora_rank, lora_scale,
                             lora_a_off, lora_b_off, R.prim_value(T.int64(0))), out_ty=R.Tensor((b, 8), "float32"))
             dk = R.zeros(R.shape([b, 4]), "float32")
@@ -95,8 +96,9 @@ class ExpectedGather:
             d = R.reshape(R.concat((dq, dk, dv), axis=1), R.shape([b, 1, 16]))
             qkv = R.add(qkv0, d)
             q = R.strided_slice(qkv, axes=[2], begin=[0], end=[8])
-            o0 = R.matmul(q, R.permute_dims(w_o))
+            wt_o = R.permute_dims(w_o)
             q2 = R.reshape(q, R.shape([b, 8]))
+            o0 = R.matmul(q, wt_o)
             do = R.call_tir(cls.lora_gather_m2_8x8, (q2, lora_arena, lora_token_slot, lora_rank, lora_scale,
                             lora_a_off, lora_b_off, R.prim_value(T.int64(0))), out_ty=R.Tensor((b, 8), "float32"))
             o = R.add(o0, R.reshape(do, R.shape([b, 1, 8])))
@@ -145,8 +147,9 @@ class ExpectedSingle:
             w_qkv = params[0]
             w_o = params[1]
             w_head = params[2]
-            qkv0 = R.matmul(x, R.permute_dims(w_qkv))
+            wt_qkv = R.permute_dims(w_qkv)
             x2 = R.reshape(x, R.shape([b, 8]))
+            qkv0 = R.matmul(x, wt_qkv)  # the stage emits the GEMM
             # base-model tokens (slot -1) get no delta: x masked, then dense rows of slot 0
             mask = R.reshape(R.astype(R.greater_equal(lora_token_slot, R.const(0, "int32")), "float32"),
                              R.shape([b, 1]))
@@ -167,8 +170,9 @@ class ExpectedSingle:
             d = R.reshape(R.concat((dq, dk, dv), axis=1), R.shape([b, 1, 16]))
             qkv = R.add(qkv0, d)
             q = R.strided_slice(qkv, axes=[2], begin=[0], end=[8])
-            o0 = R.matmul(q, R.permute_dims(w_o))
+            wt_o = R.permute_dims(w_o)
             q2 = R.reshape(q, R.shape([b, 8]))
+            o0 = R.matmul(q, wt_o)
             mask2 = R.reshape(R.astype(R.greater_equal(lora_token_slot, R.const(0, "int32")), "float32"),
                               R.shape([b, 1]))
             qm = R.multiply(q2, mask2)
@@ -315,8 +319,9 @@ class ExpectedTir:
         cls = ExpectedTir
         with R.dataflow():
             w = params[0]
-            y = R.matmul(x, R.permute_dims(w))
+            wt = R.permute_dims(w)
             x2 = R.reshape(x, R.shape([b, 1024]))
+            y = R.matmul(x, wt)
             v = R.call_tir(cls.lora_sgmv_shrink_m0_1024, (x2, lora_arena, lora_token_slot, lora_rank, lora_scale,
                            lora_a_off, R.prim_value(T.int64(0))), out_ty=R.Tensor((b, 2, 16), "float32"))
             d = R.call_tir(cls.lora_sgmv_expand_m0_1024x600, (v, lora_arena, lora_token_slot, lora_rank, lora_b_off,
@@ -347,11 +352,12 @@ class ExpectedCuda:
         cls = ExpectedCuda
         with R.dataflow():
             w = params[0]
-            y = R.matmul(x, R.permute_dims(w))
+            wt = R.permute_dims(w)
             x2 = R.reshape(x, R.shape([b, 1024]))
             v = R.call_tir(cls.lora_sgmv_shrink_m0_1024, (x2, lora_arena, lora_token_slot, lora_token_order,
                            lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
                            out_ty=R.Tensor((b, 1, 2, 16), "float32"))
+            y = R.matmul(x, wt)  # after the shrink, which reads only x
             y2 = R.reshape(y, R.shape([b, 600]))
             y3 = R.call_tir_inplace(cls.lora_sgmv_expand_m0_1024x600, (v, lora_arena, lora_token_slot,
                                     lora_token_order, lora_rank, lora_scale, lora_b_off, R.prim_value(T.int64(0)),
@@ -387,7 +393,7 @@ class ExpectedTriton:
         cls = ExpectedTriton
         with R.dataflow():
             w = params[0]
-            y = R.matmul(x, R.permute_dims(w))
+            wt = R.permute_dims(w)
             x2 = R.reshape(x, R.shape([b, 1024]))
             # the batch's tiles, laid out once per function for every linear's shrink and expand
             tiles = R.call_tir(cls.lora_sgmv_triton_tiles, (lora_token_order, lora_slot_start),
@@ -395,6 +401,7 @@ class ExpectedTriton:
             v = R.call_tir(cls.lora_sgmv_triton_shrink_m0_1024, (x2, lora_arena, lora_token_order, lora_slot_start,
                            tiles, lora_rank, lora_scale, lora_a_off, R.prim_value(T.int64(0))),
                            out_ty=R.Tensor((b, 1, 16, 16), "float32"))
+            y = R.matmul(x, wt)  # after the shrink, which reads only x
             y2 = R.reshape(y, R.shape([b, 600]))
             y3 = R.call_tir_inplace(cls.lora_sgmv_triton_expand_m0_1024x600, (v, lora_arena, lora_token_order,
                                     lora_slot_start, tiles, lora_rank, lora_scale, lora_b_off,
