@@ -58,6 +58,14 @@ def kind_of(key: str) -> str:
     return "other"
 
 
+def compare_rows(rows: list[dict]) -> list[tuple[str, str, float, float]]:
+    """(step, config, ms, ms of config@cmp) for each step a config ran on both libraries."""
+    ms = {(x["config"], x["step"]): x["ms"] for x in rows}
+    return [(x["step"], x["config"], x["ms"], ms[(x["config"] + "@cmp", x["step"])])
+            for x in sorted(rows, key=lambda x: (x["step"], x["config"]))
+            if "@" not in x["config"] and (x["config"] + "@cmp", x["step"]) in ms]
+
+
 def api_calls(prof, steps: int):
     """The CUDA runtime/driver calls the host made (kernel launches outside graphs, graph launches,
     copies, syncs, allocations): (name, calls per step, host us per step), most time first."""
@@ -311,6 +319,12 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             f"{x.get('gpu_ms') if x.get('gpu_ms') is not None else '-'} | "
             f"{x['gemm']:.3f} | {x['lora']:.3f} | {x['attention']:.3f} | {x['other']:.3f} | {vs} | "
             f"{x['rows_ms'] if x['rows_ms'] is not None else '-'} |")
+    pairs = compare_rows(rows)
+    if pairs:
+        say("\n(NAME against NAME@cmp, the same config on --compare-lib-dir's library)"
+            "\n| step | config | ms | @cmp ms | ratio |\n|---|---|---|---|---|")
+        for step, name, ms, cmp_ms in pairs:
+            say(f"| {step} | {name} | {ms:.3f} | {cmp_ms:.3f} | {ms / cmp_ms:.3f} |")
     for x in rows:
         if x["config"] != "base":
             say(f"\n{x['config']} {x['step']}: top kernels (calls/step, us/call)")

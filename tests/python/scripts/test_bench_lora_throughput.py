@@ -109,6 +109,8 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert steps.main(args + ["--compare-lib-dir", str(tmp_path / "libs")]) == 0
     rows = json.loads((tmp_path / "bench_lora_steps.json").read_text())["rows"]
     assert [(r["config"], r["step"]) for r in rows] == [("base", "decode b=2"), ("base@cmp", "decode b=2")]
+    assert steps.compare_rows(rows) == [("decode b=2", "base", rows[0]["ms"], rows[1]["ms"])]
+    assert "| step | config | ms | @cmp ms | ratio |" in (tmp_path / "bench_lora_steps.log").read_text()
     assert merged.with_suffix(".svg").stat().st_size > 0 and merged.with_suffix(".png").stat().st_size > 0
 
 
