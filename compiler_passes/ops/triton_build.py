@@ -46,6 +46,7 @@ elif os.environ.get("TRITON_INTERPRET") == "1":  # the CPU emulation runs no inl
     @triton.jit
     def wait_for_producers():
         """(Triton's interpreter: nothing to wait for.)"""
+
 else:
     _HAS_WAIT = tl.constexpr(True)  # the arch being compiled has griddepcontrol (set by compile_kernel)
 
