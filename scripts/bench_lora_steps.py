@@ -4,7 +4,8 @@ base vs 4 adapters of rank 8 (or 64 of ranks 8/16/32/64 in turn: `lora64`), on a
 
   python scripts/bench_lora_throughput.py compile --out DIR --libs base,lora,lora-nofused   # here
   python scripts/bench_lora_steps.py run --lib-dir DIR [--batches 1,16,64,128,256] [--prefill 512,1024,2048]
-  python scripts/bench_lora_steps.py run --lib-dir ON --compare-lib-dir OFF --configs base,base@cmp,lora4-cols,lora4-cols@cmp
+  python scripts/bench_lora_steps.py run --lib-dir NEW --compare-lib-dir OLD \
+      --configs lora4-cols,lora4-cols@cmp,lora4-cols@cmp,lora4-cols   # A/B in one process, repeats averaged
 
 For every (library, adapters, step) it reports: the step's wall time with a sync (median of
 samples, harness/timing.wall_time), the host time of the call alone (launches queued, no sync:
@@ -58,12 +59,24 @@ def kind_of(key: str) -> str:
     return "other"
 
 
+def mean_ms(rows: list[dict], which) -> dict[str, float]:
+    """Per step, the mean ms of the runs whose label `which` takes."""
+    got: dict[str, list[float]] = {}
+    for x in rows:
+        if which(x["config"]):
+            got.setdefault(x["step"], []).append(x["ms"])
+    return {step: sum(v) / len(v) for step, v in got.items()}
+
+
 def compare_rows(rows: list[dict]) -> list[tuple[str, str, float, float]]:
-    """(step, config, ms, ms of config@cmp) for each step a config ran on both libraries."""
-    ms = {(x["config"], x["step"]): x["ms"] for x in rows}
-    return [(x["step"], x["config"], x["ms"], ms[(x["config"] + "@cmp", x["step"])])
-            for x in sorted(rows, key=lambda x: (x["step"], x["config"]))
-            if "@" not in x["config"] and (x["config"] + "@cmp", x["step"]) in ms]
+    """(step, config, mean ms, mean ms of config@cmp) for each step a config ran on both libraries,
+    its repeats (NAME#2, NAME@cmp#2) averaged: run NAME,NAME@cmp,NAME@cmp,NAME against the drift."""
+    out = []
+    for name in dict.fromkeys(cli.config_of(x["config"]) for x in rows):
+        on = mean_ms(rows, lambda c, n=name: cli.config_of(c) == n and not cli.on_compare_dir(c))
+        off = mean_ms(rows, lambda c, n=name: cli.config_of(c) == n and cli.on_compare_dir(c))
+        out += [(step, name, on[step], off[step]) for step in on if step in off]
+    return sorted(out)
 
 
 def api_calls(prof, steps: int):
@@ -172,15 +185,10 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
     mc = cfg["model_config"]
     configs = a.configs.split(",")
-    for name in configs:
-        if name.partition("@")[0] not in LIBS or name.partition("@")[2] not in ("", "cmp"):
-            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(LIBS)} (NAME@cmp: with the "
-                             "library of --compare-lib-dir)")
-        if name.endswith("@cmp") and not a.compare_lib_dir:
-            raise SystemExit(f"config {name!r} needs --compare-lib-dir")
+    cli.check_run_names(configs, LIBS, a.compare_lib_dir)
 
-    def folder_of(name):  # the library a config runs
-        return (Path(a.compare_lib_dir) if name.endswith("@cmp") else lib_dir) / LIBS[name.partition("@")[0]][0]
+    def folder_of(name):  # the library a run's config runs on
+        return (Path(a.compare_lib_dir) if cli.on_compare_dir(name) else lib_dir) / LIBS[cli.config_of(name)][0]
 
     p = make_params(cfg, torch, dev, others=[json.loads((folder_of(n) / CONFIG_FILE).read_text()) for n in configs])
     sync()
@@ -206,12 +214,12 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     def queued(fn, setup=None):  # (host ms, GPU ms alone) of a call; (None, None) off CUDA
         return queued_time(fn, setup=setup) if dev == "cuda" else (None, None)
 
-    for name in configs:
-        n_ad = LIBS[name.partition("@")[0]][1]
+    for name in cli.run_labels(configs):  # (a config named again runs again: NAME#2)
+        n_ad = LIBS[cli.config_of(name)][1]
         folder = folder_of(name)
         lcfg = json.loads((folder / CONFIG_FILE).read_text())
         r = ModelRunner(folder, dev, params=lib_params(p, lcfg))
-        packed, ranks = [], RANKS.get(name.partition("@")[0], (RANK,))
+        packed, ranks = [], RANKS.get(cli.config_of(name), (RANK,))
         if n_ad:
             for i in range(n_ad):
                 ad = random_adapter(f"a{i}", mc, r.lora.module_names, ranks[i % len(ranks)], torch, dev, seed=a.seed + i)
@@ -312,7 +320,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     say(f"\n(rows ms: the step's adapter rank rows read once at {bw} TB/s, the least any LoRA kernels take)"
         "\n| step | config | ms | host ms | GPU alone ms | gemm | lora | attention | other | vs base | rows ms |"
         "\n|---|---|---|---|---|---|---|---|---|---|---|")
-    base = {x["step"]: x["ms"] for x in rows if x["config"] == "base"}
+    base = mean_ms(rows, cli.is_base_run)
     for x in sorted(rows, key=lambda x: (x["step"], x["config"])):
         vs = f"{x['ms'] / base[x['step']]:.3f}" if x["step"] in base else "-"
         say(f"| {x['step']} | {x['config']} | {x['ms']:.3f} | {x['host_ms'] if x['host_ms'] is not None else '-'} | "

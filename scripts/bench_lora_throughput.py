@@ -28,7 +28,7 @@ import weakref
 from pathlib import Path
 
 from harness import cli, offline, plot as charts
-from harness.cli import tqdm
+from harness.cli import config_of, is_base_run, run_labels, tqdm
 from harness.workload import (add_prepare, adapter_set, assign_adapters, load_requests, prepare_requests,
                               requests_note)
 
@@ -75,28 +75,6 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     "lora64-max8": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
 }
 MAX_LORAS = {"lora64-max16": 16, "lora64-max8": 8}
-
-
-def config_of(name: str) -> str:
-    """The CONFIGS entry a run name stands for ("lora64@cmp": lora64 on --compare-lib-dir's library;
-    "lora4#2": lora4's second run in the process)."""
-    return name.split("#")[0].split("@")[0]
-
-
-def run_labels(names: list[str]) -> list[str]:
-    """The result label of each run: a config named again is run again, as NAME#2, NAME#3, ... (the
-    position in the process moves a result: repeat a config, or base at the end, to see by how much)."""
-    seen: dict[str, int] = {}
-    out = []
-    for n in names:
-        seen[n] = seen.get(n, 0) + 1
-        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
-    return out
-
-
-def is_base_run(label: str) -> bool:
-    """A run of the base model on --lib-dir's library (base, base#2, ...; not base@cmp)."""
-    return config_of(label) == "base" and "@" not in label
 
 
 def pool_pages(model_cfg: dict, kv_pages: int) -> tuple[int, int]:
@@ -304,12 +282,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
           f"{sum(n for _, n in requests)} output tokens; {note}")
     cfg = json.loads((lib_dir / "base" / CONFIG_FILE).read_text())
     configs = a.configs.split(",")
-    for name in configs:
-        if config_of(name) not in CONFIGS or name.partition("@")[2] not in ("", "cmp"):
-            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(CONFIGS)} (NAME@cmp: with the "
-                             "libraries of --compare-lib-dir)")
-        if name.endswith("@cmp") and not a.compare_lib_dir:
-            raise SystemExit(f"config {name!r} needs --compare-lib-dir")
+    cli.check_run_names(configs, CONFIGS, a.compare_lib_dir)
 
     def where(name):  # the library folder a config runs
         return Path(a.compare_lib_dir) if name.endswith("@cmp") else lib_dir

@@ -53,6 +53,44 @@ def add_run(sub, help_: str, name: str = "run", log_dir: str = "bench_logs"):
     return p
 
 
+def config_of(name: str) -> str:
+    """The config a run name stands for ("lora64@cmp": lora64 on --compare-lib-dir's library;
+    "lora4#2": lora4's second run in the process)."""
+    return name.split("#")[0].split("@")[0]
+
+
+def run_labels(names: list[str]) -> list[str]:
+    """The result label of each run: a config named again is run again, as NAME#2, NAME#3, ... (the
+    position in the process moves a result: repeat a config, or base at the end, to see by how much)."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}#{seen[n]}")
+    return out
+
+
+def is_base_run(label: str) -> bool:
+    """A run of the base model on --lib-dir's library (base, base#2, ...; not base@cmp)."""
+    return config_of(label) == "base" and "@" not in label
+
+
+def on_compare_dir(label: str) -> bool:
+    """A run of --compare-lib-dir's library (NAME@cmp, NAME@cmp#2, ...)."""
+    return label.split("#")[0].endswith("@cmp")
+
+
+def check_run_names(names: list[str], known, compare_dir) -> None:
+    """Refuse a run name whose config is not in `known` or whose suffix is not @cmp, and an @cmp
+    run without --compare-lib-dir (`compare_dir` None)."""
+    for name in names:
+        if config_of(name) not in known or name.partition("@")[2] not in ("", "cmp"):
+            raise SystemExit(f"unknown config {name!r}; choose from {', '.join(known)} (NAME@cmp: with the "
+                             "libraries of --compare-lib-dir)")
+        if name.endswith("@cmp") and not compare_dir:
+            raise SystemExit(f"config {name!r} needs --compare-lib-dir")
+
+
 def gpu_runtime():
     """TVM (runtime-only is enough) with its CUDA device API loaded; torch is imported first so that
     its libcublas is the one in the process."""

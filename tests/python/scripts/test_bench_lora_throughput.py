@@ -101,15 +101,18 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert floor.keys() == want.keys() and all(abs(floor[k] - want[k]) <= 1e-3 for k in want)
     assert all(r["rows_ms"] is None for r in rows if r["config"] == "base")
     assert all(r["ms"] > 0 for r in rows) and freed == [True, True]
-    # NAME@cmp: the same config on --compare-lib-dir's library, in the same process
-    args = ["run", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,base@cmp", "--batches", "2", "--prefill", "",
-            "--ctx", "8", "--device", "cpu", "--log-dir", str(tmp_path)]
+    # NAME@cmp: the same config on --compare-lib-dir's library, in the same process; a config
+    # named again runs again (NAME#2) and the comparison averages the repeats
+    args = ["run", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,base@cmp,base@cmp,base", "--batches", "2",
+            "--prefill", "", "--ctx", "8", "--device", "cpu", "--log-dir", str(tmp_path)]
     with pytest.raises(SystemExit, match="needs --compare-lib-dir"):
         steps.main(args)
     assert steps.main(args + ["--compare-lib-dir", str(tmp_path / "libs")]) == 0
     rows = json.loads((tmp_path / "bench_lora_steps.json").read_text())["rows"]
-    assert [(r["config"], r["step"]) for r in rows] == [("base", "decode b=2"), ("base@cmp", "decode b=2")]
-    assert steps.compare_rows(rows) == [("decode b=2", "base", rows[0]["ms"], rows[1]["ms"])]
+    assert [(r["config"], r["step"]) for r in rows] == [
+        ("base", "decode b=2"), ("base@cmp", "decode b=2"), ("base@cmp#2", "decode b=2"), ("base#2", "decode b=2")]
+    ms = [r["ms"] for r in rows]
+    assert steps.compare_rows(rows) == [("decode b=2", "base", (ms[0] + ms[3]) / 2, (ms[1] + ms[2]) / 2)]
     assert "| step | config | ms | @cmp ms | ratio |" in (tmp_path / "bench_lora_steps.log").read_text()
     assert merged.with_suffix(".svg").stat().st_size > 0 and merged.with_suffix(".png").stat().st_size > 0
 
@@ -121,6 +124,13 @@ def test_a_config_named_again_runs_again_and_base_is_the_mean_of_its_runs():
     labels = bench.run_labels(names)
     assert labels == ["base", "lora4", "lora64@cmp", "lora4#2", "base#2", "lora4#3"]
     assert [bench.config_of(x) for x in labels] == ["base", "lora4", "lora64", "lora4", "base", "lora4"]
+    from harness import cli  # pylint: disable=import-outside-toplevel
+
+    assert [cli.on_compare_dir(x) for x in labels + ["lora64@cmp#2"]] == [False, False, True, False, False, False, True]
+    for bad, why in (("lora5", "unknown config"), ("lora4@old", "unknown config"), ("lora4@cmp", "needs --compare")):
+        with pytest.raises(SystemExit, match=why):
+            cli.check_run_names(["base", bad], bench.CONFIGS, None)
+    cli.check_run_names(names, bench.CONFIGS, "OLD")
     res = bench.with_ratios([dict(config="base", requests_per_s=20.0), dict(config="base#2", requests_per_s=30.0),
                              dict(config="lora4#2", requests_per_s=20.0), dict(config="base@cmp", requests_per_s=1.0)])
     assert [r["ratio_vs_base"] for r in res] == [0.8, 1.2, 0.8, 0.04]
