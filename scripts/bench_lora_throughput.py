@@ -285,9 +285,9 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     cli.check_run_names(configs, CONFIGS, a.compare_lib_dir)
 
     def where(name):  # the library folder a config runs
-        return Path(a.compare_lib_dir) if name.endswith("@cmp") else lib_dir
+        return Path(a.compare_lib_dir) if cli.on_compare_dir(name) else lib_dir
 
-    libs = list(dict.fromkeys(["lora"] + [CONFIGS[config_of(n)][0] for n in configs if not n.endswith("@cmp")]))
+    libs = list(dict.fromkeys(["lora"] + [CONFIGS[config_of(n)][0] for n in configs if not cli.on_compare_dir(n)]))
     folders = list(dict.fromkeys([lib_dir / lib for lib in libs]
                                  + [where(n) / CONFIGS[config_of(n)][0] for n in configs]))
     t0 = time.time()
@@ -315,7 +315,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     for i, (name, label) in enumerate(zip(configs, run_labels(configs))):
         r = run_config(label, where(name), tdev, requests, weights, torch, a, size)
         r["position"] = i + 1  # in this process
-        if name.endswith("@cmp"):
+        if cli.on_compare_dir(name):
             r["lib_dir"] = str(a.compare_lib_dir)
         results.append(r)
         print(f"{label}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "

@@ -72,7 +72,7 @@ def run_labels(names: list[str]) -> list[str]:
 
 def is_base_run(label: str) -> bool:
     """A run of the base model on --lib-dir's library (base, base#2, ...; not base@cmp)."""
-    return config_of(label) == "base" and "@" not in label
+    return config_of(label) == "base" and not on_compare_dir(label)
 
 
 def on_compare_dir(label: str) -> bool:
@@ -87,7 +87,7 @@ def check_run_names(names: list[str], known, compare_dir) -> None:
         if config_of(name) not in known or name.partition("@")[2] not in ("", "cmp"):
             raise SystemExit(f"unknown config {name!r}; choose from {', '.join(known)} (NAME@cmp: with the "
                              "libraries of --compare-lib-dir)")
-        if name.endswith("@cmp") and not compare_dir:
+        if on_compare_dir(name) and not compare_dir:
             raise SystemExit(f"config {name!r} needs --compare-lib-dir")
 
 
