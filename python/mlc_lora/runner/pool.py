@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -130,9 +131,14 @@ class Pool(abc.ABC):
     `handle` is the runtime object the compiled prefill/decode take. Sequence and adapter ids are
     the caller's integers; an adapter's id is its "slot" (never reused by the engine)."""
 
+    _serials = itertools.count()
+
     def __init__(self, handle: Any, compiled: CompiledConfig):
         self.handle = handle
         self.compiled = compiled  # the model's config (adapters are checked and packed for it)
+        # Unique in the process (id() of a freed pool comes back for the next): what a runner
+        # keys per-pool device state by (the spare columns it filled for this pool's kept adapters).
+        self.serial = next(Pool._serials)
         self._pads: list[int] = []  # padding_sequences
 
     @property

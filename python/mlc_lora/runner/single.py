@@ -177,7 +177,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         fn = self._fused_fns[which]
         if fn is not None and lora == "pool" and self.lora.fused_fits(pool.lora_num_slots(), pool.lora_rank_total()):
             if self._fill_columns is not None:
-                kept = (id(pool), pool.lora_columns_generation())
+                kept = (pool.serial, pool.lora_columns_generation())
                 if self._filled != kept:
                     self._fill_columns(*pool.lora_tables(), self.params)
                     self._filled = kept

@@ -2,16 +2,21 @@
 tables ("pool") whose adapters fit the compiled rank and slot columns, at any token count."""
 
 import dataclasses
+import gc
 import types
 
 import pytest
 
 from mlc_lora.lora.layout import LoraModule, LoraSpec
-from mlc_lora.runner import ModelRunner
+from mlc_lora.runner import ModelRunner, Pool
 
 
-class _Pool:  # the questions the runner asks the pool
+class _Pool(Pool):  # the questions the runner asks the pool (the rest of Pool unused)
+    num_shards = 1
+    _run = _values = read_adapter = _add_adapter = set_adapter_host = None
+
     def __init__(self, slots, rank_total, generation=0):
+        super().__init__(None, None)
         self.slots, self.total, self.generation = slots, rank_total, generation
 
     def lora_columns_generation(self):
@@ -73,3 +78,22 @@ def test_spare_columns_are_filled_when_the_kept_columns_change():
     q = _Pool(2, 16, generation=4)  # another pool, the same generation number
     assert r._fused(q, "pool", 1) == "decode_fused" and len(calls) == 3
     assert r._fused(_Pool(2, 33, generation=9), "pool", 1) is None and len(calls) == 3  # not fused: no fill
+
+
+
+def test_each_pool_has_its_own_serial_and_gets_its_own_fill():
+    """The runner keys its fill by the pool's serial (unique in the process), not by id(), which
+    CPython may hand a new pool after a freed one; a fresh pool starts at the same generation, so
+    an id key could skip its fill and leave the spare columns holding the freed pool's adapters."""
+    r = _runner(dict(LIMITS, spare_columns=True))
+    calls = []
+    r._fill_columns = lambda *args: calls.append(args)  # pylint: disable=protected-access
+    serials = []
+    for _ in range(3):
+        p = _Pool(4, 32, generation=1)
+        serials.append(p.serial)
+        assert r._fused(p, "pool", 1) == "decode_fused"
+        assert r._filled == (p.serial, 1)  # pylint: disable=protected-access
+        del p
+        gc.collect()
+    assert len(set(serials)) == 3 and len(calls) == 3
