@@ -16,7 +16,7 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
                  lora: dict | None = None, rank_rows: bool = False, spare_columns: bool = False,
                  stock_kv_cache: bool = False,
                  gemm: str = "cublas", attention: str = "flash",
-                 gemv_max_rows: int = GEMV_MAX_ROWS) -> tvm.transform.Pass:
+                 gemv_max_rows: int = GEMV_MAX_ROWS, default_rope: bool = False) -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
     `lora` (LoraRewrite's keyword arguments; `rank_rows` / `spare_columns`: ReserveRankRows /
@@ -28,7 +28,9 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
     float32 GEMM on llvm) or "tvm" (dlight kernels on CUDA, unscheduled loops on llvm); with
     "cublas" on CUDA, fp16/bf16 linears of up to `gemv_max_rows` tokens run our gemv kernel (0: none).
     `attention` "flash" runs the pool cache's attention on our tensor-core CUDA kernels where they
-    fit the model (CUDA, fp16/bf16, head_dim 64/128), "tir" keeps TVM's kernels.
+    fit the model (CUDA, fp16/bf16, head_dim 64/128), "tir" keeps TVM's kernels; with it and
+    `default_rope` (the model's RoPE frequencies are the default ones, at most a linear position
+    scale) the cache's RoPE and append of new keys and values run as one Triton kernel.
     """
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, not {gemm!r}")
@@ -57,7 +59,7 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
         # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
         passes.append(DispatchKVCache())
         if target.kind.name == "cuda" and attention == "flash":
-            passes.append(DispatchAttention(str(target.arch)))
+            passes.append(DispatchAttention(str(target.arch), rope_append=default_rope))
     passes.append(AttachSampler(target))
     # permute_dims + matmul -> one NT_matmul kernel; no separate transpose of the weights.
     passes.append(relax.transform.FuseTransposeMatmul())

@@ -41,6 +41,10 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # cuda only: paged attention on our tensor-core kernels ("flash": fp16/bf16, head_dim 64/128;
     # other models keep TVM's) or on TVM's TIR kernels ("tir")
     attention: str = "flash"
+    # cuda only, with attention "flash": the cache's RoPE of q and k and its append of k and v to the
+    # pages in one Triton kernel (ops/attention/rope_append_triton.py; models with the default RoPE
+    # frequencies); off until timed on a GPU
+    rope_append: bool = False
     # LoRA (off unless max_lora_rank > 0): pages of the unified pool, max rank, targets, kernel stage.
     lora_pool_pages: int = 0
     max_lora_rank: int = 0
@@ -287,7 +291,8 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     spare_columns = bool(lora is not None and lora.fused and lora.fused.get("spare_columns"))
     pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, rank_rows=rank_rows,
                             spare_columns=spare_columns, gemm=options.gemm,
-                            attention=options.attention, gemv_max_rows=options.gemv_max_rows)
+                            attention=options.attention, gemv_max_rows=options.gemv_max_rows,
+                            default_rope=options.rope_append and getattr(cfg, "rope_scaling_dict", None) == {})
     with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": use_graph}):
         ex = tvm.compile(mod, target, relax_pipeline=pipeline)
         ex.export_library(str(lib_path))

@@ -119,7 +119,21 @@ void CreateUnifiedKVCache(ffi::PackedArgs args, ffi::Any* rv) {
     TVM_FFI_THROW(ValueError) << "the mlc_lora attention kernels take RoPE'd queries and keys; "
                                  "inline RoPE (rope_mode 2) needs TVM's TIR kernels";
   }
-  k.split_rotary = args[24].cast<ffi::Function>();
+  if (auto fused = args[24].as<ffi::Array<ffi::Any>>()) {  // ["mlc_lora", rope + append]
+    auto tup = fused.value();
+    if (tup.size() != 2 || tup[0].cast<ffi::String>() != "mlc_lora") {
+      TVM_FFI_THROW(ValueError) << "the split-rotary argument must be a function or [\"mlc_lora\", f]";
+    }
+    if (cfg.rope_mode != 1 || cfg.rope_ext_factors.has_value()) {
+      TVM_FFI_THROW(ValueError) << "the mlc_lora RoPE + append kernel takes plain RoPE (rope_mode 1, no "
+                                   "extension factors); got rope_mode "
+                                << cfg.rope_mode;
+    }
+    k.split_rotary = tup[1].cast<ffi::Function>();
+    k.rope_append = true;
+  } else {
+    k.split_rotary = args[24].cast<ffi::Function>();
+  }
   k.copy_page = args[25].cast<ffi::Function>();
   k.debug_get_kv = args[26].as<ffi::Function>();
   *rv = ffi::ObjectRef(ffi::make_object<UnifiedKVCacheObj>(std::move(cfg), std::move(k)));

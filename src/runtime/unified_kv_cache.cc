@@ -173,13 +173,17 @@ void UnifiedKVCacheObj::AttentionWithFusedQKV(int64_t layer_id, Tensor qkv,
   Tensor k = View(k_buf_, 0, {t, hkv, d}, cfg_.dtype);
   Tensor v = View(v_buf_, 0, {t, hkv, d}, cfg_.dtype);
   Tensor lse = View(lse_buf_, 0, {t, hq}, kFloat32);
-  if (cfg_.rope_ext_factors.has_value()) {
-    k_.split_rotary(qkv, q_rope_pos_, q, k, v, cfg_.rope_ext_factors.value());
-  } else {
-    k_.split_rotary(qkv, q_rope_pos_, q, k, v, static_cast<int64_t>(cfg_.rope_mode == 1));
-  }
   const Tensor& pages = layer_pages_[layer_id];
-  k_.append(pages, k, v, append_pos_);
+  if (k_.rope_append) {  // one kernel: q and k roped, k and v straight into the pages
+    k_.split_rotary(qkv, q_rope_pos_, append_pos_, pages, q, cfg_.rope_scale, cfg_.rope_theta);
+  } else {
+    if (cfg_.rope_ext_factors.has_value()) {
+      k_.split_rotary(qkv, q_rope_pos_, q, k, v, cfg_.rope_ext_factors.value());
+    } else {
+      k_.split_rotary(qkv, q_rope_pos_, q, k, v, static_cast<int64_t>(cfg_.rope_mode == 1));
+    }
+    k_.append(pages, k, v, append_pos_);
+  }
   if (k_.own_attention) {
     if (is_decode_) {
       k_.decode(q, pages, page_indptr_, page_indices_, last_page_len_, o, lse, part_o_,

@@ -52,6 +52,10 @@ class UnifiedKVCacheObj : public tvm::runtime::vm::AttentionKVCacheObj {
     tvm::ffi::Function append, prefill, decode, split_rotary, copy_page;
     tvm::ffi::Optional<tvm::ffi::Function> debug_get_kv;
     bool own_attention = false;  // prefill/decode are ["mlc_lora", f] (compiler_passes/ops/attention/)
+    // split_rotary given as ["mlc_lora", f]: f(qkv, q positions, append positions, pages, q,
+    // rope_scale, rope_theta) ropes q and k and writes k and v into the pages itself
+    // (ops/attention/rope_append_triton.py), in place of split_rotary + append
+    bool rope_append = false;
   };
   static constexpr int kRoPEInline = 2;
 

@@ -1,6 +1,7 @@
 """DispatchAttention (compiler_passes/passes/dispatch_attention.py) as Before/After on a cuda export
 (nvcc builds the real cubin of ops/attention/attention.cu): the pool cache's constructor gets the
-mlc_lora prefill/decode kernels where they fit the model, TVM's TIR kernels stay elsewhere."""
+mlc_lora prefill/decode kernels where they fit the model, TVM's TIR kernels stay elsewhere; with
+rope_append, its split-rotary argument becomes ["mlc_lora", the RoPE + append kernel's wrapper]."""
 
 import pytest
 import tvm
@@ -8,6 +9,7 @@ import tvm_ffi
 from tvm import relax
 
 from mlc_lora.compile import CompileOptions, export_model, make_target
+from mlc_lora.compiler_passes.ops.attention import rope_append_triton
 from mlc_lora.compiler_passes.passes.dispatch_attention import BACKEND, DECODE, PREFILL, DispatchAttention
 from mlc_lora.compiler_passes.passes.dispatch_kv_cache import POOL_CREATE, STOCK_CREATE, DispatchKVCache
 from mlc_lora.models import llama
@@ -82,3 +84,27 @@ def test_pass_swaps_the_prefill_and_decode_kernels(cuda_export):
 def test_pass_leaves_other_models_on_tir_kernels(cuda_export, dtype, cfg):
     before = cuda_export(dtype, **cfg)
     assert tvm_ffi.structural_equal(DispatchAttention("sm_90a")(before), before)
+
+
+def test_rope_append_takes_the_split_rotary_argument(cuda_export):
+    """With rope_append: argument 24 (split_rotary) is ["mlc_lora", the wrapper], whose kernel is in
+    a second external module; the transpose-append function stays (the cache no longer calls it)."""
+    pytest.importorskip("triton")
+    before = cuda_export("float16", **D64)
+    after = DispatchAttention("sm_90a", rope_append=True)(before)
+    a, b = _create_args(before), _create_args(after)
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i == 24:
+            assert isinstance(x, relax.GlobalVar)
+            assert str(y.fields[0].value) == BACKEND and y.fields[1].name_hint == rope_append_triton.NAME
+        elif i not in (16, 17):
+            assert tvm_ffi.structural_equal(x, y), i
+    f = after[rope_append_triton.NAME]
+    assert isinstance(f, tvm.tirx.PrimFunc) and [p.name for p in f.params][-2:] == ["rope_scale", "rope_theta"]
+    kernel = next(w for w in f.script().split('"') if w.startswith("mlc_lora_triton_rope_append"))
+    ext = list(after.attrs["external_mods"])
+    assert len(ext) == 2 and any(m.implements_function(kernel) for m in ext)
+    relax.analysis.well_formed(after)
+    # off by default (the caller knows whether the model's RoPE frequencies are the default ones)
+    assert tvm_ffi.structural_equal(_create_args(DispatchAttention("sm_90a")(before))[24], a[24])
+

@@ -194,6 +194,24 @@ def run_norm_rows(inp: dict) -> dict:
     return {"x": x.numpy()}
 
 
+def run_rope_append(inp: dict) -> dict:
+    """ops/attention/rope_append_triton.py's kernel, launched as its TIR wrapper launches it."""
+    import torch
+
+    from mlc_lora.compiler_passes.ops.attention import rope_append_triton as RA
+
+    _interpreter_scalars()
+    qkv = torch.from_numpy(np.ascontiguousarray(inp["rope_qkv"]))
+    hq, hkv = int(inp["hq"]), int(inp["hkv"])
+    n, ht, d = qkv.shape
+    q = torch.full((n, hq, d), float("nan"), dtype=qkv.dtype)
+    pages = torch.from_numpy(inp["pages"].copy())
+    RA.rope_append_kernel[(n, -(-ht // RA.BH))](qkv, torch.from_numpy(inp["pos"]), torch.from_numpy(inp["app"]), q,
+                                                 pages, float(inp["scale"]), RA.log2(float(inp["theta"])),
+                                                 **RA.constants(hq, hkv, d), num_warps=RA.WARPS)
+    return {"q": q.numpy(), "pages": pages.numpy()}
+
+
 def run_tiles(inp: dict) -> dict:
     """The tile kernel alone over slot_start `start` (its grid for n tokens at BM)."""
     import torch
@@ -219,6 +237,8 @@ def run(inp: dict) -> dict:
         return run_silu_mul(inp)
     if "norm_rows" in inp:
         return run_norm_rows(inp)
+    if "rope_qkv" in inp:
+        return run_rope_append(inp)
     import torch
 
     from mlc_lora.compiler_passes.ops.lora import sgmv_triton as ST
