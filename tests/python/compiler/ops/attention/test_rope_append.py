@@ -1,21 +1,33 @@
 """ops/attention/rope_append_triton.py: RoPE of q and k and the append of k and v to the pages in
-one Triton kernel, run on the CPU under Triton's interpreter against the numpy reference."""
+one kernel. The Triton kernel runs on the CPU under Triton's interpreter against the numpy
+reference; the pool cache's side of the contract (the ["mlc_lora", f] split-rotary argument, the
+call's arguments: positions, append slots, the layer's pages, scale and theta) by a tiny llvm model
+whose kernel is the numpy reference, against the same model on TVM's split-rotary + append."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
+import tvm
+import tvm_ffi
+from tvm import relax
 
-pytest.importorskip("triton")
+from mlc_lora.compile import CompileOptions, export_model, make_target
+from mlc_lora.compiler_passes.ops.attention.rope_append_triton import rope_append_ref, supported
+from mlc_lora.compiler_passes.passes.dispatch_attention import BACKEND
+from mlc_lora.compiler_passes.passes.dispatch_kv_cache import POOL_CREATE, STOCK_CREATE
+from mlc_lora.models import llama
+from mlc_lora.runner import ModelRunner
 
-from mlc_lora.compiler_passes.ops.attention.rope_append_triton import rope_append_ref, supported  # noqa: E402
-
-from ..lora.conftest import interpret  # noqa: E402
+from ..lora.conftest import interpret
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,d,scale", [(np.float32, 4, 2, 32, 1.0), (np.float16, 9, 3, 64, 1.0),
                                                    (np.float16, 4, 4, 16, 0.5)])
 def test_rope_append_matches_reference(tmp_path, dtype, hq, hkv, d, scale):
+    pytest.importorskip("triton")
     """q roped, k roped into its pages, v copied into its pages, at positions and page slots in no
     order (decode tokens of several sequences, a prefill chunk past position 0); a token with slot
     -1 writes no page; the other slots of the pages keep what they held. Grouped queries (hq 9 over
@@ -51,3 +63,97 @@ def test_supported_names_what_it_cannot_run():
     assert supported("float16", 128) is None and supported("bfloat16", 64) is None
     assert "float32" in supported("float32", 128)
     assert "power of two" in supported("float16", 96)
+
+
+class _NumpyRopeAppend:
+    """The kernel's stand-in: rope_append_ref on the cache's tensors (qkv, pos, app, pages, q, scale,
+    theta), recording what it was given."""
+
+    def __init__(self, hq, hkv):
+        self.hq, self.hkv, self.calls, self.args, self.pos, self.app = hq, hkv, 0, set(), [], []
+
+    def __call__(self, qkv, pos, app, pages, q, scale, theta):
+        q_new, pages_new = rope_append_ref(qkv.numpy(), pos.numpy(), app.numpy(), pages.numpy(), self.hq, self.hkv,
+                                           scale, theta)
+        q.copyfrom(q_new.astype(q.dtype))
+        pages.copyfrom(pages_new.astype(pages.dtype))
+        self.calls += 1
+        self.args.add((round(scale, 6), round(theta, 3)))
+        self.pos.append(pos.numpy().tolist())
+        self.app.append(app.numpy().tolist())
+
+
+@tvm.transform.module_pass(opt_level=0, name="_UseNumpyRopeAppend")
+class _UseNumpyRopeAppend:  # pylint: disable=too-few-public-methods
+    """The constructor's split-rotary argument -> ("mlc_lora", ExternFunc) of the numpy stand-in."""
+
+    def transform_module(self, mod, _ctx):
+        @relax.expr_functor.mutator
+        class _M(relax.PyExprMutator):
+            def visit_call_(self, call):  # pylint: disable=arguments-renamed
+                call = self.visit_expr_post_order(call)
+                if call.args and isinstance(call.args[0], relax.ExternFunc) and \
+                        call.args[0].global_symbol in (POOL_CREATE, STOCK_CREATE):
+                    args = list(call.args)
+                    args[25] = tvm.ir.Tuple([tvm.ir.StringImm(BACKEND), relax.ExternFunc("mlc_lora_test.rope_append")])
+                    return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
+                return call
+
+        m = _M(mod)
+        for gv, f in mod.functions_items():
+            if isinstance(f, relax.Function):
+                m.builder_.update_func(gv, m.visit_expr(f))
+        return m.builder_.get()
+
+
+def test_pool_cache_drives_the_rope_append_kernel(tiny_models, tmp_path):
+    """Logits of ragged prefill (over a cached prefix too) and decode, the cache calling one RoPE +
+    append function per layer, equal the same model on TVM's split-rotary and append kernels."""
+    from mlc_lora.compiler_passes import get_pipeline
+
+    _, base_dir = tiny_models["gqa"]
+    ref = ModelRunner(base_dir)
+    mc = ref.model_config
+    kernel = _NumpyRopeAppend(mc["num_attention_heads"], mc["num_key_value_heads"])
+    tvm_ffi.register_global_func("mlc_lora_test.rope_append", kernel, override=True)
+    ours = tmp_path / "ours"
+    shutil.copytree(base_dir, ours)
+    target = make_target(CompileOptions())
+    mod, _ = export_model(llama, llama.LlamaConfig(**mc), ref.dtype, target)
+    with target:
+        ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target, extra_passes=[_UseNumpyRopeAppend()]))
+    ex.export_library(str(ours / ref.config["library"]))
+    run = ModelRunner(ours)
+
+    rng = np.random.default_rng(3)
+    kv_a, kv_b = ref.create_pool(8, 1024, 256), run.create_pool(8, 1024, 256)
+    for s in range(3):
+        kv_a.add_sequence(s)
+        kv_b.add_sequence(s)
+
+    def step(seqs, lens):
+        toks = [rng.integers(0, ref.vocab_size, n).tolist() for n in lens]
+        if all(n == 1 for n in lens):
+            a = ref.decode(kv_a, seqs, [t[0] for t in toks]).numpy()
+            b = run.decode(kv_b, seqs, [t[0] for t in toks]).numpy()
+        else:
+            a = ref.prefill(kv_a, seqs, toks).numpy()
+            b = run.prefill(kv_b, seqs, toks).numpy()
+        np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
+
+    step([0, 1, 2], [40, 7, 19])  # ragged prefill
+    step([2, 0], [21, 5])  # chunked prefill after cached tokens (positions past 0, pages part full)
+    for _ in range(3):
+        step([0, 1, 2], [1, 1, 1])  # decode
+    layers = mc["num_hidden_layers"]
+    assert kernel.calls == 5 * layers
+    assert kernel.args == {(1.0, round(float(mc.get("rope_theta", 10000.0)), 3))}
+    # each layer's call gets the tokens' positions in their sequences and distinct page slots
+    def r(a, b):
+        return list(range(a, b))
+
+    want = [r(0, 40) + r(0, 7) + r(0, 19), r(19, 40) + r(40, 45), [45, 7, 40], [46, 8, 41], [47, 9, 42]]
+    assert kernel.pos == [p for p in want for _ in range(layers)]
+    slots = [a for i in range(0, len(kernel.app), layers) for a in kernel.app[i]]
+    assert len(slots) == len(set(slots)) == sum(len(p) for p in want) and min(slots) >= 0
+    assert all(kernel.app[i] == kernel.app[i - i % layers] for i in range(len(kernel.app)))  # the same in every layer
