@@ -1,7 +1,7 @@
 """RoPE of the new queries and keys and their append to the pool's pages, as one Triton kernel.
 
 Before attention each layer split qkv into q, k, v with RoPE applied to q and k (TVM's
-`fused_rope`, its TIR kernel: 22.5 us at 512 Llama-2-7B tokens on an H100, ~22% of the memory
+`fused_rope`, its TIR kernel: 22.5 us at 512 Llama-2-7B tokens on an H100, ~33% of the memory
 bandwidth) and then copied k and v into their pages (`tir_kv_cache_transpose_append`, 9.1 us): k
 and v went through a buffer of their own between the two. This kernel reads qkv once, writes q
 and writes k and v straight into the pages. DispatchAttention puts it in the pool cache's place of
