@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import cli
+from harness import cli, offline
 from harness.timing import HBM_TBS, queued_time, wall_time
 
 LIBS = {"base": ("base", 0), "lora4": ("lora", 4), "lora4-nofused": ("lora-nofused", 4),
@@ -150,20 +150,6 @@ def restore_parts(r, kv) -> None:
     for name in _PARTS["runner"]:
         delattr(r, name)
     r._decode, r._base_fns, r._fused_fns = r._saved_fns  # pylint: disable=protected-access
-
-
-def release() -> None:
-    """Hand the freed pool, activations and VM buffers back to the device."""
-    import gc  # pylint: disable=import-outside-toplevel
-
-    import torch  # pylint: disable=import-outside-toplevel
-
-    from mlc_lora.runner import _tvm  # pylint: disable=import-outside-toplevel
-
-    gc.collect()
-    _tvm().get_global_func("vm.builtin.memory_manager.clear")()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
@@ -315,7 +301,7 @@ def run(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             one_prefill(f"prefill T={T}", ids, [torch.randint(0, V, (T // len(ids),), generator=gen).tolist()
                                                  for _ in ids], ids)
         del kv, r, fresh, one_prefill  # (fresh holds the pool too, as its default argument)
-        release()  # the next config's pool must fit beside nothing of this one
+        offline.release()  # the next config's pool must fit beside nothing of this one
         cli.write_results(log.json, dict(rows=rows, ctx=a.ctx, rank=RANK, complete=False))  # (a run cut short)
     say(f"\n(rows ms: the step's adapter rank rows read once at {bw} TB/s, the least any LoRA kernels take)"
         "\n| step | config | ms | host ms | GPU alone ms | gemm | lora | attention | other | vs base | rows ms |"

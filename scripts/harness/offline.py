@@ -7,9 +7,24 @@ completion.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 from .cli import tqdm
+
+
+def release() -> None:
+    """Hand what a finished run freed (its pool, activations, the VM's cached buffers, torch's
+    cached blocks) back to the device, so that each config of a process starts from the same
+    allocator state, not from the buffers and cached memory of the configs before it."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.runner import _tvm  # pylint: disable=import-outside-toplevel
+
+    gc.collect()
+    _tvm().get_global_func("vm.builtin.memory_manager.clear")()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def drive(engine, requests, adapters=None, desc: str = "mlc_lora") -> float:

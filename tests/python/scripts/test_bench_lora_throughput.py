@@ -70,7 +70,7 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
     pools, freed = [], []
-    create, release = ModelRunner.create_pool, steps.release
+    create, release = ModelRunner.create_pool, steps.offline.release
 
     def recording_create(self, *args, **kw):
         pool = create(self, *args, **kw)
@@ -82,7 +82,7 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
         freed.append(pools[-1]() is None)  # nothing keeps the config's pool once it is done
 
     monkeypatch.setattr(ModelRunner, "create_pool", recording_create)
-    monkeypatch.setattr(steps, "release", checking_release)
+    monkeypatch.setattr(steps.offline, "release", checking_release)
     assert steps.main(["run", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,lora64", "--batches", "4",
                        "--prefill", "64", "--mixed", "32", "--ctx", "16", "--device", "cpu", "--bandwidth-tbs", "1e-6",
                        "--log-dir", str(tmp_path)]) == 0
