@@ -45,6 +45,11 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # pages in one Triton kernel (ops/attention/rope_append_triton.py; models with the default RoPE
     # frequencies); off until timed on a GPU
     rope_append: bool = False
+    # prefill's and embed's memory planned once at their bounds (prefill_chunk_size tokens, as
+    # MLC-LLM plans it) instead of per token count: every prefill allocates the same buffers, which
+    # the pooled allocator reuses, so the runner never releases them (on CUDA it releases every
+    # cached buffer after 8 new prefill sizes otherwise); prefills past the chunk are refused
+    bounded_prefill_memory: bool = False
     # LoRA (off unless max_lora_rank > 0): pages of the unified pool, max rank, targets, kernel stage.
     lora_pool_pages: int = 0
     max_lora_rank: int = 0
@@ -287,6 +292,11 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     use_graph = options.target == "cuda" and options.cuda_graph
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)
+    if options.bounded_prefill_memory:
+        if options.tensor_parallel_shards > 1:
+            raise CompileError("bounded_prefill_memory is for single-device libraries (the sharded runner "
+                               "does not check its prefills against the bounds)")
+        mod = _prefill_bound_attrs(mod, cfg.prefill_chunk_size, options.max_batch_size)
     rank_rows = bool(lora is not None and lora.fused and lora.fused.get("rank_rows"))
     spare_columns = bool(lora is not None and lora.fused and lora.fused.get("spare_columns"))
     pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, rank_rows=rank_rows,
@@ -309,6 +319,18 @@ def _decode_graph_attrs(mod, max_batch_size: int):
         "relax.rewrite_cuda_graph.capture_symbolic_vars": ["batch_size"],
     })
     mod.update_func(mod.get_global_var("decode"), func)
+    return mod
+
+
+def _prefill_bound_attrs(mod, chunk: int, max_batch_size: int):
+    """Upper bounds on prefill's and embed's token counts (and prefill's sequences), from which
+    the VM's memory plan sizes their buffers once (the functions LoraRewrite derives from prefill
+    keep its attributes)."""
+    bounds = {"prefill": {"seq_len": chunk, "batch_size": max_batch_size},
+              "embed": {"seq_len": max(chunk, max_batch_size)}}
+    for name, ub in bounds.items():
+        func = mod[name].with_attrs({"tir_var_upper_bound": ub, "tir_non_negative_var": list(ub)})
+        mod.update_func(mod.get_global_var(name), func)
     return mod
 
 

@@ -84,6 +84,12 @@ class CompiledConfig:  # pylint: disable=too-many-instance-attributes
         return self.target_kind == "cuda" and self.compile_options.get("gemm") == "cublas"
 
     @property
+    def bounded_prefill_memory(self) -> bool:
+        """prefill and embed planned at their bounds (compiled with bounded_prefill_memory): prefills
+        of at most prefill_chunk_size tokens (and max_batch_size sequences) only."""
+        return bool(self.compile_options.get("bounded_prefill_memory"))
+
+    @property
     def cuda_graph(self) -> bool:
         """Decode captured in CUDA graphs (CUDA libraries compiled with --cuda-graph)."""
         return self.target_kind == "cuda" and bool(self.compile_options.get("cuda_graph"))

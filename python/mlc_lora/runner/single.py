@@ -52,7 +52,9 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         # The pooled allocator keeps every buffer it freed, by size, and a prefill of a token count
         # not seen before leaves buffers of new sizes: after this many new counts the cached
         # buffers are released (0: never), so memory stays bounded under any mix of prompt lengths.
-        self.pooled_prefill_sizes = POOLED_PREFILL_SIZES
+        # (none needed where prefill's memory is planned at its bounds: its buffers are the same at
+        # every token count)
+        self.pooled_prefill_sizes = 0 if compiled.bounded_prefill_memory else POOLED_PREFILL_SIZES
         self._prefill_sizes: set[int] = set()
         if params is not None:
             if len(params) != len(compiled.param_names):
@@ -114,6 +116,9 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                     prefill_chunk_size: Optional[int] = None, page_size: int = PAGE_SIZE) -> DevicePool:
         s = _tvm().runtime.ShapeTuple
         chunk = prefill_chunk_size or self.compiled.prefill_chunk_size
+        if self.compiled.bounded_prefill_memory and chunk > self.compiled.prefill_chunk_size:
+            raise MLCLoraError(f"prefill chunks of {chunk} tokens: {self.model_dir} plans prefill's memory for at "
+                               f"most {self.compiled.prefill_chunk_size}")
         handle = self._vm["create_paged_kv_cache"](
             s([max_batch_size]), s([max_total_seq_len]), s([chunk]), s([page_size]), s([0])
         )
@@ -133,6 +138,10 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
 
         tvm = _tvm()
         ids = np.ascontiguousarray(token_ids, dtype=np.int32)
+        c = self.compiled
+        if c.bounded_prefill_memory and len(ids) > max(c.prefill_chunk_size, c.max_batch_size):
+            raise MLCLoraError(f"{len(ids)} tokens to embed: {self.model_dir} plans embed's memory for at most "
+                               f"{max(c.prefill_chunk_size, c.max_batch_size)}")
         # One device buffer, refilled on the stream without a host sync (a fresh tensor per step
         # costs a synchronous copy and a cudaFree, which stall the host behind the GPU).
         if self._ids_buf is None or self._ids_buf.shape[0] < len(ids):
@@ -222,6 +231,11 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         if min(lengths) < 1:
             raise MLCLoraError("every sequence in a prefill needs at least one token")
         flat = np.concatenate([np.asarray(t, dtype=np.int32) for t in tokens])
+        if self.compiled.bounded_prefill_memory and (len(flat) > self.compiled.prefill_chunk_size
+                                                     or len(tokens) > self.compiled.max_batch_size):
+            raise MLCLoraError(f"a prefill of {len(flat)} tokens over {len(tokens)} sequences: {self.model_dir} "
+                               f"plans prefill's memory for at most {self.compiled.prefill_chunk_size} tokens over "
+                               f"{self.compiled.max_batch_size} sequences")
         self._bound_pool(len(flat))
         emb = self.embed(flat)
         emb = emb._create_view((1, len(flat), emb.shape[-1]))  # pylint: disable=protected-access

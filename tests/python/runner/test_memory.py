@@ -46,3 +46,49 @@ def test_pooled_allocator_released_after_a_bounded_number_of_sizes(wide_model):
     released = soak.plan_in_subprocess(wide_model, "released", LENGTHS)
     assert released["allocator"] == "pooled"
     assert released["rss_after_repeat_mb"] < 4 * MARGIN_MB, released
+
+
+@pytest.fixture(scope="module")
+def bounded_model(wide_model, tmp_path_factory):
+    """The wide model compiled with prefill's and embed's memory planned at their bounds."""
+    root = tmp_path_factory.mktemp("bounded")
+    return compile_model(wide_model.parent / "hf", root / "llvm",
+                         CompileOptions(prefill_chunk_size=512, max_batch_size=4, context_window_size=1024,
+                                        bounded_prefill_memory=True), progress=False)
+
+
+def test_bounded_prefill_memory_stays_bounded_without_releases(bounded_model):
+    """With prefill planned at the chunk's bound TVM's pooled allocator, never released, holds no
+    more over the new lengths than the naive one does (the pooled figure of the first test: > 4
+    margins), and the runner does not release it."""
+    pooled = soak.plan_in_subprocess(bounded_model, "pooled", LENGTHS)
+    assert pooled["allocator"] == "pooled"
+    assert pooled["rss_growth_mb"] < MARGIN_MB, pooled
+    assert pooled["rss_after_repeat_mb"] < MARGIN_MB, pooled
+
+
+def test_bounded_prefill_memory_gives_the_same_logits_and_refuses_longer_prefills(wide_model, bounded_model):
+    import numpy as np
+
+    from mlc_lora.errors import MLCLoraError
+    from mlc_lora.runner import ModelRunner
+
+    a, b = ModelRunner(wide_model), ModelRunner(bounded_model)
+    assert b.pooled_prefill_sizes == 0 and a.pooled_prefill_sizes > 0
+    rng = np.random.default_rng(1)
+    kv_a, kv_b = a.create_pool(4, 1024, 512), b.create_pool(4, 1024, 512)
+    for n in (37, 250, 1):  # two sequences of n tokens (at most the 512 of the chunk)
+        for s in range(2):
+            kv_a.add_sequence(s)
+            kv_b.add_sequence(s)
+        toks = [rng.integers(0, a.vocab_size, n).tolist() for _ in range(2)]
+        np.testing.assert_allclose(b.prefill(kv_b, [0, 1], toks).numpy(), a.prefill(kv_a, [0, 1], toks).numpy(),
+                                   rtol=0, atol=1e-5)
+        for s in range(2):
+            kv_a.remove_sequence(s)
+            kv_b.remove_sequence(s)
+    kv_b.add_sequence(0)
+    with pytest.raises(MLCLoraError, match="at most 512 tokens"):
+        b.prefill(kv_b, [0], [[1] * 513])
+    with pytest.raises(MLCLoraError, match="at most 512"):
+        b.create_pool(4, 2048, 1024)
