@@ -132,6 +132,15 @@ Engine::Impl::Impl(const std::string& dir, const EngineOptions& opt) : model_dir
   prefill_chunk = opt.prefill_chunk_size > 0 ? opt.prefill_chunk_size
                                              : static_cast<int>(mc["prefill_chunk_size"].i64());
   max_total_tokens = opt.max_total_tokens > 0 ? opt.max_total_tokens : context_window;
+  const auto bounded = cfg["compile_options"].get("bounded_prefill_memory");  // (null in older libraries)
+  if (bounded.is_bool() && bounded.boolean() &&
+      (prefill_chunk > mc["prefill_chunk_size"].i64() || max_batch > mc["max_batch_size"].i64())) {
+    // (compile --bounded-prefill-memory: prefill's buffers are planned for the compiled bounds)
+    throw InvalidArgument("'" + dir + "' plans prefill's memory for at most " +
+                          std::to_string(mc["prefill_chunk_size"].i64()) + " tokens over " +
+                          std::to_string(mc["max_batch_size"].i64()) + " sequences; got prefill_chunk_size " +
+                          std::to_string(prefill_chunk) + ", max_batch_size " + std::to_string(max_batch));
+  }
   if (lora) {
     // The compiled lora_arena is (L * pool_pages * E,): the cache must have exactly pool_pages
     // pages (ceil(max_total_tokens / page_size) + 1), as for ModelRunner.
