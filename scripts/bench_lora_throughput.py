@@ -185,6 +185,8 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     if alive() is not None:
         print(f"warning: the {name} engine is still referenced; its pool was not freed", flush=True)
     steps = {k: stats[k] - base_stats[k] for k in ("num_steps", "num_prefill_steps", "num_decode_steps")}
+    # which compiled functions the timed steps ran (the fused ones, the LoRA stage, the base ones)
+    forwards = {k: n - base_stats["forwards"].get(k, 0) for k, n in sorted(stats["forwards"].items())}
     before = base_stats.get("step_times", {})
     step_times = {k: dict(steps=v["steps"] - before.get(k, {}).get("steps", 0),
                           seconds=round(v["seconds"] - before.get(k, {}).get("seconds", 0.0), 4))
@@ -197,6 +199,7 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
                 **offline.rates(elapsed, requests),
                 kv_pages=a.kv_pages or size["kv_pages"], adapter_pages=spec_pages,
                 peak_batch=stats["max_running"], preemptions=stats["num_preemptions"], **steps,
+                forwards={k: n for k, n in forwards.items() if n},
                 step_times={k: v for k, v in step_times.items() if v["steps"]}, gpu=gpu.summary)
 
 
@@ -329,6 +332,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
               f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "
               f"(peak batch {r['peak_batch']}, {r['preemptions']} preemptions, {r['num_steps']} steps; "
               f"adapters loaded in {r['adapter_load_s']} s)", flush=True)
+        print(f"{label}: forwards by function {r['forwards']}", flush=True)
         if r["gpu"]:
             g = r["gpu"]
             print(f"{label}: GPU SM clock {g['sm_clock_mhz_mean']} MHz mean, {g['sm_clock_mhz_min']} min; "

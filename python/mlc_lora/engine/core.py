@@ -179,6 +179,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                     kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
                     num_preemptions=self.scheduler.num_preemptions, **self.counters,
                     step_times={k: dict(steps=n, seconds=round(t, 6)) for k, (n, t) in self.step_times.items()},
+                    # the runner's forwards by compiled function (a single-device runner's count)
+                    forwards=dict(getattr(self.runner, "forwards", {})),
                     **self.adapters.stats(), **self._prefix_stats())
 
     # --- the prefix cache ---------------------------------------------------------------------

@@ -70,6 +70,10 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         self._fixed_tables = None
         self._graph_arena = None
         self._ids_buf = None  # token ids on the device (embed)
+        # forwards by function: "prefill" / "decode" with "_base" (a LoRA model's batch without
+        # adapters), "_fused" (the batch's adapters within the fused functions' columns) or "" (the
+        # LoRA stage, or a model without LoRA)
+        self.forwards: dict[str, int] = {}
         self._embed = self._vm["embed"]
         self._prefill = self._vm["prefill"]
         self._decode = self._vm["decode"]
@@ -244,11 +248,16 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         extra = self._begin(pool, seq_ids, lengths, lora, len(flat))
         if extra is None:
             logits, _ = self._base_fns[0](emb, last, pool.handle, self.params)
+            self._count("prefill" + BASE_FUNCTION_SUFFIX)
         else:
-            fn = self._fused(pool, lora, 0) or self._prefill
-            logits, _ = fn(emb, last, pool.handle, *extra, self.params)
+            fused = self._fused(pool, lora, 0)
+            logits, _ = (fused or self._prefill)(emb, last, pool.handle, *extra, self.params)
+            self._count("prefill" + (FUSED_FUNCTION_SUFFIX if fused else ""))
         pool.end_forward()
         return logits._create_view((len(rows), logits.shape[-1]))  # pylint: disable=protected-access
+
+    def _count(self, function: str) -> None:
+        self.forwards[function] = self.forwards.get(function, 0) + 1
 
     def _bound_pool(self, n_tok: int) -> None:
         """Pooled allocator: release the cached buffers once `pooled_prefill_sizes` new prefill
@@ -317,6 +326,7 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         try:
             if extra is None:
                 logits, _ = self._base_fns[1](emb, pool.handle, self.params)
+                self._count("decode" + BASE_FUNCTION_SUFFIX)
             else:
                 if self.graph_tables:
                     try:
@@ -326,8 +336,9 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                         for s in seq_ids:  # begin_forward appended the step's token: take it back
                             pool.popn(s, 1)
                         raise
-                fn = self._fused(pool, lora, 1) or self._decode
-                logits, _ = fn(emb, pool.handle, *extra, self.params)
+                fused = self._fused(pool, lora, 1)
+                logits, _ = (fused or self._decode)(emb, pool.handle, *extra, self.params)
+                self._count("decode" + (FUSED_FUNCTION_SUFFIX if fused else ""))
             pool.end_forward()
         except Exception:
             pool.reset_padding(pads)

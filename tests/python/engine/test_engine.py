@@ -49,6 +49,8 @@ def test_sixteen_requests_batch_and_match_alone_and_hf(tiny_chat):
     assert sum(t["steps"] for k, t in times.items() if k.startswith("decode_")) == stats["num_decode_steps"]
     assert times["decode_<=16"]["steps"] >= 1 and all(t["seconds"] > 0 for t in times.values())
     assert all(int(k.split("<=")[1]) <= 64 for k in times if k.startswith("prefill_"))  # chunks of <= 64
+    # one forward a step, by compiled function (a model without LoRA: prefill and decode)
+    assert stats["forwards"] == {"prefill": stats["num_prefill_steps"], "decode": stats["num_decode_steps"]}
     with MLCEngine(compiled, "cpu") as eng:
         for i, (p, n, r) in enumerate(zip(prompts, lens, batched)):
             alone = eng.completions.create(prompt=p, max_tokens=n, temperature=0, ignore_eos=True)

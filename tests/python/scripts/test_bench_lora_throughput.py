@@ -37,6 +37,11 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert res[2]["ranks"] == [8, 16, 32, 64]
     for r in res:
         assert r["requests"] == 5 and r["output_tokens"] == want_out
+        # one forward a step, on the functions the library has (llvm: no fused ones; the base
+        # library's are prefill/decode, a LoRA one's batches with adapters run its LoRA stage)
+        assert sum(r["forwards"].values()) == r["num_steps"], r["forwards"]
+        assert set(r["forwards"]) <= {"prefill", "decode", "prefill_base", "decode_base"}
+        assert r["forwards"].get("decode", 0) > 0 and r["forwards"].get("prefill", 0) > 0
         assert r["requests_per_s"] > 0 and r["ratio_vs_base"] > 0
         assert r["kv_pages"] == bench.SIZES["smoke"]["kv_pages"]
     assert res[0]["ratio_vs_base"] == 1.0
