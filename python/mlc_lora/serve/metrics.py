@@ -139,6 +139,14 @@ class _EngineCollector:
                 served.add_metric([name, "prompt"], prompt)
                 served.add_metric([name, "generated"], generated)
             yield served
+        if s.get("forwards"):
+            forwards = CounterMetricFamily(f"{PREFIX}_forwards", "Model forwards (engine steps) by compiled "
+                                           "function: prefill / decode, _base for a LoRA model's batch without "
+                                           "adapters, _fused where the batch's adapters fit the fused linears",
+                                           labels=["function"])
+            for name, n in sorted(s["forwards"].items()):
+                forwards.add_metric([name], n)
+            yield forwards
         if s.get("prefix_caching"):
             yield from _scalars(s, (
                 (CounterMetricFamily, "prefix_cache_queries", "prefix_cache_query_tokens",

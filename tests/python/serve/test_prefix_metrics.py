@@ -28,3 +28,7 @@ def test_prefix_cache_metrics(tiny_chat):
     # the cached pages no request holds are a kind of their own; the kinds add up to the pool
     kinds = {k: m[f'mlc_lora_pool_pages{{kind="{k}"}}'] for k in ("kv", "adapter", "cached", "free")}
     assert kinds == {"kv": 0, "adapter": 0, "cached": 3, "free": m["mlc_lora_engine_kv_pages_total"] - 3}
+    # the engine's forwards by compiled function (a model without LoRA): one prefill a request (its prompt
+    # fits one chunk), then a decode for each of its 3 tokens after the first
+    assert m['mlc_lora_forwards_total{function="prefill"}'] == 2
+    assert m['mlc_lora_forwards_total{function="decode"}'] == 2 * 3
