@@ -6,22 +6,15 @@ The kernels themselves run in test_attention_gpu (skipped without a GPU) and
 scripts/bench_attention.py.
 """
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
-import tvm
 import tvm_ffi
-from tvm import relax
 
-from mlc_lora.compile import CompileOptions, export_model, make_target
 from mlc_lora.compiler_passes.ops.attention import attention_cuda
 from mlc_lora.compiler_passes.ops.attention.reference import attention_ref
-from mlc_lora.compiler_passes.passes.dispatch_attention import BACKEND
-from mlc_lora.compiler_passes.passes.dispatch_kv_cache import POOL_CREATE, STOCK_CREATE
-from mlc_lora.models import llama
-from mlc_lora.runner import ModelRunner
+
+from .stand_ins import Lockstep
 
 
 def random_pages(rng, q_lens, kv_lens, hq, hkv, d):
@@ -118,65 +111,15 @@ class _NumpyKernels:
         self.calls["decode"] += 1
 
 
-@tvm.transform.module_pass(opt_level=0, name="_UseNumpyKernels")
-class _UseNumpyKernels:  # pylint: disable=too-few-public-methods
-    """The constructor's prefill/decode tuples -> ("mlc_lora", ExternFunc) of the numpy kernels."""
-
-    def transform_module(self, mod, _ctx):
-        @relax.expr_functor.mutator
-        class _M(relax.PyExprMutator):
-            def visit_call_(self, call):  # pylint: disable=arguments-renamed
-                call = self.visit_expr_post_order(call)
-                if call.args and isinstance(call.args[0], relax.ExternFunc) and \
-                        call.args[0].global_symbol in (POOL_CREATE, STOCK_CREATE):
-                    args = list(call.args)
-                    for pos, name in ((17, "prefill"), (18, "decode")):
-                        args[pos] = tvm.ir.Tuple([tvm.ir.StringImm(BACKEND),
-                                                  relax.ExternFunc(f"mlc_lora_test.attn_{name}")])
-                    return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
-                return call
-
-        m = _M(mod)
-        for gv, f in mod.functions_items():
-            if isinstance(f, relax.Function):
-                m.builder_.update_func(gv, m.visit_expr(f))
-        return m.builder_.get()
-
-
 def test_pool_cache_drives_mlc_lora_kernels(tiny_models, tmp_path):
     """Logits of ragged prefill (with a cached prefix) and decode at contexts that split, through
     the mlc_lora contract, equal the same model on TVM's TIR kernels."""
-    from mlc_lora.compiler_passes import get_pipeline
-
     kernels = _NumpyKernels()
     tvm_ffi.register_global_func("mlc_lora_test.attn_prefill", kernels.prefill, override=True)
     tvm_ffi.register_global_func("mlc_lora_test.attn_decode", kernels.decode, override=True)
     _, base_dir = tiny_models["gqa"]
-    ours = tmp_path / "ours"
-    shutil.copytree(base_dir, ours)
-    ref = ModelRunner(base_dir)
-    target = make_target(CompileOptions())
-    mod, _ = export_model(llama, llama.LlamaConfig(**ref.model_config), ref.dtype, target)
-    with target:
-        ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target, extra_passes=[_UseNumpyKernels()]))
-    ex.export_library(str(ours / ref.config["library"]))
-    run = ModelRunner(ours)
-
-    rng = np.random.default_rng(0)
-    kv_a, kv_b = ref.create_pool(8, 1024, 256), run.create_pool(8, 1024, 256)
-    for s in range(3):
-        kv_a.add_sequence(s)
-        kv_b.add_sequence(s)
-
-    def step(seqs, lens):
-        toks = [rng.integers(0, ref.vocab_size, n).tolist() for n in lens]
-        if all(n == 1 for n in lens):
-            a = ref.decode(kv_a, seqs, [t[0] for t in toks]).numpy()
-            b = run.decode(kv_b, seqs, [t[0] for t in toks]).numpy()
-        else:
-            a = ref.prefill(kv_a, seqs, toks).numpy()
-            b = run.prefill(kv_b, seqs, toks).numpy()
-        np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
+    both = Lockstep(base_dir, tmp_path, {16: "mlc_lora_test.attn_prefill", 17: "mlc_lora_test.attn_decode"}, seed=0)
+    ref, step = both.ref, both.step
 
     step([0, 1, 2], [150, 7, 40])  # ragged prefill
     step([2, 0], [90, 5])  # chunked prefill over cached prefixes

@@ -6,22 +6,15 @@ whose kernel is the numpy reference, against the same model on TVM's split-rotar
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
-import tvm
 import tvm_ffi
-from tvm import relax
 
-from mlc_lora.compile import CompileOptions, export_model, make_target
 from mlc_lora.compiler_passes.ops.attention.rope_append_triton import rope_append_ref, supported
-from mlc_lora.compiler_passes.passes.dispatch_attention import BACKEND
-from mlc_lora.compiler_passes.passes.dispatch_kv_cache import POOL_CREATE, STOCK_CREATE
-from mlc_lora.models import llama
 from mlc_lora.runner import ModelRunner
 
 from ..lora.conftest import interpret
+from .stand_ins import Lockstep
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,d,scale", [(np.float32, 4, 2, 32, 1.0), (np.float16, 9, 3, 64, 1.0),
@@ -83,63 +76,14 @@ class _NumpyRopeAppend:
         self.app.append(app.numpy().tolist())
 
 
-@tvm.transform.module_pass(opt_level=0, name="_UseNumpyRopeAppend")
-class _UseNumpyRopeAppend:  # pylint: disable=too-few-public-methods
-    """The constructor's split-rotary argument -> ("mlc_lora", ExternFunc) of the numpy stand-in."""
-
-    def transform_module(self, mod, _ctx):
-        @relax.expr_functor.mutator
-        class _M(relax.PyExprMutator):
-            def visit_call_(self, call):  # pylint: disable=arguments-renamed
-                call = self.visit_expr_post_order(call)
-                if call.args and isinstance(call.args[0], relax.ExternFunc) and \
-                        call.args[0].global_symbol in (POOL_CREATE, STOCK_CREATE):
-                    args = list(call.args)
-                    args[25] = tvm.ir.Tuple([tvm.ir.StringImm(BACKEND), relax.ExternFunc("mlc_lora_test.rope_append")])
-                    return relax.Call(call.op, args, call.attrs, call.ty_args, call.span)
-                return call
-
-        m = _M(mod)
-        for gv, f in mod.functions_items():
-            if isinstance(f, relax.Function):
-                m.builder_.update_func(gv, m.visit_expr(f))
-        return m.builder_.get()
-
-
 def test_pool_cache_drives_the_rope_append_kernel(tiny_models, tmp_path):
     """Logits of ragged prefill (over a cached prefix too) and decode, the cache calling one RoPE +
     append function per layer, equal the same model on TVM's split-rotary and append kernels."""
-    from mlc_lora.compiler_passes import get_pipeline
-
     _, base_dir = tiny_models["gqa"]
-    ref = ModelRunner(base_dir)
-    mc = ref.model_config
+    mc = ModelRunner(base_dir).model_config
     kernel = _NumpyRopeAppend(mc["num_attention_heads"], mc["num_key_value_heads"])
     tvm_ffi.register_global_func("mlc_lora_test.rope_append", kernel, override=True)
-    ours = tmp_path / "ours"
-    shutil.copytree(base_dir, ours)
-    target = make_target(CompileOptions())
-    mod, _ = export_model(llama, llama.LlamaConfig(**mc), ref.dtype, target)
-    with target:
-        ex = tvm.compile(mod, target, relax_pipeline=get_pipeline(target, extra_passes=[_UseNumpyRopeAppend()]))
-    ex.export_library(str(ours / ref.config["library"]))
-    run = ModelRunner(ours)
-
-    rng = np.random.default_rng(3)
-    kv_a, kv_b = ref.create_pool(8, 1024, 256), run.create_pool(8, 1024, 256)
-    for s in range(3):
-        kv_a.add_sequence(s)
-        kv_b.add_sequence(s)
-
-    def step(seqs, lens):
-        toks = [rng.integers(0, ref.vocab_size, n).tolist() for n in lens]
-        if all(n == 1 for n in lens):
-            a = ref.decode(kv_a, seqs, [t[0] for t in toks]).numpy()
-            b = run.decode(kv_b, seqs, [t[0] for t in toks]).numpy()
-        else:
-            a = ref.prefill(kv_a, seqs, toks).numpy()
-            b = run.prefill(kv_b, seqs, toks).numpy()
-        np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
+    step = Lockstep(base_dir, tmp_path, {24: "mlc_lora_test.rope_append"}, seed=3).step
 
     step([0, 1, 2], [40, 7, 19])  # ragged prefill
     step([2, 0], [21, 5])  # chunked prefill after cached tokens (positions past 0, pages part full)
