@@ -23,7 +23,6 @@ Reference: `rope_append_ref` below.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -150,8 +149,3 @@ def wrapper(hq: int, hkv: int, head_dim: int, dtype: str, arch: str):
                           T.log2(rope_theta), T.int64(0), T.int64(0), T.Cast("int32", n), blocks, threads, shared)
 
     return rope_append, mod
-
-
-def log2(theta: float) -> float:
-    """log2(theta) as the kernel takes it (for launches from Python)."""
-    return math.log2(theta)

@@ -55,6 +55,9 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
         # (none needed where prefill's memory is planned at its bounds: its buffers are the same at
         # every token count)
         self.pooled_prefill_sizes = 0 if compiled.bounded_prefill_memory else POOLED_PREFILL_SIZES
+        # the most tokens embed takes (None: any), checked on every call
+        self._embed_bound = (max(compiled.prefill_chunk_size, compiled.max_batch_size)
+                             if compiled.bounded_prefill_memory else None)
         self._prefill_sizes: set[int] = set()
         if params is not None:
             if len(params) != len(compiled.param_names):
@@ -142,10 +145,9 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
 
         tvm = _tvm()
         ids = np.ascontiguousarray(token_ids, dtype=np.int32)
-        c = self.compiled
-        if c.bounded_prefill_memory and len(ids) > max(c.prefill_chunk_size, c.max_batch_size):
+        if self._embed_bound is not None and len(ids) > self._embed_bound:
             raise MLCLoraError(f"{len(ids)} tokens to embed: {self.model_dir} plans embed's memory for at most "
-                               f"{max(c.prefill_chunk_size, c.max_batch_size)}")
+                               f"{self._embed_bound}")
         # One device buffer, refilled on the stream without a host sync (a fresh tensor per step
         # costs a synchronous copy and a cudaFree, which stall the host behind the GPU).
         if self._ids_buf is None or self._ids_buf.shape[0] < len(ids):

@@ -196,6 +196,8 @@ def run_norm_rows(inp: dict) -> dict:
 
 def run_rope_append(inp: dict) -> dict:
     """ops/attention/rope_append_triton.py's kernel, launched as its TIR wrapper launches it."""
+    import math
+
     import torch
 
     from mlc_lora.compiler_passes.ops.attention import rope_append_triton as RA
@@ -207,7 +209,7 @@ def run_rope_append(inp: dict) -> dict:
     q = torch.full((n, hq, d), float("nan"), dtype=qkv.dtype)
     pages = torch.from_numpy(inp["pages"].copy())
     RA.rope_append_kernel[(n, -(-ht // RA.BH))](qkv, torch.from_numpy(inp["pos"]), torch.from_numpy(inp["app"]), q,
-                                                 pages, float(inp["scale"]), RA.log2(float(inp["theta"])),
+                                                 pages, float(inp["scale"]), math.log2(float(inp["theta"])),
                                                  **RA.constants(hq, hkv, d), num_warps=RA.WARPS)
     return {"q": q.numpy(), "pages": pages.numpy()}
 
