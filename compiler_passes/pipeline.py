@@ -6,7 +6,7 @@ import tvm
 from tvm import relax
 
 from .passes import (AttachSampler, DispatchActivation, DispatchAttention, DispatchCublas, DispatchKVCache,
-                     LoraRewrite, ReserveRankColumns, ReserveRankRows)
+                     DispatchNorm, LoraRewrite, ReserveRankColumns, ReserveRankRows)
 from .passes.dispatch_cublas import GEMV_MAX_ROWS
 
 GEMM_BACKENDS = ("cublas", "tvm")
@@ -16,7 +16,8 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
                  lora: dict | None = None, rank_rows: bool = False, spare_columns: bool = False,
                  stock_kv_cache: bool = False,
                  gemm: str = "cublas", attention: str = "flash",
-                 gemv_max_rows: int = GEMV_MAX_ROWS, default_rope: bool = False) -> tvm.transform.Pass:
+                 gemv_max_rows: int = GEMV_MAX_ROWS, default_rope: bool = False,
+                 add_norm: bool = False) -> tvm.transform.Pass:
     """Our model-level passes, then TVM's default lowering for `target`.
 
     `lora` (LoraRewrite's keyword arguments; `rank_rows` / `spare_columns`: ReserveRankRows /
@@ -30,7 +31,9 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
     `attention` "flash" runs the pool cache's attention on our tensor-core CUDA kernels where they
     fit the model (CUDA, fp16/bf16, head_dim 64/128), "tir" keeps TVM's kernels; with it and
     `default_rope` (the model's RoPE frequencies are the default ones, at most a linear position
-    scale) the cache's RoPE and append of new keys and values run as one Triton kernel.
+    scale) the cache's RoPE and append of new keys and values run as one Triton kernel. `add_norm`
+    (CUDA): each RMSNorm of the hidden state, with the residual add that makes its input, on one
+    Triton kernel (in the rank columns route's linears too, which run it as x's producer).
     """
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm must be one of {GEMM_BACKENDS}, not {gemm!r}")
@@ -44,7 +47,7 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
             # Columns beside each targeted weight for the batch's B rows (the rank columns route).
             passes.append(ReserveRankColumns(**reserve))
         # Paged-adapter tables on prefill/decode, base + delta on every target linear.
-        passes.append(LoraRewrite(target=target, **lora))
+        passes.append(LoraRewrite(target=target, add_norm=add_norm and target.kind.name == "cuda", **lora))
     passes += list(extra_passes or [])
     if target.kind.name in ("cuda", "llvm") and gemm == "cublas":
         # After LoraRewrite: it keeps the base matmul and adds its delta to the output.
@@ -55,6 +58,9 @@ def get_pipeline(target: tvm.target.Target, *, extra_passes: list | None = None,
         # silu(gate) * up on one Triton kernel (fp16/bf16, where Triton is installed), in every
         # function, base and LoRA alike.
         passes.append(DispatchActivation(str(target.arch)))
+        if add_norm:
+            # rms_norm (and add + rms_norm) left by LoraRewrite on one Triton kernel, in every function
+            passes.append(DispatchNorm(str(target.arch)))
     if not stock_kv_cache:
         # KV pages and adapter pages in one pool: mlc-lora's cache instead of TVM's.
         passes.append(DispatchKVCache())

@@ -431,24 +431,39 @@ def _xs_group(torch, LT, pt, name):
     return group
 
 
-def _norm_group(torch, LT, pt):
-    """The rank columns route's RMSNorm of rows (up to FUSED_MAX_TOKENS, a row per block) beside
-    torch's, checked against it."""
+def _norm_group(torch, LT, pt):  # pylint: disable=unused-argument
+    """ops/norm_triton.py's RMSNorm of rows (the rank columns route's x up to FUSED_MAX_TOKENS, a
+    row per block), alone and with the residual add before it, beside torch's, checked against it."""
+    from mlc_lora.compiler_passes.ops import norm_triton as NORM  # pylint: disable=import-outside-toplevel
+
     K, T = pt.in_f, pt.T
     h = [torch.randn((T, K), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
+    r = [torch.randn((T, K), device="cuda").to(pt.x[0].dtype) for _ in range(pt.copies)]
     gain = (torch.rand((K,), device="cuda") + 0.5).to(pt.x[0].dtype)
-    x = torch.empty_like(h[0])
-    nl = LT.norm_launch(K)
+    x, h1 = torch.empty_like(h[0]), torch.empty_like(h[0])
+    nl, nla = NORM.launch(K), NORM.launch(K, residual=True)
 
     def rows(i):
-        LT.rms_norm_rows_kernel[(T,)](h[i], gain, x, 1e-5, **nl["consts"], num_warps=nl["warps"])
+        NORM.rms_norm_kernel[(T,)](h[i], h[i], gain, x, x, 1e-5, **nl["consts"], num_warps=nl["warps"])
+
+    def add_rows(i):
+        NORM.rms_norm_kernel[(T,)](h[i], r[i], gain, x, h1, 1e-5, **nla["consts"], num_warps=nla["warps"])
+
+    def torch_add(i):
+        s = h[i] + r[i]
+        return torch.nn.functional.rms_norm(s, (K,), gain, 1e-5)
 
     rows(0)
     want = torch.nn.functional.rms_norm(h[0].float(), (K,), gain.float(), 1e-5)
+    add_rows(0)
+    want_add = torch.nn.functional.rms_norm((h[0] + r[0]).float(), (K,), gain.float(), 1e-5)
+    if not torch.allclose(want_add, x.float(), rtol=1e-2, atol=1e-2) or not torch.equal(h1, h[0] + r[0]):
+        raise RuntimeError(f"rms_norm_kernel with the add at T={T}: differs from torch's add + RMSNorm")
+    rows(0)
     if not torch.allclose(x.float(), want, rtol=1e-2, atol=1e-2):
-        raise RuntimeError(f"rms_norm_rows_kernel at T={T}: x differs from torch's RMSNorm")
-    return {"rms_norm_rows_kernel": rows,
-            "torch rms_norm": lambda i: torch.nn.functional.rms_norm(h[i], (K,), gain, 1e-5)}
+        raise RuntimeError(f"rms_norm_kernel at T={T}: x differs from torch's RMSNorm")
+    return {"rms_norm_kernel": rows, "torch rms_norm": lambda i: torch.nn.functional.rms_norm(h[i], (K,), gain, 1e-5),
+            "rms_norm_kernel + add": add_rows, "torch add + rms_norm": torch_add}
 
 
 def tune(a) -> int:  # pylint: disable=too-many-locals
@@ -631,7 +646,7 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
 def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     """The rank columns route with x written by its producer straight into [x | s] (as compiled),
     against x copied there by the shrink and the pair, per linear and token count (4 x r8), timed
-    together. x's producer: the RMSNorm before q|k|v and gate|up (rms_norm_rows_kernel),
+    together. x's producer: the RMSNorm before q|k|v and gate|up (ops/norm_triton.py),
     silu(gate) * up before down (ops/activation_triton.py), the attention before o (not ours to
     change here: x given, in [x | s] already for the in-place route). Candidates: `base` (the
     producer into x, cuBLAS), `pair` (the same, then the shrink and the in-place expand),
@@ -643,6 +658,7 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     import torch  # pylint: disable=import-outside-toplevel
 
     from mlc_lora.compiler_passes.ops import activation_triton as AT  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compiler_passes.ops import norm_triton as NORM  # pylint: disable=import-outside-toplevel
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
 
     out = []
@@ -658,12 +674,13 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
             norm = name in ("qkv", "gate_up")
             h = [torch.randn((T, 2 * K if name == "down" else K), device="cuda").to(dt) for _ in range(pt.copies)]
             gain = (torch.rand((K,), device="cuda") + 0.5).to(dt)
-            nl = {K: LT.norm_launch(K), ke: LT.norm_launch(K, ke)}
+            nl = {K: NORM.launch(K), ke: NORM.launch(K, ke)}
             bn = AT.block_cols(K)
 
             def before(i, out, ld):  # x's producer into out (rows ld apart); o: x is given
                 if norm:
-                    LT.rms_norm_rows_kernel[(T,)](h[i], gain, out, 1e-5, **nl[ld]["consts"], num_warps=nl[ld]["warps"])
+                    NORM.rms_norm_kernel[(T,)](h[i], h[i], gain, out, out, 1e-5, **nl[ld]["consts"],
+                                               num_warps=nl[ld]["warps"])
                 elif name == "down":
                     AT.silu_mul_kernel[(-(-T // AT.BM), K // bn)](h[i], out, T, I=K, BM=AT.BM, BN=bn, LDH=ld,
                                                                    num_warps=AT.WARPS)

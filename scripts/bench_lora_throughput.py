@@ -102,7 +102,7 @@ def compile_libs(a) -> int:
     adapters, pages = pool_pages(model_cfg, size["kv_pages"])
     common = dict(target=a.target, dtype="float32" if a.target == "llvm" else "float16",
                   prefill_chunk_size=size["prefill_chunk_size"], max_batch_size=size["max_batch_size"],
-                  gemm="cublas", cuda_graph=True, rope_append=a.rope_append,
+                  gemm="cublas", cuda_graph=True, rope_append=a.rope_append, add_norm=a.add_norm,
                   bounded_prefill_memory=a.bounded_prefill_memory)
     lora = dict(common, lora_pool_pages=pages, lora_kernel="sgmv")
     libs = {"base": CompileOptions(**common),
@@ -125,6 +125,7 @@ def compile_libs(a) -> int:
         secs = random_model.build(a.out / name, model_cfg, opts, name=f"llama-{'tiny' if a.smoke else '2-7b'}-random")
         notes = ", ".join(n for n, on in (("no programmatic launches", a.no_pdl),
                                            ("RoPE + append in one kernel", a.rope_append),
+                                           ("residual add + RMSNorm in one kernel", a.add_norm),
                                            ("prefill memory at its bound", a.bounded_prefill_memory)) if on)
         print(f"{a.out / name}: built in {secs:.0f} s{f' ({notes})' if notes else ''}")
     print(f"pool: {size['kv_pages']} KV pages + {adapters} for {NUM_ADAPTERS_MAX} adapters of rank {MAX_RANK} "
@@ -447,6 +448,8 @@ def main(argv=None) -> int:
                    "programmatic dependent launch (ops/kernel_attrs.py PDL; to time against: run --compare-lib-dir)")
     c.add_argument("--rope-append", action="store_true", help="the cache's RoPE + append of new keys and values in "
                    "one kernel (CompileOptions.rope_append)")
+    c.add_argument("--add-norm", action="store_true", help="each RMSNorm of the hidden state and the residual add "
+                   "before it in one kernel (CompileOptions.add_norm)")
     c.add_argument("--bounded-prefill-memory", action="store_true", help="prefill's memory planned at the chunk's "
                    "bound (CompileOptions.bounded_prefill_memory)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")

@@ -20,6 +20,7 @@ from ..ops.lora import LoraContext, Part
 from ..ops.lora.linear_triton import FUSED
 from ..ops.lora.stage import layer_arg
 from .dispatch_activation import gate_up_of
+from .dispatch_norm import residual_of
 from .dispatch_cublas import reserved_weight_of
 
 _MATMUL = tvm.ir.Op.get("relax.matmul")
@@ -58,6 +59,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         max_slots: int = 256,
         base_functions: bool = True,
         fused: bool = False,
+        add_norm: bool = False,
     ):
         """`param_names`: the packed params in export order. `modules`: the compiled target modules
         (name, in, out); their order is module index m. `linears`: weight kind (e.g. "qkv_proj") ->
@@ -72,7 +74,9 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         of each, in which every linear that ops/lora/linear_triton.py supports computes the base
         product and the delta together (one kernel for small batches, cuBLAS + a shrink/expand
         pair over the batch's rank columns above); the runner takes them for the batches whose
-        adapters fit its rank columns."""
+        adapters fit its rank columns. `add_norm`: where the rank columns route's x is the RMSNorm of a
+        residual sum h = a + b, the route's wrapper adds a and b too and hands on the sum in h's place
+        (linear_triton.PRODUCERS' "add_rms_norm"; DispatchNorm does the same outside the route)."""
         lora_stages.check(kernel, backend)
         self.param_names = list(param_names)
         self.module_index = {name: i for i, (name, _, _) in enumerate(modules)}
@@ -88,6 +92,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         self.max_slots = max_slots
         self.base_functions = base_functions
         self.fused = fused
+        self.add_norm = add_norm
         # the rows' element offsets are multiples of this when every row length is (16-byte loads)
         self.row_align = 8 if all(i % 8 == 0 and o % 8 == 0 for _, i, o in modules) else 1
         self._name_re = linear_weight_re(self.linears)
@@ -257,7 +262,12 @@ class _Rewriter(relax.PyExprMutator):
             if producer is not None:
                 fill = FUSED.fill(self.ctx, parts, in_f, w.ty, str(w.ty.dtype))
                 self.fills[o.param_names.index(name)] = (layer, fill, str(w.ty.dtype))
-            return FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, counters, call.ty.shape, producer)
+            residual = producer[3] if producer is not None else None
+            y, h1 = FUSED.emit(self.ctx, x2, w, layer, parts, self.inputs, counters, call.ty.shape,
+                               producer and producer[:3])
+            if residual is not None:  # the residual sum's later uses (the next residual add) read the wrapper's
+                self.set_var_remap(residual, bb.emit(relax.op.reshape(h1, residual.ty.shape)))
+            return y
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
         impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(call.ty.dtype), o.max_rank, len(parts))
         self.rewritten += 1
@@ -265,10 +275,12 @@ class _Rewriter(relax.PyExprMutator):
 
     def _producer(self, x: relax.Expr, in_f: int) -> tuple | None:
         """x's producer for the rank columns route's wrapper to run in its place (writing x into
-        [x | s]; linear_triton.PRODUCERS), as FusedLinear.emit takes it: ("rms_norm", [h (n, in_f),
-        g], eps) for an RMSNorm over the last axis, ("silu_mul", [y (n, 2 in_f)], 0.0) for
-        silu(gate) * up over split(y, 2); None for anything else (the linear then keeps the pair). x's
-        producer stays for other uses of x, if any."""
+        [x | s]; linear_triton.PRODUCERS), as FusedLinear.emit takes it, and the residual sum the
+        wrapper hands on: ("rms_norm", [h (n, in_f), g], eps, None) for an RMSNorm over the last
+        axis; with `add_norm`, of h = a + b: ("add_rms_norm", [a, b, g], eps, h) (h's later uses are
+        moved to the wrapper's sum); ("silu_mul", [y (n, 2 in_f)], 0.0, None) for silu(gate) * up
+        over split(y, 2); None for anything else (the linear then keeps the pair). x's producer
+        stays for other uses of x, if any."""
         bb = self.builder_
         bound = self.lookup_binding(x) if isinstance(x, relax.Var) else None
         if not isinstance(bound, relax.Call):
@@ -278,12 +290,15 @@ class _Rewriter(relax.PyExprMutator):
             ndim = h.ty.ndim
             if [int(a) % ndim for a in bound.attrs.axes] != [ndim - 1] or str(h.ty.dtype) != str(g.ty.dtype):
                 return None
-            h2 = bb.emit(relax.op.reshape(h, relax.ShapeExpr([self.n_tok, in_f])))
-            return ("rms_norm", [h2, g], float(bound.attrs.epsilon))
+            rows = lambda e: bb.emit(relax.op.reshape(e, relax.ShapeExpr([self.n_tok, in_f])))  # noqa: E731
+            res = residual_of(h, self.lookup_binding, bb.current_block_is_dataflow()) if self.opts.add_norm else None
+            if res is not None:
+                return ("add_rms_norm", [rows(res[0]), rows(res[1]), g], float(bound.attrs.epsilon), h)
+            return ("rms_norm", [rows(h), g], float(bound.attrs.epsilon), None)
         y = gate_up_of(bound, self.lookup_binding) if FOLD_SILU_MUL else None
         if y is None or y.ty.shape is None or int(y.ty.shape.values[-1]) != 2 * in_f:
             return None
-        return ("silu_mul", [bb.emit(relax.op.reshape(y, relax.ShapeExpr([self.n_tok, 2 * in_f])))], 0.0)
+        return ("silu_mul", [bb.emit(relax.op.reshape(y, relax.ShapeExpr([self.n_tok, 2 * in_f])))], 0.0, None)
 
 
 def _prod(values):

@@ -45,6 +45,10 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # pages in one Triton kernel (ops/attention/rope_append_triton.py; models with the default RoPE
     # frequencies); off until timed on a GPU
     rope_append: bool = False
+    # cuda only: each RMSNorm of the hidden state, and the residual add that makes its input, in one
+    # Triton kernel (ops/norm_triton.py; DispatchNorm, the rank columns route's producer); off until
+    # timed on a GPU
+    add_norm: bool = False
     # prefill's and embed's memory planned once at their bounds (prefill_chunk_size tokens, as
     # MLC-LLM plans it) instead of per token count: every prefill allocates the same buffers, which
     # the pooled allocator reuses, so the runner never releases them (on CUDA it releases every
@@ -302,7 +306,8 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     pipeline = get_pipeline(target, extra_passes=extra_passes, lora=lora_opts, rank_rows=rank_rows,
                             spare_columns=spare_columns, gemm=options.gemm,
                             attention=options.attention, gemv_max_rows=options.gemv_max_rows,
-                            default_rope=options.rope_append and getattr(cfg, "rope_scaling_dict", None) == {})
+                            default_rope=options.rope_append and getattr(cfg, "rope_scaling_dict", None) == {},
+                            add_norm=options.add_norm)
     with target, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": use_graph}):
         ex = tvm.compile(mod, target, relax_pipeline=pipeline)
         ex.export_library(str(lib_path))

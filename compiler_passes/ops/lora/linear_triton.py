@@ -15,7 +15,7 @@ weight with rank_rows(P) spare rows below its own) the batches past FUSED_MAX_TO
 With the rank columns route (weights stored with 32 spare columns per part, ReserveRankColumns)
 and x's producer handed to the linear by LoraRewrite (PRODUCERS: the RMSNorm before q|k|v and
 gate|up, silu(gate) * up before down), the wrapper runs the producer's kernel itself
-(`rms_norm_rows_kernel`, activation_triton's): into x up to FUSED_MAX_TOKENS; past it into
+(ops/norm_triton.py's, activation_triton's): into x up to FUSED_MAX_TOKENS; past it into
 [x | s]'s first columns, then `lora_shrink_xs_kernel` adds s beside x and one cuBLAS GEMM over
 [x | s] and [W | B columns] gives y (`lora_fill_cols_kernel` fills those columns when the pool's
 kept adapters change). A linear whose x has no producer of ours (o: the attention's output) keeps
@@ -53,6 +53,7 @@ import numpy as np
 
 from .. import triton_build
 from .. import activation_triton as ACT
+from .. import norm_triton as NORM
 from ..activation_triton import silu_mul_ref
 from .stage import MAX_PARTS
 
@@ -100,14 +101,14 @@ def linear_ref(x, w, arena, base, slot, rank, scale, a_off, b_off, mods, widths)
     return y
 
 
-def producer_ref(producer: str, h, g=None, eps: float = 0.0):
-    """Semantics of PRODUCERS in float64: x (n, K) of h ((n, K); (n, 2K) for "silu_mul")."""
-    h = h.astype(np.float64)
-    if producer == "rms_norm":
-        return h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + eps) * g.astype(np.float64)
+def producer_ref(producer: str, h, g=None, eps: float = 0.0, r=None):
+    """Semantics of PRODUCERS in float64: x (n, K) of h ((n, K); (n, 2K) for "silu_mul"; r (n, K):
+    the residual add's other operand for "add_rms_norm", whose sum norm_triton.rms_norm_ref gives too)."""
+    if producer in ("rms_norm", "add_rms_norm"):
+        return NORM.rms_norm_ref(h, g, eps, r if producer == "add_rms_norm" else None)[1]
     if producer == "silu_mul":
         return silu_mul_ref(h)
-    return h
+    return h.astype(np.float64)
 
 
 def token_tier(n: int) -> int:
@@ -496,25 +497,6 @@ if triton is not None:
             tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
                      mask=rmask[:, None])
 
-    @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_rms_norm", "out_ptr"))
-    def rms_norm_rows_kernel(h_ptr, g_ptr, out_ptr, eps, K: tl.constexpr, BK: tl.constexpr, LDO: tl.constexpr):
-        """Grid (n,), one row per block, the row loaded once (BK: K rounded up to a power of two):
-        out[t * LDO : + K] = the RMSNorm of h[t] (PRODUCERS' "rms_norm": the rank columns route's x
-        for the one-kernel linear, LDO = K; past FUSED_MAX_TOKENS [x | s]'s first columns, LDO = its
-        width)."""
-        triton_build.wait_for_producers()
-        cols = tl.arange(0, BK)
-        h_row = h_ptr + tl.program_id(0).to(tl.int64) * K + cols
-        if BK == K:
-            h = tl.load(h_row).to(tl.float32)
-            g = tl.load(g_ptr + cols).to(tl.float32)
-        else:
-            h = tl.load(h_row, mask=cols < K, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
-        x = (h * rstd * g).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * LDO + cols, x, mask=cols < K)
-
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "xe_ptr"))
     def lora_shrink_xs_kernel(arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr, n, S, base,
                               chunk, split, K: tl.constexpr, KE: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
@@ -598,9 +580,10 @@ SHRINK_BM = {"small": 16, "large": 64}  # tokens per shrink block
 SHRINK_SMALL_MAX_TOKENS = 512  # "small" up to here
 # x's producer, which the rank columns route's wrapper runs itself in place of the kernel before the
 # linear (LoraRewrite hands it the producer's input): none ("copy": the linear takes x and keeps the
-# pair); the RMSNorm of the model's hidden state h (gain g, eps; in float32,
-# rounded once); silu(gate) * up of the gate|up output (ops/activation_triton.py).
-PRODUCERS = ("copy", "rms_norm", "silu_mul")
+# pair); the RMSNorm of the model's hidden state h (gain g, eps), or of the residual sum h = a + b,
+# which the wrapper then hands on too (ops/norm_triton.py); silu(gate) * up of the gate|up output
+# (ops/activation_triton.py).
+PRODUCERS = ("copy", "rms_norm", "add_rms_norm", "silu_mul")
 # The shrink splits the inputs over blocks until it has about TARGET_BLOCKS of them (one per SM of an
 # H200), at most SPLIT_MAX splits of at least MIN_STEPS input steps each.
 TARGET_BLOCKS, SPLIT_MAX, MIN_STEPS = 132, 8, 4
@@ -766,18 +749,6 @@ def xs_launch(n: int, in_f: int, widths: Sequence[int], mods: Sequence[int], num
                 plan=(plan["BM"], bk, in_f // bk, plan["target"], plan["most"]))
 
 
-def norm_launch(in_f: int, ldo: int | None = None) -> dict:
-    """Constants and warps of rms_norm_rows_kernel for rows of in_f inputs, x's rows `ldo` apart
-    (default in_f; [x | s]'s width for its first columns)."""
-    bk = 1 << (in_f - 1).bit_length()
-    return dict(consts=dict(K=in_f, BK=bk, LDO=ldo or in_f), warps=4 if bk <= 4096 else 8)
-
-
-def _norm_signature(dtype: str) -> dict:
-    e = triton_build.PTR[dtype]
-    return dict(h_ptr=e, g_ptr=e, out_ptr=e, eps="fp32", K="constexpr", BK="constexpr", LDO="constexpr")
-
-
 def scratch_elems(n, widths: Sequence[int]):
     """fp32 elements of the shrink's partial sums for n tokens (the most any variant writes: the
     pair's SPLIT_MAX splits, the rank columns route's XS_PLAN ones)."""
@@ -788,10 +759,8 @@ def producer_module(producer: str, in_f: int, ld: int, dtype: str, arch: str):
     """(kernel name, threads, shared bytes, CUDA module) of x's producer (PRODUCERS: the RMSNorm of
     rows, silu(gate) * up of ops/activation_triton.py) writing x's rows `ld` apart (in_f: x alone;
     the width of [x | s]: its first columns)."""
-    if producer == "rms_norm":
-        nl = norm_launch(in_f, ldo=ld)
-        return triton_build.cuda_module(rms_norm_rows_kernel, _norm_signature(dtype), nl["consts"], nl["warps"], arch,
-                                        Path(__file__))
+    if producer in ("rms_norm", "add_rms_norm"):
+        return NORM.build(in_f, dtype, arch, ldo=ld, residual=producer == "add_rms_norm")
     return ACT.build(in_f, dtype, arch, ld)
 
 
@@ -808,7 +777,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     the expand writes y from e; one more output, e (n, W + rank_rows(P)) [scratch]. A weight with
     spare columns and a `producer` other than "copy" (PRODUCERS) takes the rank columns route: the
     wrapper takes the producer's input instead of x (h (n, in_f) and the gain g (in_f,) for
-    "rms_norm" with `eps`, y = [gate | up] (n, 2 in_f) for "silu_mul") and runs the producer's
+    "rms_norm" with `eps`; h, r (n, in_f) and g for "add_rms_norm", which writes h + r to one more
+    output after x, h1 (n, in_f); y = [gate | up] (n, 2 in_f) for "silu_mul") and runs the producer's
     kernel itself, into xe (n, w_cols) [scratch]'s first columns past FUSED_MAX_TOKENS (the
     shrink adds s beside it), else into one more output, x (n, in_f) [scratch], which the
     one-kernel linear reads. With "copy" a weight's spare columns are not read (the pair)."""
@@ -974,26 +944,27 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
         KE = KW
 
         @T.macro
-        def produce(name, threads, shared, n, h, g, out):
-            """x's producer of h (g: the RMSNorm's gain) into out (x, or xe's first columns)."""
-            if producer == "rms_norm":  # a row per block
-                T.call_packed(name, h.data, g.data, out.data, T.float32(eps), T.int64(0), T.int64(0), n, 1, threads,
-                              shared)
+        def produce(name, threads, shared, n, h, r, g, out, h1):
+            """x's producer of h (r: the residual add's other operand, h1 its sum; g: the RMSNorm's
+            gain) into out (x, or xe's first columns)."""
+            if producer != "silu_mul":  # a row per block
+                T.call_packed(name, h.data, r.data, g.data, out.data, h1.data, T.float32(eps), T.int64(0), T.int64(0),
+                              n, 1, threads, shared)
             else:
                 T.call_packed(name, h.data, out.data, T.Cast("int32", n), T.int64(0), T.int64(0),
                               T.Cast("int32", (n + ACT.BM - 1) // ACT.BM), in_f // ACT.block_cols(in_f), threads,
                               shared)
 
         @T.macro
-        def produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x):
+        def produced(n, S, size, layer, h, r, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x, h1):
             """The producer into x and the one-kernel linear, or the producer into xe, the shrink adding
             s in place and cuBLAS."""
             if n > 0:
                 if n <= FUSED_MAX_TOKENS:
-                    produce(rn, rth, rsh, n, h, g, x)
+                    produce(rn, rth, rsh, n, h, r, g, x, h1)
                     one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:
-                    produce(cn, cth, csh, n, h, g, xe)
+                    produce(cn, cth, csh, n, h, r, g, xe, h1)
                     shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
@@ -1018,7 +989,32 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             v = T.match_buffer(v_h, (nv,), "float32")
             xe = T.match_buffer(xe_h, (n, KE), dtype)
             x = T.match_buffer(x_h, (n, in_f), dtype)
-            produced(n, S, size, layer, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x)
+            produced(n, S, size, layer, h, h, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x, x)
+
+        @T.prim_func(s_tir=True)
+        def lora_linear_add_norm(h_h: T.handle, r_h: T.handle, g_h: T.handle, w_h: T.handle, arena_h: T.handle,
+                                 slot_h: T.handle, rank_h: T.handle, scale_h: T.handle, aoff_h: T.handle,
+                                 boff_h: T.handle, layer: T.int64, cnt_h: T.handle, y_h: T.handle, v_h: T.handle,
+                                 xe_h: T.handle, x_h: T.handle, h1_h: T.handle):
+            T.func_attr(kernel_attrs(True))
+            n, S, size, nv = T.int64(), T.int64(), T.int64(), T.int64()
+            h = T.match_buffer(h_h, (n, in_f), dtype)
+            r = T.match_buffer(r_h, (n, in_f), dtype)
+            g = T.match_buffer(g_h, (in_f,), dtype)
+            w = T.match_buffer(w_h, (W, KE), dtype)
+            arena = T.match_buffer(arena_h, (size,), dtype)
+            slot = T.match_buffer(slot_h, (n,), "int32")
+            rank = T.match_buffer(rank_h, (S,), "int32")
+            scale = T.match_buffer(scale_h, (S, M), "float32")
+            a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
+            b_off = T.match_buffer(boff_h, (S, M, R), "int32")
+            cnt = T.match_buffer(cnt_h, (COUNTER_SLOTS,), "int32")
+            y = T.match_buffer(y_h, (n, W), dtype)
+            v = T.match_buffer(v_h, (nv,), "float32")
+            xe = T.match_buffer(xe_h, (n, KE), dtype)
+            x = T.match_buffer(x_h, (n, in_f), dtype)
+            h1 = T.match_buffer(h1_h, (n, in_f), dtype)
+            produced(n, S, size, layer, h, r, g, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x, h1)
 
         @T.prim_func(s_tir=True)
         def lora_linear_silu(h_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
@@ -1039,9 +1035,10 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
             v = T.match_buffer(v_h, (nv,), "float32")
             xe = T.match_buffer(xe_h, (n, KE), dtype)
             x = T.match_buffer(x_h, (n, in_f), dtype)
-            produced(n, S, size, layer, h, h, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x)
+            produced(n, S, size, layer, h, h, h, w, arena, slot, rank, scale, a_off, b_off, cnt, y, v, xe, x, x)
 
-        return (lora_linear_norm if producer == "rms_norm" else lora_linear_silu), mods_out
+        return {"rms_norm": lora_linear_norm, "add_rms_norm": lora_linear_add_norm,
+                "silu_mul": lora_linear_silu}[producer], mods_out
 
     @T.prim_func(s_tir=True)
     def lora_linear_triton(x_h: T.handle, w_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
@@ -1120,14 +1117,15 @@ class FusedLinear:
 
     def emit(self, ctx, x, w, layer: int, parts: Sequence, tables: Mapping, counters, out_shape,
              producer: tuple | None = None):
-        """y = x @ W.T + every token's delta, (n, W) reshaped to `out_shape` (not yet emitted).
+        """(y, h1): y = x @ W.T + every token's delta, (n, W) reshaped to `out_shape` (not yet
+        emitted); h1 the residual sum (n, in) the wrapper hands on with the "add_rms_norm" producer, else None.
         ctx: the rewrite's LoraContext; x (n, in) and w (W, in) relax Vars (w of W + rank_rows(P)
         rows: the weight reserves the rank rows route's rows, which it then takes above
         FUSED_MAX_TOKENS; of in + spare_columns(in, P) columns: the rank columns route's); parts:
         ops/lora Parts; counters: the function's (COUNTER_SLOTS,) int32 zeros (`counters()`), shared by its
         linears; producer (a weight with spare columns only): x's producer for the wrapper to run
-        instead of reading x, (kind, its inputs, eps): ("rms_norm", [h, g], eps) or ("silu_mul",
-        [y], 0.0) (linear_wrapper)."""
+        instead of reading x, (kind, its inputs, eps): ("rms_norm", [h, g], eps), ("add_rms_norm",
+        [a, b, g], eps) or ("silu_mul", [y], 0.0) (linear_wrapper)."""
         from tvm import relax  # pylint: disable=import-outside-toplevel
 
         from .stage import layer_arg, tokens  # pylint: disable=import-outside-toplevel
@@ -1155,7 +1153,8 @@ class FusedLinear:
             return func
 
         name = f"lora_linear_{'rows' if rows else 'cols' if cols else 'triton'}_m{tag}_{in_f}x{W}" + (
-            f"_of{w_cols}" if w_cols != in_f else "") + {"copy": "", "rms_norm": "_norm", "silu_mul": "_silu"}[kind]
+            f"_of{w_cols}" if w_cols != in_f else "") + {"copy": "", "rms_norm": "_norm", "add_rms_norm": "_addnorm",
+                                                         "silu_mul": "_silu"}[kind]
         fn = ctx.kernel(key, name, make)
         outs = [relax.TensorType([n, W], dtype)]
         if rows:  # no shrink partials; e = x @ [W; rank rows].T
@@ -1164,13 +1163,16 @@ class FusedLinear:
         elif cols:  # the shrink's partial sums; xe = [x | s]; x, which the wrapper makes
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32"),
                      relax.TensorType([n, w_cols], dtype), relax.TensorType([n, in_f], dtype)]
+            if kind == "add_rms_norm":  # the residual sum, handed on
+                outs.append(relax.TensorType([n, in_f], dtype))
         else:
             outs += [relax.TensorType([scratch_elems(n, widths) + split_scratch_elems(in_f, widths)], "float32")]
         out = bb.emit(relax.call_tir(fn, head + [w, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
                                                  t["lora_scale"], t["lora_a_off"], t["lora_b_off"], layer_arg(layer),
                                                  counters], outs))
         y = bb.emit(relax.TupleGetItem(out, 0))
-        return relax.op.reshape(y, out_shape)
+        h1 = bb.emit(relax.TupleGetItem(out, len(outs) - 1)) if kind == "add_rms_norm" else None
+        return relax.op.reshape(y, out_shape), h1
 
     def fill(self, ctx, parts: Sequence, in_f: int, w_ty, dtype: str):
         """The fill of the spare columns of a weight of type `w_ty` (the GlobalVar of its PrimFunc,

@@ -34,6 +34,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-append", action="store_true",
                    help="cuda, with --attention flash: RoPE of the new queries and keys and the append of "
                         "keys and values to the KV pages in one Triton kernel (default RoPE frequencies)")
+    p.add_argument("--add-norm", action="store_true",
+                   help="cuda: each RMSNorm of the hidden state and the residual add before it in one Triton kernel")
     p.add_argument("--bounded-prefill-memory", action="store_true",
                    help="plan prefill's memory once at --prefill-chunk-size tokens (as MLC-LLM does) instead of "
                         "per token count; prefills past the chunk are refused")
@@ -78,7 +80,8 @@ def main(argv: list[str]) -> int:
                           lora_sgmv_backend=a.lora_sgmv_backend, lora_fused=a.lora_fused,
                           lora_rank_rows=a.lora_rank_rows, lora_spare_columns=a.lora_spare_columns,
                           gemm=a.gemm, gemv_max_rows=a.gemv_max_rows, cuda_graph=a.cuda_graph, attention=a.attention,
-                          rope_append=a.rope_append, bounded_prefill_memory=a.bounded_prefill_memory,
+                          rope_append=a.rope_append, add_norm=a.add_norm,
+                          bounded_prefill_memory=a.bounded_prefill_memory,
                           tensor_parallel_shards=a.tensor_parallel_shards)
     out = compile_model(a.model, a.output, opts)
     print(f"compiled {a.model} -> {out}")

@@ -26,7 +26,7 @@ pytestmark = needs_nvcc  # the CUDA sgmv and gemv kernels are built at compile t
 TABLES = LORA_TABLE_INPUTS
 
 
-def _lowered(layers=2, fused=False, rank_rows=False, spare_columns=False):
+def _lowered(layers=2, fused=False, rank_rows=False, spare_columns=False, add_norm=False):
     prepare_cuda_build()
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
     cfg = llama.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -40,7 +40,8 @@ def _lowered(layers=2, fused=False, rank_rows=False, spare_columns=False):
     lora = lora_pass_options(spec, cfg, llama, names)
     mod = _decode_graph_attrs(mod, 4)
     with cuda, tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
-        return cfg, get_pipeline(cuda, lora=lora, rank_rows=rank_rows, spare_columns=spare_columns)(mod)
+        return cfg, get_pipeline(cuda, lora=lora, rank_rows=rank_rows, spare_columns=spare_columns,
+                                 add_norm=add_norm)(mod)
 
 
 def _calls(func, prefix):
@@ -259,3 +260,36 @@ def test_spare_columns_library_widens_the_weights_and_every_gemm_reads_their_fir
     assert wrappers == {f"mlc_lora_linear_f16_{n}x{k}_of{k + r}_3d" for n, k, r in (
         (qkv, h, sc[3]), (h, h, sc[1]), (2 * inter, h, sc[2]), (h, inter, sc["down"]))} | {
         f"mlc_lora_linear_f16_{cfg.vocab_size}x{h}_3d"}
+
+
+def test_add_norm_library_adds_each_residual_in_the_norm_that_reads_it():
+    """With add_norm every RMSNorm of the hidden state runs on ops/norm_triton.py's kernel, and each
+    residual sum (h + o_proj's, h + down_proj's) is made by the norm that reads it: in the functions
+    without the rank columns route one add + norm kernel per sum (2 a layer: the post-attention
+    norm, the next layer's input norm or the final one) and the first layer's input norm alone; in
+    the fused functions the route's q|k|v and gate|up run the add + norm as x's producer (the
+    first layer's q|k|v the norm alone) and the last sum the final norm's kernel. No TVM RMSNorm is
+    left, nor a residual add of its own (the adds left are the LoRA-free ones TVM fuses elsewhere)."""
+    pytest.importorskip("triton")
+    cfg, lowered = _lowered(fused=True, spare_columns=True, add_norm=True)
+    L = cfg.num_hidden_layers
+    for name in ("prefill", "prefill" + BASE_FUNCTION_SUFFIX):
+        calls = _calls(lowered[name], "")
+        assert sum(c.startswith("add_rms_norm_triton_") for c in calls) == 2 * L, (name, calls)
+        assert sum(c.startswith("rms_norm_triton_") for c in calls) == 1, name
+        assert not [c for c in calls if c.startswith(("rms_norm", "fused_rms_norm")) and "triton" not in c], name
+    prefill = _calls(lowered["prefill" + FUSED_FUNCTION_SUFFIX], "")
+    ends = [c.rsplit("_of", 1)[1].split("_", 1)[1:] for c in prefill if c.startswith("lora_linear_cols_")]
+    assert ends == [["norm"], ["addnorm"], ["silu"]] + [["addnorm"], ["addnorm"], ["silu"]] * (L - 1), prefill
+    assert sum(c.startswith("add_rms_norm_triton_") for c in prefill) == 1  # the final norm
+    assert not [c for c in prefill if "rms_norm" in c and "triton" not in c], prefill
+    # decode alike, the graphs holding all but the first layer's: its q|k|v (the norm alone) and its
+    # gate|up (whose sum reads the function's input, as the add of its own did) run between them
+    fused = "decode" + FUSED_FUNCTION_SUFFIX
+    captured = [c for gv, f in lowered.functions_items() if gv.name_hint.startswith(fused + "_cuda_graph_capture")
+                for c in _calls(f, "")]
+    outside = [c for c in _calls(lowered[fused], "") if "norm" in c]
+    assert outside == [f"lora_linear_cols_m0_1_2_{cfg.hidden_size}x128_of192_norm",
+                       f"lora_linear_cols_m4_5_{cfg.hidden_size}x192_of128_addnorm"], outside
+    assert sum(c.endswith("_addnorm") for c in captured) == 2 * L - 2, captured
+    assert sum(c.startswith("add_rms_norm_triton_") for c in captured) == 1, captured

@@ -11,6 +11,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from mlc_lora.compiler_passes.ops import norm_triton as NORM  # noqa: E402
 from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # noqa: E402
 from mlc_lora.lora.layout import LoraSpec, LoraModule  # noqa: E402
 
@@ -264,23 +265,28 @@ def test_rank_columns_wrapper_runs_the_producer_into_xs(cubin_cache, producer, k
 
 @pytest.mark.parametrize("producer,dtype,K", [
     ("rms_norm", np.float16, 576), ("silu_mul", np.float16, 576), ("rms_norm", np.float32, 576),
-    ("rms_norm", np.float16, 2048), ("silu_mul", np.float32, 2048)])
+    ("rms_norm", np.float16, 2048), ("silu_mul", np.float32, 2048), ("add_rms_norm", np.float16, 576),
+    ("add_rms_norm", np.float32, 2048)])
 def test_producer_writes_x_beside_its_shrink(tmp_path, producer, dtype, K):
-    """The rank columns route with x's producer (an RMSNorm of the hidden state, silu(gate) * up):
-    its kernel writes x into [x | s]'s first columns, the shrink reads x there and adds s; [x | s]
-    and the GEMM over it equal linear_ref of the producer's x (float64, rounded once to the dtype).
-    Several input splits (2 for 576 inputs, 4 for 2048)."""
+    """The rank columns route with x's producer (an RMSNorm of the hidden state, of the residual sum
+    h + r, silu(gate) * up): its kernel writes x into [x | s]'s first columns, the shrink reads x
+    there and adds s; [x | s] and the GEMM over it equal linear_ref of the producer's x (float64,
+    rounded once to the dtype); the residual sum handed on is h + r rounded once. Several input
+    splits (2 for 576 inputs, 4 for 2048)."""
     rng = np.random.default_rng(5)
     widths, mods, R, n = (64, 32, 32), (0, -1, 2), 16, 70
     assert LT.xs_launch(n, K, widths, mods, 4, R, 8)["split"] == (2 if K == 576 else 4)
     c = _case(rng, dtype, n, K, widths, [8, 16, 0, 4], R)
     h = (rng.standard_normal((n, 2 * K if producer == "silu_mul" else K)) * 3).astype(dtype)
     g = rng.uniform(0.5, 1.5, K).astype(dtype)
-    x = LT.producer_ref(producer, h, g, 1e-5).astype(dtype)
+    r = (rng.standard_normal(h.shape) * 3).astype(dtype)
+    x = LT.producer_ref(producer, h, g, 1e-5, r).astype(dtype)
     # the shrink's own x input is NaN: in place it reads nothing but [x | s]
     out = interpret(tmp_path, **{**c, "x": np.full_like(x, np.nan)}, h=h, g=g, eps=1e-5, producer=producer,
                     mods=np.array(mods), widths=np.array(widths), R=R, bm=64, variant="xs",
-                    fill_slots=len(c["rank"]))
+                    fill_slots=len(c["rank"]), **({"r": r} if producer == "add_rms_norm" else {}))
+    if producer == "add_rms_norm":
+        np.testing.assert_array_equal(out["h1"], (h.astype(np.float32) + r.astype(np.float32)).astype(dtype))
     tol = 1e-5 if dtype == np.float32 else 4e-3
     got_x = out["xe"][:, :K].astype(np.float64)
     # [x | s] padded to a row of a multiple of COLUMN_ALIGN; the shrink writes the padding as zeros
@@ -305,27 +311,11 @@ def test_launch_arguments_keep_their_scalar_types():
     from mlc_lora.compiler_passes.ops import triton_build
 
     _, shrink = LT._cols_route_signatures("float16")  # pylint: disable=protected-access
-    norm = LT._norm_signature("float16")  # pylint: disable=protected-access
+    norm = NORM._signature("float16")  # pylint: disable=protected-access
     types = triton_build.arg_types(shrink)
     launched = [k for k, t in shrink.items() if t != "constexpr"]
-    assert triton_build.arg_types(norm)[:4] == ["handle", "handle", "handle", "float32"]
+    assert triton_build.arg_types(norm)[:6] == ["handle"] * 5 + ["float32"]
     assert types[launched.index("base")] == "int64"
     assert types[launched.index("n")] == "int32" and types[-2:] == ["int64", "int64"]
     with pytest.raises(ValueError, match="f: fp64"):
         triton_build.arg_types({"x": "*fp16", "f": "fp64"})
-
-
-@pytest.mark.parametrize("K,ldo", [(576, 576), (512, 512), (576, 576 + 96)])
-def test_rms_norm_rows_matches_reference(tmp_path, K, ldo):
-    """The RMSNorm the rank columns route's wrapper runs (a row per block; into x up to
-    FUSED_MAX_TOKENS, into [x | s]'s first columns past it): producer_ref's, rounded once, for rows
-    of a power of two and not (the masked tail), also into wider rows (the columns past K left
-    alone)."""
-    rng = np.random.default_rng(7)
-    h = (rng.standard_normal((5, K)) * 3).astype(np.float16)
-    g = rng.uniform(0.5, 1.5, K).astype(np.float16)
-    out = interpret(tmp_path, norm_rows=h, g=g, eps=1e-5, ldo=ldo)
-    ref = LT.producer_ref("rms_norm", h, g, 1e-5)
-    np.testing.assert_allclose(out["x"][:, :K].astype(np.float64), ref.astype(np.float16).astype(np.float64),
-                               rtol=2 * np.finfo(np.float16).eps, atol=1e-6)
-    assert np.isnan(out["x"][:, K:]).all()

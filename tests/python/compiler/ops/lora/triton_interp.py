@@ -121,6 +121,7 @@ def run_xs(inp: dict) -> dict:
     import torch
 
     from mlc_lora.compiler_passes.ops import activation_triton as AT
+    from mlc_lora.compiler_passes.ops import norm_triton as NORM
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
 
     _interpreter_scalars()
@@ -143,10 +144,13 @@ def run_xs(inp: dict) -> dict:
     xe = torch.full((n, ke), float("nan"), dtype=w_ext.dtype)
     v = torch.full((LT.scratch_elems(n, widths),), float("nan"), dtype=torch.float32)
     cnt = torch.zeros((LT.COUNTER_SLOTS,), dtype=torch.int32)
-    if producer == "rms_norm":  # the producer's kernel as the wrapper launches it, into xe's first columns
-        nl = LT.norm_launch(K, ke)
-        LT.rms_norm_rows_kernel[(n,)](t(inp["h"]), t(inp["g"]), xe, float(inp["eps"]), **nl["consts"],
-                                      num_warps=nl["warps"])
+    h1 = None
+    if producer in ("rms_norm", "add_rms_norm"):  # the producer's kernel as the wrapper launches it, into xe
+        res = producer == "add_rms_norm"
+        h1 = torch.full((n, K), float("nan"), dtype=w_ext.dtype)
+        nl = NORM.launch(K, ke, residual=res)
+        NORM.rms_norm_kernel[(n,)](t(inp["h"]), t(inp["r"]) if res else t(inp["h"]), t(inp["g"]), xe, h1,
+                                   float(inp["eps"]), **nl["consts"], num_warps=nl["warps"])
     elif producer == "silu_mul":
         bn = AT.block_cols(K)
         AT.silu_mul_kernel[(-(-n // AT.BM), K // bn)](t(inp["h"]), xe, n, I=K, BM=AT.BM, BN=bn, LDH=ke,
@@ -157,7 +161,8 @@ def run_xs(inp: dict) -> dict:
         t(inp["arena"]), t(inp["slot"]), t(inp["rank"]), t(scale), t(inp["a_off"]), xe, v, cnt, n, S, base,
         go["chunk"], go["split"], **go["shrink"], num_warps=go["shrink_warps"])
     y = (xe.numpy().astype(np.float32) @ w_ext.numpy().astype(np.float32).T).astype(x.dtype)
-    return {"y": y, "cnt": cnt.numpy(), "cols": w_ext[:, K:].numpy(), "xe": xe.numpy()}
+    return {"y": y, "cnt": cnt.numpy(), "cols": w_ext[:, K:].numpy(), "xe": xe.numpy(),
+            **({} if h1 is None else {"h1": h1.numpy()})}
 
 
 def run_silu_mul(inp: dict) -> dict:
@@ -177,21 +182,25 @@ def run_silu_mul(inp: dict) -> dict:
     return {"h": h.numpy()}
 
 
-def run_norm_rows(inp: dict) -> dict:
-    """linear_triton's RMSNorm of rows (the rank columns route's x up to FUSED_MAX_TOKENS, the rows'
-    scales past it), launched as the linear's TIR wrapper launches it."""
+def run_norm(inp: dict) -> dict:
+    """ops/norm_triton.py's RMSNorm (with the residual add where `r` is given), launched as its TIR
+    wrappers launch it; x's rows `ldo` apart (the first columns of a wider buffer, as the rank
+    columns route's [x | s])."""
     import torch
 
-    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT
+    from mlc_lora.compiler_passes.ops import norm_triton as NORM
 
     _interpreter_scalars()
     h = torch.from_numpy(np.ascontiguousarray(inp["norm_rows"]))
+    res = "r" in inp
+    r = torch.from_numpy(np.ascontiguousarray(inp["r"])) if res else h
     g = torch.from_numpy(inp["g"])
-    ldo = int(inp.get("ldo", h.shape[1]))  # x's rows ldo apart: the first columns of a wider buffer
+    ldo = int(inp.get("ldo", h.shape[1]))
     x = torch.full((h.shape[0], ldo), float("nan"), dtype=h.dtype)
-    nl = LT.norm_launch(h.shape[1], ldo)
-    LT.rms_norm_rows_kernel[(h.shape[0],)](h, g, x, float(inp["eps"]), **nl["consts"], num_warps=nl["warps"])
-    return {"x": x.numpy()}
+    h1 = torch.full(h.shape, float("nan"), dtype=h.dtype)
+    nl = NORM.launch(h.shape[1], ldo, residual=res)
+    NORM.rms_norm_kernel[(h.shape[0],)](h, r, g, x, h1, float(inp["eps"]), **nl["consts"], num_warps=nl["warps"])
+    return {"x": x.numpy(), "h1": h1.numpy()}
 
 
 def run_rope_append(inp: dict) -> dict:
@@ -238,7 +247,7 @@ def run(inp: dict) -> dict:
     if "gate_up" in inp:
         return run_silu_mul(inp)
     if "norm_rows" in inp:
-        return run_norm_rows(inp)
+        return run_norm(inp)
     if "rope_qkv" in inp:
         return run_rope_append(inp)
     import torch
