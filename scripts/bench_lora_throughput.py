@@ -124,8 +124,8 @@ def compile_libs(a) -> int:
         opts = libs[name]
         secs = random_model.build(a.out / name, model_cfg, opts, name=f"llama-{'tiny' if a.smoke else '2-7b'}-random")
         notes = ", ".join(n for n, on in (("no programmatic launches", a.no_pdl),
-                                           ("RoPE + append in one kernel", a.rope_append),
-                                           ("residual add + RMSNorm in one kernel", a.add_norm),
+                                           ("TVM's RoPE and KV append", not a.rope_append),
+                                           ("TVM's residual add and RMSNorm", not a.add_norm),
                                            ("prefill memory at its bound", a.bounded_prefill_memory)) if on)
         print(f"{a.out / name}: built in {secs:.0f} s{f' ({notes})' if notes else ''}")
     print(f"pool: {size['kv_pages']} KV pages + {adapters} for {NUM_ADAPTERS_MAX} adapters of rank {MAX_RANK} "
@@ -446,10 +446,10 @@ def main(argv=None) -> int:
                    "lora-r16, lora-tir (default: all the target can build; a config runs on its library)")
     c.add_argument("--no-pdl", action="store_true", help="launch the libraries' own CUDA kernels without "
                    "programmatic dependent launch (ops/kernel_attrs.py PDL; to time against: run --compare-lib-dir)")
-    c.add_argument("--rope-append", action="store_true", help="the cache's RoPE + append of new keys and values in "
-                   "one kernel (CompileOptions.rope_append)")
-    c.add_argument("--add-norm", action="store_true", help="each RMSNorm of the hidden state and the residual add "
-                   "before it in one kernel (CompileOptions.add_norm)")
+    c.add_argument("--no-rope-append", dest="rope_append", action="store_false", help="TVM's RoPE and KV append "
+                   "kernels instead of the one kernel of both (CompileOptions.rope_append; to time against)")
+    c.add_argument("--no-add-norm", dest="add_norm", action="store_false", help="TVM's residual add and RMSNorm "
+                   "kernels instead of the one kernel of both (CompileOptions.add_norm; to time against)")
     c.add_argument("--bounded-prefill-memory", action="store_true", help="prefill's memory planned at the chunk's "
                    "bound (CompileOptions.bounded_prefill_memory)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")

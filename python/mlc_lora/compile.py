@@ -43,12 +43,11 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     attention: str = "flash"
     # cuda only, with attention "flash": the cache's RoPE of q and k and its append of k and v to the
     # pages in one Triton kernel (ops/attention/rope_append_triton.py; models with the default RoPE
-    # frequencies); off until timed on a GPU
-    rope_append: bool = False
+    # frequencies; docs/GPU.md)
+    rope_append: bool = True
     # cuda only: each RMSNorm of the hidden state, and the residual add that makes its input, in one
-    # Triton kernel (ops/norm_triton.py; DispatchNorm, the rank columns route's producer); off until
-    # timed on a GPU
-    add_norm: bool = False
+    # Triton kernel (ops/norm_triton.py; DispatchNorm, the rank columns route's producer; docs/GPU.md)
+    add_norm: bool = True
     # prefill's and embed's memory planned once at their bounds (prefill_chunk_size tokens, as
     # MLC-LLM plans it) instead of per token count: every prefill allocates the same buffers, which
     # the pooled allocator reuses, so the runner never releases them (on CUDA it releases every

@@ -31,11 +31,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["flash", "tir"], default="flash",
                    help="cuda: paged attention on mlc-lora's tensor-core kernels (fp16/bf16, head_dim "
                         "64/128; other models keep TVM's) or TVM's TIR kernels")
-    p.add_argument("--rope-append", action="store_true",
-                   help="cuda, with --attention flash: RoPE of the new queries and keys and the append of "
-                        "keys and values to the KV pages in one Triton kernel (default RoPE frequencies)")
-    p.add_argument("--add-norm", action="store_true",
-                   help="cuda: each RMSNorm of the hidden state and the residual add before it in one Triton kernel")
+    p.add_argument("--no-rope-append", dest="rope_append", action="store_false",
+                   help="cuda, with --attention flash: keep TVM's RoPE and KV append kernels (by default the new "
+                        "queries' and keys' RoPE and the append to the KV pages run as one Triton kernel where the "
+                        "model's RoPE frequencies are the default ones)")
+    p.add_argument("--no-add-norm", dest="add_norm", action="store_false",
+                   help="cuda: keep TVM's residual add and RMSNorm kernels (by default each RMSNorm of the hidden "
+                        "state and the residual add before it run as one Triton kernel)")
     p.add_argument("--bounded-prefill-memory", action="store_true",
                    help="plan prefill's memory once at --prefill-chunk-size tokens (as MLC-LLM does) instead of "
                         "per token count; prefills past the chunk are refused")
