@@ -14,7 +14,7 @@ from tvm import relax
 
 from mlc_lora.contract import BASE_FUNCTION_SUFFIX, FILL_COLUMNS_FUNCTION, FUSED_FUNCTION_SUFFIX, LORA_TABLE_INPUTS
 
-from ..ops import cuda_build
+from ..ops import cuda_build, norm_triton
 from ..ops import lora as lora_stages
 from ..ops.lora import LoraContext, Part
 from ..ops.lora.linear_triton import FUSED
@@ -288,7 +288,8 @@ class _Rewriter(relax.PyExprMutator):
         if bound.op == _RMS_NORM:
             h, g = bound.args
             ndim = h.ty.ndim
-            if [int(a) % ndim for a in bound.attrs.axes] != [ndim - 1] or str(h.ty.dtype) != str(g.ty.dtype):
+            if [int(a) % ndim for a in bound.attrs.axes] != [ndim - 1] or str(h.ty.dtype) != str(g.ty.dtype) \
+                    or norm_triton.supported(str(h.ty.dtype), in_f) is not None:
                 return None
             rows = lambda e: bb.emit(relax.op.reshape(e, relax.ShapeExpr([self.n_tok, in_f])))  # noqa: E731
             res = residual_of(h, self.lookup_binding, bb.current_block_is_dataflow()) if self.opts.add_norm else None
