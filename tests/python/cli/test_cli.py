@@ -105,3 +105,17 @@ def test_serve_adapter_host_bytes_reads_a_byte_count(text, n, capsys):
         assert parser().parse_args(["m", "--adapter-host-bytes", text]).adapter_host_bytes == n
     a = parser().parse_args(["m"])
     assert (a.adapter_host_bytes, a.no_adapter_prefetch) == (None, False)
+
+
+def test_compile_kernel_flags_reach_the_options(monkeypatch, tmp_path):
+    """The base model's one-kernel options are on unless turned off by their --no- flags; prefill
+    memory at its bound only when asked for."""
+    from mlc_lora.cli import compile as compile_cli  # pylint: disable=import-outside-toplevel
+
+    seen = []
+    monkeypatch.setattr(compile_cli, "compile_model", lambda model, out, opts: seen.append(opts) or out)
+    compile_cli.main(["m", "-o", str(tmp_path), "--target", "cuda"])
+    compile_cli.main(["m", "-o", str(tmp_path), "--target", "cuda", "--no-rope-append", "--no-add-norm",
+                      "--bounded-prefill-memory"])
+    assert [(o.rope_append, o.add_norm, o.bounded_prefill_memory) for o in seen] == [(True, True, False),
+                                                                                      (False, False, True)]
