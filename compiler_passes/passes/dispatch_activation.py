@@ -8,7 +8,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..ops import activation_triton, cuda_build
+from ..ops import activation_triton
+from .kernel_calls import Wrappers, rewrite_functions
 
 _MULTIPLY = tvm.ir.Op.get("relax.multiply")
 _SILU = tvm.ir.Op.get("relax.nn.silu")
@@ -55,13 +56,7 @@ class DispatchActivation:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         rewriter = _Rewriter(mod, self.arch)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        out = relax.transform.DeadCodeElimination()(rewriter.builder_.get())
-        for ext in rewriter.modules.values():
-            out = cuda_build.attach(out, ext)
-        return out
+        return rewrite_functions(mod, rewriter, rewriter.wrappers)
 
 
 @mutator
@@ -69,8 +64,7 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, arch: str):
         super().__init__(mod)
         self.arch = arch
-        self.wrappers: dict[tuple, relax.GlobalVar] = {}
-        self.modules: dict[tuple, tvm.runtime.Module] = {}
+        self.wrappers = Wrappers(self.builder_)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = self.visit_expr_post_order(call)
@@ -81,13 +75,9 @@ class _Rewriter(PyExprMutator):
         if width is None or activation_triton.supported(dtype, width // 2):
             return call
         inter = width // 2
-        key = (inter, dtype)
-        if key not in self.wrappers:
-            func, ext = activation_triton.wrapper(inter, dtype, self.arch)
-            name = f"silu_mul_triton_{inter}_{dtype}"
-            self.wrappers[key] = self.builder_.add_func(func.with_attr("global_symbol", name), name)
-            self.modules[key] = ext
+        gv = self.wrappers.get((inter, dtype), f"silu_mul_triton_{inter}_{dtype}",
+                               lambda: activation_triton.wrapper(inter, dtype, self.arch))
         y2 = self.builder_.emit(relax.op.reshape(y, [-1, width]))  # (rows, 2I): rows inferred
         rows = y2.ty.shape.values[0]
-        h = self.builder_.emit(relax.call_tir(self.wrappers[key], [y2], relax.TensorType([rows, inter], dtype)))
+        h = self.builder_.emit(relax.call_tir(gv, [y2], relax.TensorType([rows, inter], dtype)))
         return relax.op.reshape(h, call.ty.shape)

@@ -9,7 +9,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..ops import cuda_build, norm_triton
+from ..ops import norm_triton
+from .kernel_calls import Wrappers, rewrite_functions
 
 _ADD = tvm.ir.Op.get("relax.add")
 _RMS_NORM = tvm.ir.Op.get("relax.nn.rms_norm")
@@ -62,13 +63,7 @@ class DispatchNorm:  # pylint: disable=too-few-public-methods
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         rewriter = _Rewriter(mod, self.arch)
-        for gv, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-        out = relax.transform.DeadCodeElimination()(rewriter.builder_.get())
-        for ext in rewriter.modules.values():
-            out = cuda_build.attach(out, ext)
-        return out
+        return rewrite_functions(mod, rewriter, rewriter.wrappers)
 
 
 @mutator
@@ -76,8 +71,7 @@ class _Rewriter(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, arch: str):
         super().__init__(mod)
         self.arch = arch
-        self.wrappers: dict[tuple, relax.GlobalVar] = {}
-        self.modules: dict[tuple, tvm.runtime.Module] = {}
+        self.wrappers = Wrappers(self.builder_)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = self.visit_expr_post_order(call)
@@ -90,19 +84,15 @@ class _Rewriter(PyExprMutator):
             return call
         bb = self.builder_
         res = residual_of(h, self.lookup_binding, bb.current_block_is_dataflow())
-        key = (k, dtype, eps, res is not None)
-        if key not in self.wrappers:
-            func, ext = norm_triton.wrapper(k, dtype, eps, self.arch, residual=res is not None)
-            name = f"{'add_' if res else ''}rms_norm_triton_{k}_{dtype}"
-            self.wrappers[key] = bb.add_func(func.with_attr("global_symbol", name), name)
-            self.modules[key] = ext
+        gv = self.wrappers.get((k, dtype, eps, res is not None), f"{'add_' if res else ''}rms_norm_triton_{k}_{dtype}",
+                               lambda: norm_triton.wrapper(k, dtype, eps, self.arch, residual=res is not None))
         rows = lambda e: bb.emit(relax.op.reshape(e, [-1, k]))  # noqa: E731  (rows inferred)
         if res is None:
             h2 = rows(h)
-            x = bb.emit(relax.call_tir(self.wrappers[key], [h2, g], relax.TensorType(h2.ty.shape, dtype)))
+            x = bb.emit(relax.call_tir(gv, [h2, g], relax.TensorType(h2.ty.shape, dtype)))
             return relax.op.reshape(x, call.ty.shape)
         a2, b2 = rows(res[0]), rows(res[1])
-        out = bb.emit(relax.call_tir(self.wrappers[key], [a2, b2, g], [relax.TensorType(a2.ty.shape, dtype)] * 2))
+        out = bb.emit(relax.call_tir(gv, [a2, b2, g], [relax.TensorType(a2.ty.shape, dtype)] * 2))
         h1 = bb.emit(relax.op.reshape(relax.TupleGetItem(out, 0), h.ty.shape))
         self.set_var_remap(h, h1)  # h's later uses (the next residual add) read the kernel's sum
         return relax.op.reshape(relax.TupleGetItem(out, 1), call.ty.shape)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import tvm
-from tvm import relax
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from mlc_lora.compiler_passes.passes import DispatchActivation
 
 from ...conftest import needs_nvcc
+from .calls import call_names as _calls
 
 pytestmark = [needs_nvcc]
 triton = pytest.importorskip("triton")
@@ -42,17 +42,6 @@ class Before:
             h = R.multiply(R.nn.silu(s[0]), s[1])
             R.output(h)
         return h
-
-
-def _calls(func):
-    names = []
-
-    def visit(e):
-        if isinstance(e, relax.Call):  # a call_tir by the PrimFunc it calls
-            names.append(e.args[0].name_hint if e.op.name == "relax.call_tir" else e.op.name)
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return names
 
 
 @pytest.fixture

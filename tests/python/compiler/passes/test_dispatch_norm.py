@@ -13,6 +13,7 @@ from tvm.script import tirx as T
 from mlc_lora.compiler_passes.passes import DispatchNorm
 
 from ...conftest import needs_nvcc
+from .calls import call_names as _calls
 
 pytestmark = [needs_nvcc]
 triton = pytest.importorskip("triton")
@@ -42,17 +43,6 @@ class Before:
             x = R.nn.rms_norm(R.add(h, o), g, axes=[-1], epsilon=1e-5)
             R.output(x)
         return x
-
-
-def _calls(func):
-    names = []
-
-    def visit(e):
-        if isinstance(e, relax.Call):  # a call_tir by the PrimFunc it calls
-            names.append(e.args[0].name_hint if e.op.name == "relax.call_tir" else e.op.name)
-
-    relax.analysis.post_order_visit(func.body, visit)
-    return names
 
 
 @pytest.fixture
