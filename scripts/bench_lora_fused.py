@@ -431,7 +431,7 @@ def _xs_group(torch, LT, pt, name):
     return group
 
 
-def _norm_group(torch, LT, pt):  # pylint: disable=unused-argument
+def _norm_group(torch, pt):
     """ops/norm_triton.py's RMSNorm of rows (the rank columns route's x up to FUSED_MAX_TOKENS, a
     row per block), alone and with the residual add before it, beside torch's, checked against it."""
     from mlc_lora.compiler_passes.ops import norm_triton as NORM  # pylint: disable=import-outside-toplevel
@@ -496,7 +496,7 @@ def tune(a) -> int:  # pylint: disable=too-many-locals
                 pt.launch_shrink(0, pair)
                 groups["linear"]["cublas + pair"] = lambda i, g=pair: pt.launch_pair(i, g)
                 if name in ("qkv", "gate_up"):  # the route's x up to FUSED_MAX_TOKENS: its RMSNorm of rows
-                    groups["norm"] = _norm_group(torch, LT, pt)
+                    groups["norm"] = _norm_group(torch, pt)
             else:
                 shrinks, expands = _pair_configs(LT, pt)
                 pt.launch_shrink(0, shrinks[0])
