@@ -82,7 +82,6 @@ if triton is not None:
         f = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(f * f, axis=0) / K + eps)
         x = (f * rstd * g).to(out_ptr.dtype.element_ty)
-        triton_build.start_dependents()  # the next kernel's blocks (a LoRA kernel's tables) as this one drains
         tl.store(out_ptr + tl.program_id(0).to(tl.int64) * LDO + cols, x, mask=mask)
 
 

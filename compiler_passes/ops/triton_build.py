@@ -7,10 +7,9 @@ pointers and the `base` offset are declared 16-byte divisible (TVM's allocations
 of the LoRA arena too) so loads vectorize. Triton appends two scratch pointers (global and profile
 scratch, unused: the launch passes null) and the grid/launch arguments follow them.
 
-Every kernel calls `wait_for_producers()` (programmatic dependent launch: kernel_attrs.PDL; the
-wait is compiled for sm_90 and later only) before it reads anything an earlier kernel of the stream
-writes: first, or after loads of what only the host writes (the LoRA tables, uploaded before the
-forward); with PDL on, a kernel whose PTX does not wait is refused the programmatic launch.
+Every kernel starts with `wait_for_producers()` (programmatic dependent launch: kernel_attrs.PDL;
+the wait is compiled for sm_90 and later only); with PDL on, a kernel whose PTX does not wait is
+refused the programmatic launch.
 """
 
 from __future__ import annotations
@@ -34,10 +33,6 @@ PTR = {"float16": "*fp16", "bfloat16": "*bf16"}
 SCRATCH = 2  # the scratch pointers Triton appends
 _ARG_TYPES = {"i32": "int32", "i64": "int64", "fp32": "float32"}  # a scalar argument's TVM type
 _WAIT = "griddepcontrol.wait"
-# The kernel arguments that only the host writes, which a kernel may read before its wait: the LoRA
-# tables (uploaded before each forward) and the arena's adapter rows (copied in when an adapter is
-# paged in; the kernels reach them only through the tables' offsets, never a KV page)
-HOST_WRITTEN = ("arena_ptr", "slot_ptr", "rank_ptr", "scale_ptr", "aoff_ptr", "boff_ptr")
 _DIVISIBLE = ("base",)  # integer arguments that are multiples of 16 bytes' worth of elements
 # the most dynamic shared memory a block may take, by compute capability (CUDA's opt-in limit per
 # block): a kernel built past it would be refused only at its first launch, on the GPU
@@ -45,37 +40,23 @@ MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 2
 
 
 if triton is None:  # pragma: no cover
-    wait_for_producers = start_dependents = None
+    wait_for_producers = None
 elif os.environ.get("TRITON_INTERPRET") == "1":  # the CPU emulation runs no inline PTX, overlaps no launch
 
     @triton.jit
     def wait_for_producers():
         """(Triton's interpreter: nothing to wait for.)"""
 
-    @triton.jit
-    def start_dependents():
-        """(Triton's interpreter: nothing runs beside.)"""
-
 else:
     _HAS_WAIT = tl.constexpr(True)  # the arch being compiled has griddepcontrol (set by compile_kernel)
 
     @triton.jit
     def wait_for_producers():
-        """Wait until the kernels before this one in the stream have finished and their writes are
-        visible (griddepcontrol.wait; a no-op after a launch that was not programmatic; nothing
-        before sm_90): a kernel's first step, after loads of HOST_WRITTEN arguments only."""
+        """A kernel's first step: wait until the kernels before it in the stream have finished and
+        their writes are visible (griddepcontrol.wait; a no-op after a launch that was not
+        programmatic; nothing before sm_90)."""
         if _HAS_WAIT:
             tl.extra.cuda.gdc_wait()
-
-    @triton.jit
-    def start_dependents():
-        """Let the next kernel of the stream (launched programmatically) be scheduled now rather
-        than when this one's blocks end (griddepcontrol.launch_dependents): for short kernels whose
-        next kernel has work to do before its own wait_for_producers (the LoRA kernels read their
-        tables there), which then overlaps this one. The next kernel still waits for this one to
-        finish before it reads what this one writes."""
-        if _HAS_WAIT:
-            tl.extra.cuda.gdc_launch_dependents()
 
 
 def launch_tags(waits: bool, arch: str) -> list[str]:

@@ -195,30 +195,26 @@ if triton is not None:
         return scale_c, valid, (js * M + mm) * R + tl.minimum(kc, R - 1)
 
     @triton.jit
-    def _tile_columns(jc, valid, slot_ptr, rows, rmask):
-        """Of a tile's tokens (`rows`, where rmask): their slots ts, the rank columns each keeps
-        (its own slot's live ones: BM x RS) and the columns any of them keeps (RS). Only these
-        columns' A and B rows are read: rows of other slots (a captured graph's tables keep stale
-        slots past the batch's) may point at pages holding anything, and 0 * NaN would reach y."""
+    def _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols, o_p,
+               dtype: tl.constexpr, ALIGN: tl.constexpr):
+        """The epilogue: of xa (BM x RS, fp32) each token's own slot's columns, scaled and rounded
+        to the model dtype, times those columns' B rows over `cols`: (BM x BN) fp32."""
         ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
         keep = (ts[:, None] == jc[None, :]) & valid[None, :]
-        return ts, keep, tl.max(keep.to(tl.int32), axis=0) > 0
+        xa16 = tl.where(keep, xa * scale_c[None, :], 0.0).to(dtype)
+        # B rows only of the slots these tokens use: rows of other slots (a captured graph's tables
+        # keep stale slots past the batch's) may point at pages holding anything, and 0 * NaN
+        # would reach y through the dot
+        used = tl.max(keep.to(tl.int32), axis=0) > 0
+        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=used, other=0).to(tl.int64) + base, ALIGN)
+        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=used[:, None], other=0.0)
+        return tl.dot(xa16, bt), ts
 
     @triton.jit
-    def _b_rows(used, tab, boff_ptr, base, ALIGN: tl.constexpr):
-        """The arena offsets of the `used` rank columns' B rows (0 elsewhere)."""
-        return tl.multiple_of(tl.load(boff_ptr + tab, mask=used, other=0).to(tl.int64) + base, ALIGN)
-
-    @triton.jit
-    def _b_tile(arena_ptr, b_row, used, cols, o_p):
-        """The used rank columns' B rows over output columns `cols` of a part at o_p: (RS x BN)."""
-        return tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=used[:, None], other=0.0)
-
-    @triton.jit
-    def _delta(xa, keep, scale_c, bt, dtype: tl.constexpr):
-        """The epilogue: of xa (BM x RS, fp32) each token's own slot's columns (keep), scaled and
-        rounded to the model dtype, times those columns' B rows bt: (BM x BN) fp32."""
-        return tl.dot(tl.where(keep, xa * scale_c[None, :], 0.0).to(dtype), bt)
+    def _present(slot_ptr, rows, rmask, jc):
+        """Per rank column: whether its slot is the slot of any token of `rows` (where rmask)."""
+        ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
+        return tl.max((ts[:, None] == jc[None, :]).to(tl.int32), axis=0) > 0
 
     @triton.jit
     def _part(n0, m0, m1, m2, W0: tl.constexpr, W1: tl.constexpr):
@@ -273,6 +269,7 @@ if triton is not None:
         of ws (fp32 x @ W.T and xa) and counts itself in cnt[tile]; the block that counts last sums
         the SPLIT slots in split order (the same bits whichever block is last), adds the delta,
         stores y and sets cnt[tile] back to 0 (cnt holds zeros when the kernel starts)."""
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0) // SPLIT
         pid_k = tl.program_id(0) % SPLIT
         pid_n = tl.program_id(1)
@@ -280,26 +277,23 @@ if triton is not None:
         rmask = rows < n
         cols = pid_n * BN + tl.arange(0, BN)
         _, m, o_p = _part(pid_n * BN, m0, m1, m2, W0, W1)
-        # the tables (the host's, uploaded before the forward) before the wait: these loads overlap
-        # the kernel before (x's producer lets this one start early)
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
         scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
         a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
-        # A and B rows only of the slots this tile's tokens use (every output tile's block reads them)
-        _, keep, used = _tile_columns(jc, valid, slot_ptr, rows, rmask)
-        b_row = _b_rows(used, tab, boff_ptr, base, ALIGN)
-        triton_build.wait_for_producers()
+        # A rows only of the slots this tile's tokens use (every output tile's block reads them)
+        read = valid & _present(slot_ptr, rows, rmask, jc)
         if SPLIT == 1:
-            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, used, 0, K, K, KW, BM, BN, BK,
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, 0, K, K, KW, BM, BN, BK,
                               RS, STAGES, SWAP)
-            delta = _delta(xa, keep, scale_c, _b_tile(arena_ptr, b_row, used, cols, o_p), x_ptr.dtype.element_ty)
+            delta, _ = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
+                              o_p, x_ptr.dtype.element_ty, ALIGN)
             tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                      (acc + delta).to(y_ptr.dtype.element_ty), mask=rmask[:, None])
         else:
             PER: tl.constexpr = (K // BK + SPLIT - 1) // SPLIT * BK  # inputs per split, a multiple of BK
             k_lo = tl.multiple_of(pid_k * PER, BK)
             # no mask along the inputs (a varying one makes scalar loads): the last split ends at K
-            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, used, k_lo,
+            acc, xa = _k_loop(x_ptr, w_ptr, arena_ptr, rows, rmask, cols, a_row, read, k_lo,
                               tl.minimum(K, k_lo + PER), K, KW, BM, BN, BK, RS, STAGES, SWAP)
             TILE: tl.constexpr = BM * (BN + RS)
             tile = pid_m * (N // BN) + pid_n
@@ -317,7 +311,8 @@ if triton is not None:
                     part = ws_ptr + (tile * SPLIT + k).to(tl.int64) * TILE
                     tot += tl.load(part + acc_at, cache_modifier=".cg")
                     xs += tl.load(part + xa_at, cache_modifier=".cg")
-                dt = _delta(xs, keep, scale_c, _b_tile(arena_ptr, b_row, used, cols, o_p), x_ptr.dtype.element_ty)
+                dt, _ts = _delta(xs, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base,
+                                 cols, o_p, x_ptr.dtype.element_ty, ALIGN)
                 tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                          (tot + dt).to(y_ptr.dtype.element_ty), mask=rmask[:, None])
                 tl.atomic_xchg(cnt_ptr + tile, 0)
@@ -325,10 +320,8 @@ if triton is not None:
     @triton.jit
     def _a_rows(m, jc, kc, js, scale_ptr, aoff_ptr, base, M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr,
                 ALIGN: tl.constexpr):
-        """Of module m: the rank columns' A row offsets in the arena, whether each is live, its scale."""
-        scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
-        a_row = tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
-        return a_row, valid, scale_c
+        _, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
+        return tl.multiple_of(tl.load(aoff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN), valid
 
     @triton.jit
     def _shrink_steps(x_rows, kk, end, rmask, arena_ptr, a0, v0, a1, v1, a2, v2, BM: tl.constexpr,
@@ -367,15 +360,15 @@ if triton is not None:
                                 STAGES: tl.constexpr, ALIGN: tl.constexpr):
         """v[k, t, p, c] = sum over inputs i of split k (`chunk` of them) of x[t, i] * A(column c
         of part p)[i]."""
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         rmask = rows < n
-        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)  # the tables before the wait (lora_linear_kernel)
-        a0, v0, _ = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
-        a1, v1, _ = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
-        a2, v2, _ = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
-        triton_build.wait_for_producers()
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        a0, v0 = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        a1, v1 = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK (its alignment)
         kk = k_start + tl.arange(0, BK)
         x_rows = x_ptr + rows[:, None].to(tl.int64) * K
@@ -393,24 +386,22 @@ if triton is not None:
                                 RS: tl.constexpr, SC: tl.constexpr, ALIGN: tl.constexpr):
         """y[t, cols] += the delta of its slot, from the shrink's `split` partial sums; rows of
         base-model tokens are neither read nor written."""
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         rmask = rows < n
         cols = pid_n * BN + tl.arange(0, BN)
         p, m, o_p = _part(pid_n * BN, m0, m1, m2, W0, W1)
-        # the tables and the B rows (the host's: the arena's adapter pages) before the wait
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
         scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
-        ts, keep, used = _tile_columns(jc, valid, slot_ptr, rows, rmask)
-        bt = _b_tile(arena_ptr, _b_rows(used, tab, boff_ptr, base, ALIGN), used, cols, o_p)
-        triton_build.wait_for_producers()
         c = tl.arange(0, RS)
         v_ptrs = v_ptr + ((rows[:, None].to(tl.int64) * P) + p) * RS + c[None, :]
         xa = tl.zeros((BM, RS), dtype=tl.float32)
         for k in tl.static_range(SPLIT_MAX):  # unrolled: the loads are all in flight at once
             xa += tl.load(v_ptrs + k * n * P * RS, mask=rmask[:, None] & (k < split), other=0.0)
-        delta = _delta(xa, keep, scale_c, bt, y_ptr.dtype.element_ty)
+        delta, ts = _delta(xa, jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr, base, cols,
+                           o_p, y_ptr.dtype.element_ty, ALIGN)
         wmask = (rmask & (ts >= 0))[:, None]
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
         y = tl.load(y_ptrs, mask=wmask, other=0.0)
@@ -424,14 +415,14 @@ if triton is not None:
         """Grid (parts, K / BK): block (p, k) writes inputs [k * BK, (k + 1) * BK) of part p's RS
         rank rows below the weight's N rows: w[N + p * RS + c] = A(column c of part p), zeros
         where the column is not live (past the batch's ranks, a module its adapter leaves alone)."""
+        triton_build.wait_for_producers()
         p = tl.program_id(0)
         m = m0 + (p >= 1).to(tl.int32) * (m1 - m0) + (p >= 2).to(tl.int32) * (m2 - m1)
-        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)  # what the host writes, before the wait
-        a_row, valid, _ = _a_rows(m, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
+        a_row, valid = _a_rows(m, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         kk = tl.program_id(1) * BK + tl.arange(0, BK)
         a = tl.load(arena_ptr + a_row[:, None] + kk[None, :], mask=valid[:, None], other=0.0)
         rows = N + p * RS + tl.arange(0, RS)
-        triton_build.wait_for_producers()  # w is read by the GEMM before
         tl.store(w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], a)
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_expand_rows", "y_ptr"))
@@ -442,22 +433,20 @@ if triton is not None:
                                 SC: tl.constexpr, ALIGN: tl.constexpr):
         """y[t, cols] = e[t, cols] + the delta of t's slot, where e = x @ [W; rank rows].T (N + P * RS
         columns: the base output, then each part's products with its rank rows, xa)."""
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         rmask = rows < n
         cols = pid_n * BN + tl.arange(0, BN)
         p, m, o_p = _part(pid_n * BN, m0, m1, m2, W0, W1)
-        # the tables and the B rows (the host's) before the wait
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
         scale_c, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
-        _, keep, used = _tile_columns(jc, valid, slot_ptr, rows, rmask)
-        bt = _b_tile(arena_ptr, _b_rows(used, tab, boff_ptr, base, ALIGN), used, cols, o_p)
-        triton_build.wait_for_producers()
         E: tl.constexpr = N + P * RS
         e_rows = e_ptr + rows[:, None].to(tl.int64) * E
         xa = tl.load(e_rows + N + p * RS + tl.arange(0, RS)[None, :], mask=rmask[:, None], other=0.0)
-        delta = _delta(xa.to(tl.float32), keep, scale_c, bt, y_ptr.dtype.element_ty)
+        delta, _ = _delta(xa.to(tl.float32), jc, valid, scale_c, slot_ptr, rows, rmask, boff_ptr, tab, arena_ptr,
+                          base, cols, o_p, y_ptr.dtype.element_ty, ALIGN)
         yb = tl.load(e_rows + cols[None, :], mask=rmask[:, None], other=0.0)
         tl.store(y_ptr + rows[:, None].to(tl.int64) * N + cols[None, :],
                  (yb.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -474,34 +463,39 @@ if triton is not None:
         adapters (every one resident: its rows are its own), S of them exactly (not a captured
         graph's tables, whose rows past the batch's may point at anything). The other parts' columns of these outputs
         are never written (zeros from the compile)."""
+        triton_build.wait_for_producers()
         p, m, o_p = _part(tl.program_id(0) * BN, m0, m1, m2, W0, W1)
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
-        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)  # what the host writes, before the wait
+        jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
         _, valid, tab = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
-        bt = _b_tile(arena_ptr, _b_rows(valid, tab, boff_ptr, base, ALIGN), valid, cols, o_p)  # (RS, BN)
+        b_row = tl.multiple_of(tl.load(boff_ptr + tab, mask=valid, other=0).to(tl.int64) + base, ALIGN)
+        bt = tl.load(arena_ptr + b_row[:, None] + (cols - o_p)[None, :], mask=valid[:, None], other=0.0)  # (RS, BN)
         c = tl.arange(0, RS)
-        triton_build.wait_for_producers()  # w is read by the GEMMs before
         tl.store(w_ptr + cols[None, :].to(tl.int64) * KE + K + p * RS + c[:, None], bt)
 
     @triton.jit
-    def _own_columns(acc, ts, jc, valid, scale_c):
+    def _own_columns(acc, m, ts, jc, kc, js, scale_ptr, M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr):
         """Of acc (BM x RS, fp32) each token's own slot's live columns, scaled; zeros elsewhere."""
+        scale_c, valid, _ = _module_columns(m, jc, kc, js, scale_ptr, M, R, SC)
         keep = (ts[:, None] == jc[None, :]) & valid[None, :]
         return tl.where(keep, acc * scale_c[None, :], 0.0)
 
     @triton.jit
-    def _store_shrinks(xe_rows, rmask, acc0, acc1, acc2, ts, jc, v0, v1, v2, s0, s1, s2, K: tl.constexpr,
-                       P: tl.constexpr, RS: tl.constexpr):
-        """s beside x: xe_rows[:, K + p x RS + c] = each token's (slot ts) own slot's live columns
-        (v_p) of part p's shrink acc_p (BM x RS, fp32), scaled (s_p) and rounded to xe's dtype;
-        zeros elsewhere."""
+    def _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
+                       K: tl.constexpr, M: tl.constexpr, R: tl.constexpr, P: tl.constexpr, RS: tl.constexpr,
+                       SC: tl.constexpr):
+        """s beside x: xe_rows[:, K + p x RS + c] = each token's own slot's live columns of part p's
+        shrink acc_p (BM x RS, fp32), scaled and rounded to xe's dtype; zeros elsewhere."""
+        ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
         out = xe_rows + K + tl.arange(0, RS)[None, :]
         dt = xe_rows.dtype.element_ty
-        tl.store(out, _own_columns(acc0, ts, jc, v0, s0).to(dt), mask=rmask[:, None])
+        tl.store(out, _own_columns(acc0, m0, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt), mask=rmask[:, None])
         if P > 1:
-            tl.store(out + RS, _own_columns(acc1, ts, jc, v1, s1).to(dt), mask=rmask[:, None])
+            tl.store(out + RS, _own_columns(acc1, m1, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
+                     mask=rmask[:, None])
         if P > 2:
-            tl.store(out + 2 * RS, _own_columns(acc2, ts, jc, v2, s2).to(dt), mask=rmask[:, None])
+            tl.store(out + 2 * RS, _own_columns(acc2, m2, ts, jc, kc, js, scale_ptr, M, R, SC).to(dt),
+                     mask=rmask[:, None])
 
     @triton.jit(repr=triton_build.kernel_namer("mlc_lora_triton_shrink_xs", "xe_ptr"))
     def lora_shrink_xs_kernel(arena_ptr, slot_ptr, rank_ptr, scale_ptr, aoff_ptr, xe_ptr, v_ptr, cnt_ptr, n, S, base,
@@ -516,22 +510,19 @@ if triton is not None:
         `chunk` inputs of x and sums its part of the products into v; with split > 1 the block of a
         tile that counts last in cnt[tile] sums the splits in order (the same bits whichever block
         is last), writes s and sets cnt[tile] back to 0."""
+        triton_build.wait_for_producers()
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BM + tl.arange(0, BM)
         rmask = rows < n
-        # the tables (the host's) before the wait, for the epilogue too (lora_linear_kernel)
         jc, kc, js = _rank_columns(rank_ptr, S, R, RS, SC)
-        a0, v0, s0 = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
-        a1, v1, s1 = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
-        a2, v2, s2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
-        # A rows only of the slots the tile's tokens use
-        ts = tl.load(slot_ptr + rows, mask=rmask, other=-1)
-        here = tl.max((ts[:, None] == jc[None, :]).to(tl.int32), axis=0) > 0
-        triton_build.wait_for_producers()
+        a0, v0 = _a_rows(m0, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        a1, v1 = _a_rows(m1, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
+        a2, v2 = _a_rows(m2, jc, kc, js, scale_ptr, aoff_ptr, base, M, R, SC, ALIGN)
         k_start = tl.multiple_of(pid_k * chunk, BK)  # chunk is a multiple of BK
         kk = k_start + tl.arange(0, BK)
         xe_rows = xe_ptr + rows[:, None].to(tl.int64) * KE
+        here = _present(slot_ptr, rows, rmask, jc)  # A rows only of the slots the tile's tokens use
         acc0, acc1, acc2 = _shrink_steps(xe_rows, kk, tl.minimum(chunk, K - k_start), rmask, arena_ptr, a0,
                                          v0 & here, a1, v1 & here, a2, v2 & here, BM, RS, P, BK, STAGES)
         c = tl.arange(0, RS)
@@ -555,7 +546,8 @@ if triton is not None:
                         acc2 += tl.load(part + 2 * RS, mask=on, other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + pid_m, 0)
         if last:
-            _store_shrinks(xe_rows, rmask, acc0, acc1, acc2, ts, jc, v0, v1, v2, s0, s1, s2, K, P, RS)
+            _store_shrinks(xe_rows, rows, rmask, acc0, acc1, acc2, m0, m1, m2, slot_ptr, jc, kc, js, scale_ptr,
+                           K, M, R, P, RS, SC)
             for j in tl.static_range(K + P * RS, KE, RS):  # s's padding to the row's length (COLUMN_ALIGN): zeros
                 pad = j + c
                 tl.store(xe_rows + pad[None, :], tl.zeros((BM, RS), dtype=xe_ptr.dtype.element_ty),
