@@ -126,7 +126,7 @@ def compile_libs(a) -> int:
         notes = ", ".join(n for n, on in (("no programmatic launches", a.no_pdl),
                                            ("TVM's RoPE and KV append", not a.rope_append),
                                            ("TVM's residual add and RMSNorm", not a.add_norm),
-                                           ("prefill memory at its bound", a.bounded_prefill_memory)) if on)
+                                           ("prefill memory per token count", not a.bounded_prefill_memory)) if on)
         print(f"{a.out / name}: built in {secs:.0f} s{f' ({notes})' if notes else ''}")
     print(f"pool: {size['kv_pages']} KV pages + {adapters} for {NUM_ADAPTERS_MAX} adapters of rank {MAX_RANK} "
           f"on all 7 modules = --lora-pool-pages {pages}")
@@ -450,8 +450,9 @@ def main(argv=None) -> int:
                    "kernels instead of the one kernel of both (CompileOptions.rope_append; to time against)")
     c.add_argument("--no-add-norm", dest="add_norm", action="store_false", help="TVM's residual add and RMSNorm "
                    "kernels instead of the one kernel of both (CompileOptions.add_norm; to time against)")
-    c.add_argument("--bounded-prefill-memory", action="store_true", help="prefill's memory planned at the chunk's "
-                   "bound (CompileOptions.bounded_prefill_memory)")
+    c.add_argument("--no-bounded-prefill-memory", dest="bounded_prefill_memory", action="store_false",
+                   help="prefill's memory planned per token count instead of at the chunk's bound "
+                   "(CompileOptions.bounded_prefill_memory; to time against)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True)
     r.add_argument("--compare-lib-dir", default=None, help="a second folder of libraries (e.g. the build before a "

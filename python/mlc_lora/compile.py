@@ -48,11 +48,13 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # cuda only: each RMSNorm of the hidden state, and the residual add that makes its input, in one
     # Triton kernel (ops/norm_triton.py; DispatchNorm, the rank columns route's producer; docs/GPU.md)
     add_norm: bool = True
-    # prefill's and embed's memory planned once at their bounds (prefill_chunk_size tokens, as
-    # MLC-LLM plans it) instead of per token count: every prefill allocates the same buffers, which
-    # the pooled allocator reuses, so the runner never releases them (on CUDA it releases every
-    # cached buffer after 8 new prefill sizes otherwise); prefills past the chunk are refused
-    bounded_prefill_memory: bool = False
+    # prefill's and embed's memory planned once at their bounds (prefill_chunk_size tokens over
+    # max_batch_size sequences, as MLC-LLM plans it) instead of per token count: every prefill
+    # allocates the same buffers, which the pooled allocator reuses, so the runner never releases them
+    # (on CUDA it would release every cached buffer after 8 new prefill sizes); prefills past the
+    # bounds are refused. None: on for single-device libraries (measured faster end to end on a GPU:
+    # docs/BENCHMARKS.md), off for sharded ones, whose runner does not check prefills against them
+    bounded_prefill_memory: bool | None = None
     # LoRA (off unless max_lora_rank > 0): pages of the unified pool, max rank, targets, kernel stage.
     lora_pool_pages: int = 0
     max_lora_rank: int = 0
@@ -80,6 +82,13 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     lora_spare_columns: bool | None = None
     # Megatron-style tensor parallelism over this many GPUs (docs/TP.md).
     tensor_parallel_shards: int = 1
+
+    def __post_init__(self):
+        if self.bounded_prefill_memory is None:
+            self.bounded_prefill_memory = self.tensor_parallel_shards == 1
+        elif self.bounded_prefill_memory and self.tensor_parallel_shards > 1:
+            raise CompileError("bounded_prefill_memory is for single-device libraries (the sharded runner does "
+                               "not check its prefills against the bounds)")
 
     def resolved_dtype(self) -> str:
         dtype = self.dtype or ("float32" if self.target == "llvm" else "float16")
@@ -296,9 +305,6 @@ def build_library(arch_module, cfg, dtype: str, options: CompileOptions, lib_pat
     if use_graph:
         mod = _decode_graph_attrs(mod, options.max_batch_size)
     if options.bounded_prefill_memory:
-        if options.tensor_parallel_shards > 1:
-            raise CompileError("bounded_prefill_memory is for single-device libraries (the sharded runner "
-                               "does not check its prefills against the bounds)")
         mod = _prefill_bound_attrs(mod, cfg.prefill_chunk_size, options.max_batch_size)
     rank_rows = bool(lora is not None and lora.fused and lora.fused.get("rank_rows"))
     spare_columns = bool(lora is not None and lora.fused and lora.fused.get("spare_columns"))
@@ -327,10 +333,11 @@ def _decode_graph_attrs(mod, max_batch_size: int):
 
 
 def _prefill_bound_attrs(mod, chunk: int, max_batch_size: int):
-    """Upper bounds on prefill's and embed's token counts (and prefill's sequences), from which
+    """Upper bounds on prefill's and embed's token counts (and prefill's logit rows), from which
     the VM's memory plan sizes their buffers once (the functions LoraRewrite derives from prefill
-    keep its attributes)."""
-    bounds = {"prefill": {"seq_len": chunk, "batch_size": max_batch_size},
+    keep its attributes). Prefill's logit rows are its sequences' last tokens, or every prompt
+    position a request scores (prompt logprobs): at most the chunk's tokens."""
+    bounds = {"prefill": {"seq_len": chunk, "batch_size": chunk},
               "embed": {"seq_len": max(chunk, max_batch_size)}}
     for name, ub in bounds.items():
         func = mod[name].with_attrs({"tir_var_upper_bound": ub, "tir_non_negative_var": list(ub)})

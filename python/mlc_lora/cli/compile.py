@@ -38,9 +38,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-add-norm", dest="add_norm", action="store_false",
                    help="cuda: keep TVM's residual add and RMSNorm kernels (by default each RMSNorm of the hidden "
                         "state and the residual add before it run as one Triton kernel)")
-    p.add_argument("--bounded-prefill-memory", action="store_true",
-                   help="plan prefill's memory once at --prefill-chunk-size tokens (as MLC-LLM does) instead of "
-                        "per token count; prefills past the chunk are refused")
+    p.add_argument("--no-bounded-prefill-memory", dest="bounded_prefill_memory", action="store_false",
+                   default=None,
+                   help="plan prefill's memory per token count; by default a single-device library plans it once "
+                        "at --prefill-chunk-size tokens over --max-batch-size sequences (as MLC-LLM does) and "
+                        "refuses prefills past them")
     p.add_argument("--lora-pool-pages", type=int, default=0,
                    help="pages of the unified KV/adapter pool the engine makes unless told otherwise (any "
                         "size runs); with --max-lora-rank it enables LoRA")

@@ -123,9 +123,12 @@ class ModelRunner(Runner):  # pylint: disable=too-many-instance-attributes
                     prefill_chunk_size: Optional[int] = None, page_size: int = PAGE_SIZE) -> DevicePool:
         s = _tvm().runtime.ShapeTuple
         chunk = prefill_chunk_size or self.compiled.prefill_chunk_size
-        if self.compiled.bounded_prefill_memory and chunk > self.compiled.prefill_chunk_size:
-            raise MLCLoraError(f"prefill chunks of {chunk} tokens: {self.model_dir} plans prefill's memory for at "
-                               f"most {self.compiled.prefill_chunk_size}")
+        if self.compiled.bounded_prefill_memory and (chunk > self.compiled.prefill_chunk_size
+                                                     or max_batch_size > self.compiled.max_batch_size):
+            raise MLCLoraError(f"prefill chunks of {chunk} tokens over {max_batch_size} sequences: {self.model_dir} "
+                               f"plans prefill's memory for at most {self.compiled.prefill_chunk_size} tokens over "
+                               f"{self.compiled.max_batch_size} sequences (compile it with larger bounds, or with "
+                               "--no-bounded-prefill-memory)")
         handle = self._vm["create_paged_kv_cache"](
             s([max_batch_size]), s([max_total_seq_len]), s([chunk]), s([page_size]), s([0])
         )

@@ -108,14 +108,20 @@ def test_serve_adapter_host_bytes_reads_a_byte_count(text, n, capsys):
 
 
 def test_compile_kernel_flags_reach_the_options(monkeypatch, tmp_path):
-    """The base model's one-kernel options are on unless turned off by their --no- flags; prefill
-    memory at its bound only when asked for."""
+    """The base model's one-kernel options and prefill memory at its bounds are on unless turned off
+    by their --no- flags; a sharded library plans prefill per token count (its runner does not check
+    prefills against the bounds), and asking for the bounds there is refused."""
     from mlc_lora.cli import compile as compile_cli  # pylint: disable=import-outside-toplevel
+    from mlc_lora.compile import CompileError, CompileOptions  # pylint: disable=import-outside-toplevel
 
     seen = []
     monkeypatch.setattr(compile_cli, "compile_model", lambda model, out, opts: seen.append(opts) or out)
     compile_cli.main(["m", "-o", str(tmp_path), "--target", "cuda"])
     compile_cli.main(["m", "-o", str(tmp_path), "--target", "cuda", "--no-rope-append", "--no-add-norm",
-                      "--bounded-prefill-memory"])
-    assert [(o.rope_append, o.add_norm, o.bounded_prefill_memory) for o in seen] == [(True, True, False),
-                                                                                      (False, False, True)]
+                      "--no-bounded-prefill-memory"])
+    compile_cli.main(["m", "-o", str(tmp_path), "--tensor-parallel-shards", "2"])
+    assert [(o.rope_append, o.add_norm, o.bounded_prefill_memory) for o in seen] == [
+        (True, True, True), (False, False, False), (True, True, False)]
+    assert CompileOptions().bounded_prefill_memory is True
+    with pytest.raises(CompileError, match="single-device"):
+        CompileOptions(tensor_parallel_shards=2, bounded_prefill_memory=True)

@@ -4,10 +4,13 @@ prefill length leaves megabytes behind (scripts/soak.py `alloc` measures the pla
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import soak
 from mlc_lora.compile import CompileOptions, compile_model
+from mlc_lora.contract import CONFIG_FILE
 
 LENGTHS = 40
 MARGIN_MB = 24  # what a runner may add after warm-up over LENGTHS new prompt lengths
@@ -15,7 +18,8 @@ MARGIN_MB = 24  # what a runner may add after warm-up over LENGTHS new prompt le
 
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
-    """A 2-layer Llama wide enough (hidden 256, MLP 1024) that one prefill's buffers are megabytes."""
+    """A 2-layer Llama wide enough (hidden 256, MLP 1024) that one prefill's buffers are megabytes,
+    prefill's memory planned per token count (not the default)."""
     import torch
     import transformers
 
@@ -26,7 +30,8 @@ def wide_model(tmp_path_factory):
                                    max_position_embeddings=1024, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(cfg).save_pretrained(root / "hf", safe_serialization=True)
     return compile_model(root / "hf", root / "llvm", CompileOptions(prefill_chunk_size=512, max_batch_size=4,
-                                                                   context_window_size=1024), progress=False)
+                                                                   context_window_size=1024,
+                                                                   bounded_prefill_memory=False), progress=False)
 
 
 def test_memory_stays_bounded_over_new_prompt_lengths(wide_model):
@@ -50,11 +55,13 @@ def test_pooled_allocator_released_after_a_bounded_number_of_sizes(wide_model):
 
 @pytest.fixture(scope="module")
 def bounded_model(wide_model, tmp_path_factory):
-    """The wide model compiled with prefill's and embed's memory planned at their bounds."""
+    """The wide model compiled with prefill's and embed's memory planned at their bounds (the default)."""
     root = tmp_path_factory.mktemp("bounded")
-    return compile_model(wide_model.parent / "hf", root / "llvm",
-                         CompileOptions(prefill_chunk_size=512, max_batch_size=4, context_window_size=1024,
-                                        bounded_prefill_memory=True), progress=False)
+    out = compile_model(wide_model.parent / "hf", root / "llvm",
+                        CompileOptions(prefill_chunk_size=512, max_batch_size=4, context_window_size=1024),
+                        progress=False)
+    assert json.loads((out / CONFIG_FILE).read_text())["compile_options"]["bounded_prefill_memory"] is True
+    return out
 
 
 def test_bounded_prefill_memory_stays_bounded_without_releases(bounded_model):
@@ -82,8 +89,10 @@ def test_bounded_prefill_memory_gives_the_same_logits_and_refuses_longer_prefill
             kv_a.add_sequence(s)
             kv_b.add_sequence(s)
         toks = [rng.integers(0, a.vocab_size, n).tolist() for _ in range(2)]
-        np.testing.assert_allclose(b.prefill(kv_b, [0, 1], toks).numpy(), a.prefill(kv_a, [0, 1], toks).numpy(),
-                                   rtol=0, atol=1e-5)
+        # every position's logits (prompt logprobs): 2n rows, more than the 4 sequences of the bound
+        pos = [list(range(n))] * 2 if n == 250 else None
+        np.testing.assert_allclose(b.prefill(kv_b, [0, 1], toks, positions=pos).numpy(),
+                                   a.prefill(kv_a, [0, 1], toks, positions=pos).numpy(), rtol=0, atol=1e-5)
         for s in range(2):
             kv_a.remove_sequence(s)
             kv_b.remove_sequence(s)
@@ -92,3 +101,5 @@ def test_bounded_prefill_memory_gives_the_same_logits_and_refuses_longer_prefill
         b.prefill(kv_b, [0], [[1] * 513])
     with pytest.raises(MLCLoraError, match="at most 512"):
         b.create_pool(4, 2048, 1024)
+    with pytest.raises(MLCLoraError, match="over 4 sequences"):
+        b.create_pool(8, 1024, 512)
