@@ -329,6 +329,9 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
         if cli.on_compare_dir(name):
             r["lib_dir"] = str(a.compare_lib_dir)
         results.append(r)
+        # each run kept as it ends: a call cut short (a device's time limit) still leaves its runs
+        cli.write_results(out, {"model": cfg["model_name"], "device": a.device, "results": old.get("results", []) + results,
+                                "complete": False})
         print(f"{label}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "
               f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "
               f"(peak batch {r['peak_batch']}, {r['preemptions']} preemptions, {r['num_steps']} steps; "
@@ -370,7 +373,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
     cli.write_results(out, {"model": cfg["model_name"], "model_config": cfg["model_config"], "device": a.device,
                             "requests_file": str(a.requests), "tokenizer": note,
                             "sampling": "temperature 1.0, top_p 1.0, EOS ignored", "results": results,
-                            "step_sums": sums})
+                            "step_sums": sums, "complete": True})
     print(f"results: {out}")
     draw(results, out.with_suffix(".png"))
     return 0

@@ -55,6 +55,26 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert [r["config"] for r in cres] == ["base", "lora4", "lora4@cmp"]
     assert cres[2]["lib_dir"] == str(tmp_path / "libs") and "lib_dir" not in cres[1]
     assert cres[2]["adapters"] == 4 and cres[2]["output_tokens"] == want_out and cres[2]["ratio_vs_base"] > 0
+    assert doc["complete"] is True
+
+    # a call cut short after its first config keeps that config's run (marked incomplete)
+    run_config = bench.run_config
+    calls = []
+
+    def cut(*args, **kw):
+        calls.append(args[0])
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # what a time limit's signal leaves
+        return run_config(*args, **kw)
+
+    monkeypatch.setattr(bench, "run_config", cut)
+    cut_out = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["run", "--smoke", "--device", "cpu", "--lib-dir", str(tmp_path / "libs"), "--configs", "base,lora4",
+                    "--no-check", "--requests", str(req), "--max-output-len", "6", "--warmup", "1", "--out", str(cut_out)])
+    part = json.loads(cut_out.read_text())
+    assert part["complete"] is False and [r["config"] for r in part["results"]] == ["base"]
+    assert part["results"][0]["output_tokens"] == want_out
 
     # two split runs merged: one JSON with every config, ratios against the merged base, charts
     a, b = tmp_path / "a.json", tmp_path / "b.json"
