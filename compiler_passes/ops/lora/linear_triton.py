@@ -598,6 +598,9 @@ EXPAND_BM, EXPAND_WARPS = 32, 4
 XS_WIDE_INPUTS = 4096
 XS_PLAN = {False: dict(BM=16, BK=128, target=264, most=16, warps=4),
            True: dict(BM=16, BK=128, target=528, most=16, warps=4)}
+# The kernel of that shrink: "triton" (lora_shrink_xs_kernel) or "cuda" (shrink_xs_cuda.py, the
+# CUDA C++ kernel on register operands), being timed against each other.
+XS_KERNEL = "triton"
 
 
 def _cols_signatures(dtype: str) -> tuple[dict, dict]:
@@ -823,8 +826,14 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     elif cols:  # past FUSED_MAX_TOKENS: the shrink into [x | s], cuBLAS over [x | s] and [W | B columns]
         _, sig_s = _cols_route_signatures(dtype)
         gv = xs_launch(1, in_f, widths, mods, M, R, align)  # (x's producer writes x into xe, the shrink adds s)
-        qn, qth, qsh, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"], gv["shrink_warps"],
-                                                     arch, Path(__file__))
+        if XS_KERNEL == "cuda":
+            from . import shrink_xs_cuda as SX  # pylint: disable=import-outside-toplevel
+
+            qn, mod = SX.kernel_name(dtype, P), SX.build_module(dtype, arch)
+            (xm0, xm1, xm2), _ = padded_parts(mods, widths)
+        else:
+            qn, qth, qsh, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
+                                                         gv["shrink_warps"], arch, Path(__file__))
         q_plan = gv["plan"]
         mods_out.append(mod)
         # x's producer: into x up to FUSED_MAX_TOKENS (the one-kernel linear reads it), into xe's first
@@ -859,6 +868,11 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
 
     def xs_split(n, plan):
         return shrink_split(n, plan[2], plan[0], lo, hi, plan[3], plan[4])
+
+    def xs_cuda_split(n):
+        from . import shrink_xs_cuda as SX  # pylint: disable=import-outside-toplevel
+
+        return SX.split_for(n, in_f, SX.TARGET_BLOCKS, lo, hi)
 
     # The split is computed inline in the launches: a local variable in this host function would
     # be a scalar buffer, which the lowering allocates in device memory.
@@ -965,7 +979,15 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                     one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:
                     produce(cn, cth, csh, n, h, r, g, xe, h1)
-                    shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt)
+                    if XS_KERNEL == "cuda":
+                        T.call_packed(qn, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data, v.data,
+                                      cnt.data, T.Cast("int32", n), T.Cast("int32", S), in_f, KE, M, R, xm0, xm1,
+                                      xm2, T.Cast("int32", xs_cuda_split(n)[1]), layer * (size // L),
+                                      T.Cast("int32", xs_cuda_split(n)[0]), T.Cast("int32", xs_cuda_split(n)[1]), 1,
+                                      SX.THREADS)
+                    else:
+                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v,
+                                  cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
         @T.prim_func(s_tir=True)
