@@ -55,7 +55,7 @@ from .. import triton_build
 from .. import activation_triton as ACT
 from .. import norm_triton as NORM
 from ..activation_triton import silu_mul_ref
-from .stage import MAX_PARTS
+from .stage import MAX_PARTS, RANK_COLUMNS, SLOT_COLUMNS
 
 try:
     import triton
@@ -69,8 +69,6 @@ SMALL_MAX_TOKENS = 16  # up to here blocks of 16 tokens
 # tier its own tile shape (tile_config; tiers of one shape share a kernel)
 TOKEN_TIERS = (SMALL_MAX_TOKENS, 32, FUSED_MAX_TOKENS)
 SWAP_LONG_INPUTS = 8192  # narrow linears with at least these inputs (down) swap at up to 64 tokens too
-RANK_COLUMNS = 32  # the adapters' ranks of a batch sum to at most this (4 x r8, 2 x r16, 1 x r32)
-SLOT_COLUMNS = 16  # the batch's adapters (slots) number at most this
 DTYPES = ("float16", "bfloat16")
 # (splits, at least this many input steps of BK): the one-kernel linear's splits of a narrow linear
 # at blocks of 16 tokens, the first that fits (H200, Llama-2-7B: o 32 steps -> 2, down 86 -> 3)

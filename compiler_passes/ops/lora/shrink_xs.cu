@@ -3,7 +3,7 @@
 //
 // Compiled by shrink_xs_cuda.py (beside this file) with nvcc once per dtype:
 //   -DMLC_RANK_COLUMNS=32 -DMLC_SLOT_COLUMNS=16 [-DMLC_BF16]
-// (linear_triton.RANK_COLUMNS / SLOT_COLUMNS). The kernels are named mlc_lora_shrink_xs_<dtype>_p<P>,
+// (stage.RANK_COLUMNS / SLOT_COLUMNS). The kernels are named mlc_lora_shrink_xs_<dtype>_p<P>,
 // one per number of parts P (1..3). shrink_xs_cuda.shrink_xs_ref is the numpy reference.
 //
 // Arena (docs/DESIGN.md): row k of A[s, m] of the layer is arena[base + a_off[s, m, k] : + K].

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import cuda_build
 from ..kernel_attrs import kernel_attrs
-from .linear_triton import RANK_COLUMNS, SLOT_COLUMNS
+from .stage import RANK_COLUMNS, SLOT_COLUMNS
 
 SOURCE = Path(__file__).parent / "shrink_xs.cu"
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
