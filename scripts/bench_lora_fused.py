@@ -5,8 +5,8 @@ CUDA graph of n calls over rotated copies of every input, the median replay / n)
   python scripts/bench_lora_fused.py run [--tokens 1,16,64,128,256,1024,4096] [--adapters 4x8,2x16] \
       [--dtypes bfloat16,float16] [--out bench_lora_fused.json]          # the GPU
   python scripts/bench_lora_fused.py tune | routes | producers [--tokens ...] [--linears ...]  # the GPU
-  python scripts/bench_lora_fused.py compile-xs --out xs.so   # here: the CUDA C++ shrink into [x | s] for
-  python scripts/bench_lora_fused.py producers --xs-lib xs.so [--grouped]  # `producers` to time beside Triton's
+  python scripts/bench_lora_fused.py compile-xs --out xs.so                # here: the CUDA C++ shrink into [x | s]
+  python scripts/bench_lora_fused.py producers --xs-lib xs.so [--grouped]  # the GPU: it beside the Triton one
   python scripts/bench_lora_fused.py plot bench_lora_fused.json          # here
 
 Ours is compiler_passes/ops/lora/linear_triton.py as its TIR wrapper runs it, with the constants the
