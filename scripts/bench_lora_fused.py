@@ -5,8 +5,6 @@ CUDA graph of n calls over rotated copies of every input, the median replay / n)
   python scripts/bench_lora_fused.py run [--tokens 1,16,64,128,256,1024,4096] [--adapters 4x8,2x16] \
       [--dtypes bfloat16,float16] [--out bench_lora_fused.json]          # the GPU
   python scripts/bench_lora_fused.py tune | routes | producers [--tokens ...] [--linears ...]  # the GPU
-  python scripts/bench_lora_fused.py compile-xs --out xs.so                # here: the CUDA C++ shrink into [x | s]
-  python scripts/bench_lora_fused.py producers --xs-lib xs.so [--grouped]  # the GPU: it beside the Triton one
   python scripts/bench_lora_fused.py plot bench_lora_fused.json          # here
 
 Ours is compiler_passes/ops/lora/linear_triton.py as its TIR wrapper runs it, with the constants the
@@ -645,57 +643,6 @@ def routes(a) -> int:  # pylint: disable=too-many-locals
     return 0
 
 
-XS_TARGETS = (132, 264, 528, 1056)  # the CUDA shrink's block targets compile-xs builds (shrink_xs_cuda.split_for)
-XS_RANK = 8  # the rank of the 4 x r8 adapters `producers` times (the tables' last axis)
-
-
-def xs_name(linear: str, dtype: str, target: int) -> str:
-    return f"xs_{linear}_{dtype}_t{target}"
-
-
-def compile_xs(a) -> int:
-    """A library of the CUDA C++ shrink into [x | s] (shrink_xs_cuda.wrapper) for every linear,
-    dtype and block target of XS_TARGETS, with the kernels' module linked in (built here by nvcc)."""
-    from harness import compiler as C  # pylint: disable=import-outside-toplevel
-    from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
-    from mlc_lora.compiler_passes.ops.lora import shrink_xs_cuda as SX  # pylint: disable=import-outside-toplevel
-
-    tgt = C.target("cuda")
-    funcs, imports = {}, []
-    for dtype in ("float16", "bfloat16"):
-        for name, (in_f, widths) in LINEARS.items():
-            P = len(widths)
-            for target in XS_TARGETS:
-                funcs[xs_name(name, dtype, target)] = SX.wrapper(in_f, LT.spare_columns(in_f, P), list(range(P)), 1,
-                                                                 XS_RANK, P, dtype, target)
-        imports.append(SX.build_module(dtype, C.ARCH))
-    C.build_library(funcs, Path(a.out), tgt, imports)
-    print(f"built {a.out}: {len(funcs)} functions")
-    return 0
-
-
-def _xs_cuda(torch, lib, pt, name, dtype, xe, want):
-    """The CUDA C++ shrink into [x | s] per block target of XS_TARGETS, each checked against the
-    compiled Triton launch's [x | s] (`want`) first; the candidates {label: fn(copy)}."""
-    from mlc_lora.compiler_passes.ops.lora import shrink_xs_cuda as SX  # pylint: disable=import-outside-toplevel
-
-    part = torch.empty((SX.scratch_floats(pt.T, len(pt.widths), max(XS_TARGETS)),), device="cuda",
-                       dtype=torch.float32)
-    cnt = torch.zeros((-(-pt.T // SX.BM),), device="cuda", dtype=torch.int32)
-    out = {}
-    for target in XS_TARGETS:
-        fn = lib[xs_name(name, dtype, target)]
-        xe[0][:, pt.in_f:] = float("nan")
-        fn(pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[0], xe[0], part, cnt, 0)
-        torch.cuda.synchronize()
-        label = f"shrink·cuda t{target} split{SX.split_for(pt.T, pt.in_f, target)[1]}"
-        if not torch.allclose(xe[0].float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.float().abs().max())):
-            bad = (xe[0].float() - want.float()).abs().max().item()
-            raise SystemExit(f"{name} T={pt.T} {label}: [x | s] differs from the Triton kernel's (max {bad:.3g})")
-        out[label] = lambda i, fn=fn: fn(pt.arena, pt.slot, pt.rank, pt.scale, pt.a_off[i], xe[i], part, cnt, 0)
-    return out
-
-
 def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     """The rank columns route with x written by its producer straight into [x | s] (as compiled),
     against x copied there by the shrink and the pair, per linear and token count (4 x r8), timed
@@ -714,17 +661,10 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
     from mlc_lora.compiler_passes.ops import norm_triton as NORM  # pylint: disable=import-outside-toplevel
     from mlc_lora.compiler_passes.ops.lora import linear_triton as LT  # pylint: disable=import-outside-toplevel
 
-    xs_lib = None
-    if a.xs_lib:
-        import tvm  # pylint: disable=import-outside-toplevel
-
-        xs_lib = tvm.runtime.load_module(a.xs_lib)
     out = []
     for name in a.linears.split(","):
         for T in map(int, a.tokens.split(",")):
-            pt = Point(torch, LT, name, T, 4, XS_RANK, a.dtype, seed=T * 131 + 29)
-            if a.grouped:
-                pt.slot = torch.from_numpy(token_slots(T, 4, T * 131 + 29, grouped=True)).to("cuda")
+            pt = Point(torch, LT, name, T, 4, 8, a.dtype, seed=T * 131 + 29)
             K, P = pt.in_f, len(pt.widths)
             ke = K + LT.spare_columns(K, P)
             dt = pt.x[0].dtype
@@ -802,35 +742,26 @@ def producers(a) -> int:  # pylint: disable=too-many-locals,too-many-statements
                         if (bm, bk, split) not in plans:
                             plans.append((bm, bk, split))
                             cands[f"shrink·in place BM{bm} BK{bk} split{split}"] = lambda i, g=g: xs(i, g)
-            if xs_lib is not None:
-                xs(0, go_ip)
-                torch.cuda.synchronize()
-                want = xe[0].clone()
-                cuda = _xs_cuda(torch, xs_lib, pt, name, a.dtype, xe, want)
-                cands.update(cuda)
-                go_cuda = next(f for k, f in cuda.items() if k.startswith("shrink·cuda t528 "))
-                cands["route·in place·cuda"] = lambda i, f=go_cuda: (before(i, xe[i], ke), f(i), gemm_ext(i))
-            _check_deltas(torch, pt, name, cands, ("pair", "route·copy", "route·in place") +
-                          (("route·in place·cuda",) if xs_lib is not None else ()))
+            _check_deltas(torch, pt, name, cands, ("pair", "route·copy", "route·in place"))
             us = compare({k: (fn, pt.copies) for k, fn in cands.items()})
             shr = {k: v for k, v in us.items() if k.startswith("shrink·in place")}
             best = min(shr, key=shr.get)
             print(f"{name} T={T}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items() if k not in shr) +
                   f"; in-place shrink: compiled {shr[next(iter(shr))]:.1f}, best [{best}] {shr[best]:.1f}", flush=True)
-            out.append(dict(linear=name, T=T, grouped=bool(a.grouped), us=us))
+            out.append(dict(linear=name, T=T, us=us))
             cli.write_results(Path(a.out), {"producers": out, "complete": False})
             del w_ext, xe, h, pt, s_raw
             torch.cuda.empty_cache()
     print("\nOne layer (the four linears), us:")
     labels = ["base", "pair", "route·copy", "route·in place", "route·cublas shrink"]
-    labels += ["route·in place·cuda"] if xs_lib is not None else []
-    print("| T | " + " | ".join(labels) + " | " + " | ".join(f"{k} - base" for k in labels[1:]) + " |")
-    print("|---|" + "---|" * (2 * len(labels) - 1))
+    print("| T | " + " | ".join(labels) + " | pair - base | copy - base | in place - base | cublas shrink - base |")
+    print("|---|" + "---|" * (len(labels) + 4))
     for T in sorted({r["T"] for r in out}):
         rows = [r["us"] for r in out if r["T"] == T]
         tot = {k: sum(r[k] for r in rows) for k in labels}
-        print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) + " | " +
-              " | ".join(f"{tot[k] - tot['base']:.1f}" for k in labels[1:]) + " |")
+        print(f"| {T} | " + " | ".join(f"{tot[k]:.1f}" for k in labels) +
+              f" | {tot['pair'] - tot['base']:.1f} | {tot['route·copy'] - tot['base']:.1f} | "
+              f"{tot['route·in place'] - tot['base']:.1f} | {tot['route·cublas shrink'] - tot['base']:.1f} |")
     cli.write_results(Path(a.out), {"producers": out, "complete": True})
     return 0
 
@@ -946,16 +877,11 @@ def main(argv=None) -> int:
     q.add_argument("--tokens", default="128,256,512,1024")
     q.add_argument("--linears", default=",".join(LINEARS))
     q.add_argument("--dtype", default="float16")
-    q.add_argument("--xs-lib", default=None, help="a compile-xs library: time the CUDA C++ shrink beside Triton's")
-    q.add_argument("--grouped", action="store_true", help="each adapter's tokens together (a prefill chunk)")
     q.add_argument("--out", default="bench_lora_fused_producers.json")
-    x = sub.add_parser("compile-xs", help="build the CUDA C++ shrink into [x | s] for `producers --xs-lib` (here)")
-    x.add_argument("--out", default="xs.so")
     p = sub.add_parser("plot", help="tables and chart of a results file (here)")
     p.add_argument("results")
     a = cli.parse(ap, argv)
-    return {"run": run, "tune": tune, "routes": routes, "producers": producers, "plot": plot,
-            "compile-xs": compile_xs}[a.cmd](a)
+    return {"run": run, "tune": tune, "routes": routes, "producers": producers, "plot": plot}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from .. import triton_build
 from .. import activation_triton as ACT
 from .. import norm_triton as NORM
 from ..activation_triton import silu_mul_ref
-from .stage import MAX_PARTS, RANK_COLUMNS, SLOT_COLUMNS
+from .stage import MAX_PARTS
 
 try:
     import triton
@@ -69,6 +69,8 @@ SMALL_MAX_TOKENS = 16  # up to here blocks of 16 tokens
 # tier its own tile shape (tile_config; tiers of one shape share a kernel)
 TOKEN_TIERS = (SMALL_MAX_TOKENS, 32, FUSED_MAX_TOKENS)
 SWAP_LONG_INPUTS = 8192  # narrow linears with at least these inputs (down) swap at up to 64 tokens too
+RANK_COLUMNS = 32  # the adapters' ranks of a batch sum to at most this (4 x r8, 2 x r16, 1 x r32)
+SLOT_COLUMNS = 16  # the batch's adapters (slots) number at most this
 DTYPES = ("float16", "bfloat16")
 # (splits, at least this many input steps of BK): the one-kernel linear's splits of a narrow linear
 # at blocks of 16 tokens, the first that fits (H200, Llama-2-7B: o 32 steps -> 2, down 86 -> 3)
@@ -596,9 +598,6 @@ EXPAND_BM, EXPAND_WARPS = 32, 4
 XS_WIDE_INPUTS = 4096
 XS_PLAN = {False: dict(BM=16, BK=128, target=264, most=16, warps=4),
            True: dict(BM=16, BK=128, target=528, most=16, warps=4)}
-# The kernel of that shrink: "triton" (lora_shrink_xs_kernel) or "cuda" (shrink_xs_cuda.py, the
-# CUDA C++ kernel on register operands), being timed against each other.
-XS_KERNEL = "triton"
 
 
 def _cols_signatures(dtype: str) -> tuple[dict, dict]:
@@ -824,14 +823,8 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
     elif cols:  # past FUSED_MAX_TOKENS: the shrink into [x | s], cuBLAS over [x | s] and [W | B columns]
         _, sig_s = _cols_route_signatures(dtype)
         gv = xs_launch(1, in_f, widths, mods, M, R, align)  # (x's producer writes x into xe, the shrink adds s)
-        if XS_KERNEL == "cuda":
-            from . import shrink_xs_cuda as SX  # pylint: disable=import-outside-toplevel
-
-            qn, mod = SX.kernel_name(dtype, P), SX.build_module(dtype, arch)
-            (xm0, xm1, xm2), _ = padded_parts(mods, widths)
-        else:
-            qn, qth, qsh, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"],
-                                                         gv["shrink_warps"], arch, Path(__file__))
+        qn, qth, qsh, mod = triton_build.cuda_module(lora_shrink_xs_kernel, sig_s, gv["shrink"], gv["shrink_warps"],
+                                                     arch, Path(__file__))
         q_plan = gv["plan"]
         mods_out.append(mod)
         # x's producer: into x up to FUSED_MAX_TOKENS (the one-kernel linear reads it), into xe's first
@@ -866,11 +859,6 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
 
     def xs_split(n, plan):
         return shrink_split(n, plan[2], plan[0], lo, hi, plan[3], plan[4])
-
-    def xs_cuda_split(n):
-        from . import shrink_xs_cuda as SX  # pylint: disable=import-outside-toplevel
-
-        return SX.split_for(n, in_f, SX.TARGET_BLOCKS, lo, hi)
 
     # The split is computed inline in the launches: a local variable in this host function would
     # be a scalar buffer, which the lowering allocates in device memory.
@@ -977,15 +965,7 @@ def linear_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
                     one_kernel(n, S, size, layer, x, w, arena, slot, rank, scale, a_off, b_off, y, v, cnt)
                 else:
                     produce(cn, cth, csh, n, h, r, g, xe, h1)
-                    if XS_KERNEL == "cuda":
-                        T.call_packed(qn, arena.data, slot.data, rank.data, scale.data, a_off.data, xe.data, v.data,
-                                      cnt.data, T.Cast("int32", n), T.Cast("int32", S), in_f, KE, M, R, xm0, xm1,
-                                      xm2, T.Cast("int32", xs_cuda_split(n)[1]), layer * (size // L),
-                                      T.Cast("int32", xs_cuda_split(n)[0]), T.Cast("int32", xs_cuda_split(n)[1]), 1,
-                                      SX.THREADS)
-                    else:
-                        shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v,
-                                  cnt)
+                    shrink_xs(qn, q_plan, qth, qsh, n, S, size, layer, arena, slot, rank, scale, a_off, xe, v, cnt)
                     T.call_packed(CUBLAS_GEMM, xe, w, y)
 
         @T.prim_func(s_tir=True)

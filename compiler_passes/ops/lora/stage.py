@@ -15,10 +15,6 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import tvm
 
 MAX_PARTS = 3  # parts of one fused linear (q|k|v) that every stage's kernels take
-# The fused functions' rank columns (ops/lora/linear_triton.py, shrink_xs.cu): the adapters' ranks of a batch
-# sum to at most RANK_COLUMNS (4 x r8, 2 x r16, 1 x r32) over at most SLOT_COLUMNS adapters (slots).
-RANK_COLUMNS = 32
-SLOT_COLUMNS = 16
 
 
 class Part(NamedTuple):

@@ -1,11 +1,9 @@
 // Runs CUDA C++ kernels on the CPU for the tests (no GPU in CI): a block is a set of std::threads,
 // __syncthreads and warp shuffles are std::barriers, __shared__ is a function-local static (blocks
-// run one after another). Only what compiler_passes/ops/{lora/sgmv,lora/shrink_xs,gemv/gemv}.cu use;
-// warp-uniform control flow is assumed, as on the GPU with full-mask shuffles.
+// run one after another). Only what compiler_passes/ops/{lora/sgmv,gemv/gemv}.cu use; warp-uniform
+// control flow is assumed, as on the GPU with full-mask shuffles.
 #pragma once
 #include <barrier>
-#include <atomic>
-#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -44,38 +42,6 @@ inline int __ffs(unsigned x) { return __builtin_ffs(x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned atomicOr(uint32_t* p, uint32_t v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
 inline int min(int a, int b) { return a < b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
-inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline float __ldcg(const float* p) { return *p; }
-
-// mma.sync.aligned.m16n8k16.row.col with fp32 accumulators, over one warp's fragments in PTX's
-// layout (lane = 4 * group + t): a[i] holds A[g + 8 (i % 2)][2t + 8 (i / 2) + {0, 1}], b[i] holds
-// B[2t + 8 i + {0, 1}][g], c[i] is C[g + 8 (i / 2)][2t + i % 2]. Elements are E (16 bits each).
-uint32_t g_mma_a[64][32][4], g_mma_b[64][32][2];
-template <class E>
-void emu_mma16816(float* c, const uint32_t* a, const uint32_t* b) {
-  const int lane = threadIdx.x % 32, w = threadIdx.x / 32;
-  std::memcpy(g_mma_a[w][lane], a, 16);
-  std::memcpy(g_mma_b[w][lane], b, 8);
-  g_warp_bar[w]->arrive_and_wait();
-  auto elem = [](uint32_t v, int hi) {
-    const uint16_t bits = hi ? uint16_t(v >> 16) : uint16_t(v & 0xffffu);
-    E e;
-    std::memcpy(&e, &bits, 2);
-    return to_f(e);
-  };
-  const int g = lane / 4, t = lane % 4;
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
-    float s = 0.f;
-    for (int k = 0; k < 16; ++k)
-      s += elem(g_mma_a[w][(row % 8) * 4 + (k % 8) / 2][row / 8 + 2 * (k / 8)], k % 2) *
-           elem(g_mma_b[w][col * 4 + (k % 8) / 2][k / 8], k % 2);
-    c[i] += s;
-  }
-  g_warp_bar[w]->arrive_and_wait();
-}
 
 template <class F>
 void launch(dim3 grid, int threads, F f) {
