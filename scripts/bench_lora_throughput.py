@@ -274,6 +274,15 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
     return worst
 
 
+def merged_runs(old: list, new: list) -> list:
+    """The runs of an earlier file (`--append`) with this call's, a config's new run replacing its old
+    one, in CONFIGS order."""
+    by = {r["config"]: r for r in old}
+    by.update({r["config"]: r for r in new})
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    return sorted(by.values(), key=lambda r: (order[config_of(r["config"])], r["config"]))
+
+
 def run_lora(a) -> int:  # pylint: disable=too-many-locals
     import torch  # pylint: disable=import-outside-toplevel  (before TVM: loads libcublas first)
 
@@ -330,8 +339,8 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
             r["lib_dir"] = str(a.compare_lib_dir)
         results.append(r)
         # each run kept as it ends: a call cut short (a device's time limit) still leaves its runs
-        cli.write_results(out, {"model": cfg["model_name"], "device": a.device, "results": old.get("results", []) + results,
-                                "complete": False})
+        cli.write_results(out, {"model": cfg["model_name"], "device": a.device,
+                                "results": merged_runs(old.get("results", []), results), "complete": False})
         print(f"{label}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "
               f"{r['output_tokens_per_s']:.1f} output tokens/s, {r['total_tokens_per_s']:.1f} total tokens/s "
               f"(peak batch {r['peak_batch']}, {r['preemptions']} preemptions, {r['num_steps']} steps; "
@@ -342,10 +351,7 @@ def run_lora(a) -> int:  # pylint: disable=too-many-locals
             print(f"{label}: GPU SM clock {g['sm_clock_mhz_mean']} MHz mean, {g['sm_clock_mhz_min']} min; "
                   f"{g['temperature_c_max']:.0f} C max; {g['power_w_mean']} W mean, {g['power_w_max']:.0f} max; "
                   f"throttle reasons {', '.join(g['throttle_reasons']) or 'none'}", flush=True)
-    by = {r["config"]: r for r in old.get("results", [])}
-    by.update({r["config"]: r for r in results})
-    order = {c: i for i, c in enumerate(CONFIGS)}
-    results = with_ratios(sorted(by.values(), key=lambda r: (order[config_of(r["config"])], r["config"])))
+    results = with_ratios(merged_runs(old.get("results", []), results))
     print("\n| config | run | adapters | req/s | output tok/s | total tok/s | req/s vs base |\n"
           "|---|---|---|---|---|---|---|")
     for r in results:
