@@ -37,12 +37,15 @@ def test_sigterm_drains_streams_and_whole_requests(tiny_chat):
             except httpx.HTTPError as e:
                 results[f"whole{i}"] = e
 
-        # 8 x 16 choices of 400 tokens on 16 batch places: no engine finishes them all in the drain
+        # 8 x 16 choices of 400 tokens on 16 batch places: no engine finishes them all in the drain. The
+        # stream runs first (sent together on a loaded machine, it could queue behind all of them and
+        # start only once they were done); the whole requests are sent once it streams
         threads = [threading.Thread(target=stream)] + [threading.Thread(target=whole, args=(i,)) for i in range(8)]
-        for th in threads:
-            th.start()
+        threads[0].start()
         assert started.wait(60)
-        time.sleep(0.1)
+        for th in threads[1:]:
+            th.start()
+        time.sleep(0.3)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
