@@ -14,6 +14,7 @@ processes into one JSON):
             arrivals at `--request-rate`: throughput, TTFT p50/p99, end-to-end latency; the ratio of
             each count's throughput to the smallest count's. The two popularities of one count share
             an engine (the adapters are loaded once).
+Every run also records where its time went (`time`: time_split) and prints it after its metrics.
   prefetch  the largest count, uniform popularity, at `--latency-rate`: TTFT p50/p99 with the engine's
             adapter prefetch on vs off.
   prefix    `--prefix-adapters` adapters, each request's prompt behind its adapter's own
@@ -270,6 +271,9 @@ class Bench:  # pylint: disable=too-many-instance-attributes
             print(f"{label}: {len(failed)} requests failed, e.g. {failed[0]}", flush=True)
         out = dict(label=label, requests=len(requests), metrics=summarize(results, duration, (50, 99)),
                    engine={k: after[k] - before.get(k, 0) for k in ENGINE_COUNTERS if k in after})
+        split = time_split(before, after, duration)
+        if split is not None:
+            out["time"] = split
         q, h = "prefix_cache_query_tokens", "prefix_cache_hit_tokens"
         if q in after and h in after:  # the prefix cache's hit rate over this run's prompts
             asked = after[q] - before.get(q, 0)
@@ -283,10 +287,54 @@ class Bench:  # pylint: disable=too-many-instance-attributes
         print(f"{label}: {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} output tok/s, TTFT p50 "
               f"{m['p50_ttft_ms']:.1f} / p99 {m['p99_ttft_ms']:.1f} ms, E2E p99 {m['p99_e2el_ms']:.1f} ms "
               f"({m['completed']} done, {m['failed']} failed)", flush=True)
+        if "time" in out:
+            print("\n".join(time_lines(label, out["time"])), flush=True)
         return out
 
 
 ENGINE_COUNTERS = ("num_steps", "num_preemptions", "adapter_evictions", "adapter_page_ins")
+
+
+def _delta(after, before):
+    """after - before, nested dicts of numbers (keys missing before count as 0)."""
+    if isinstance(after, dict):
+        return {k: _delta(v, (before or {}).get(k)) for k, v in after.items()}
+    return after - (before or 0)
+
+
+def time_split(before: dict, after: dict, duration: float) -> dict | None:
+    """Where a run's wall time went, from the engine's stats before and after it: the steps' forwards
+    by kind (prefill, decode), the engine's host work outside them (host_times: the adapters' tiers,
+    scheduling with its page-ins, outputs, waiting for adapter reads) and the rest (`other`: the
+    engine waiting for arrivals, taking requests); and decode steps by their distinct adapters
+    (decode_adapter_steps): ms a step, sequences a step, GB of adapter pages a step and the rate the
+    step read them at (those bytes over the step's whole time: a lower bound of the LoRA kernels').
+    None for an engine without these stats."""
+    if "host_times" not in after or "decode_adapter_steps" not in after:
+        return None
+    steps = _delta(after["step_times"], before.get("step_times"))
+    fwd = {kind: sum(v["seconds"] for k, v in steps.items() if k.startswith(kind + "_")) for kind in ("prefill", "decode")}
+    host = _delta(after["host_times"], before.get("host_times"))
+    by_adapters = {}
+    for k, v in _delta(after["decode_adapter_steps"], before.get("decode_adapter_steps")).items():
+        if v["steps"] > 0:
+            by_adapters[k] = dict(steps=v["steps"], ms_per_step=1e3 * v["seconds"] / v["steps"],
+                                  sequences_per_step=v["sequences"] / v["steps"],
+                                  adapter_gb_per_step=v["adapter_bytes"] / v["steps"] / 1e9,
+                                  adapter_gb_per_s=v["adapter_bytes"] / v["seconds"] / 1e9 if v["seconds"] else 0.0)
+    seconds = {**fwd, **host}
+    seconds["other"] = duration - sum(seconds.values())
+    return dict(seconds=seconds, decode_by_adapters=dict(sorted(by_adapters.items(), key=lambda kv: int(kv[0][2:]))))
+
+
+def time_lines(label: str, split: dict) -> list[str]:
+    s = split["seconds"]
+    out = [f"{label}: time " + ", ".join(f"{k} {v:.1f} s" for k, v in s.items())]
+    for k, v in split["decode_by_adapters"].items():
+        out.append(f"  decode steps with {k} adapters: {v['steps']}, {v['ms_per_step']:.1f} ms, "
+                   f"{v['sequences_per_step']:.0f} sequences, {v['adapter_gb_per_step']:.2f} GB of adapter pages "
+                   f"a step ({v['adapter_gb_per_s']:.0f} GB/s over the step)")
+    return out
 
 
 async def drive(engine, requests, adapters, at, desc: str):

@@ -113,6 +113,13 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
         self._outbox: list[tuple[Sequence, StepOutput]] = []  # the step's outputs, delivered as it ends
         self.step_times: dict[str, list] = {}  # "decode_<=64" -> [steps, seconds]
+        # decode steps with adapters by the distinct adapters they hold: "<=N" -> [steps, seconds,
+        # sequences, bytes of those adapters' pages (what the step's LoRA kernels read)]
+        self.decode_adapter_steps: dict[str, list] = {}
+        # seconds of the steps outside the forward: the adapters' tiers before scheduling (reads
+        # taken, host tier trimmed, prefetch page-ins), scheduling (with the page-ins and evictions
+        # of what it admits), the outputs after it, waiting for adapter reads when nothing could run
+        self.host_times = dict(adapters=0.0, schedule=0.0, outputs=0.0, wait_reads=0.0)
 
     @property
     def model_name(self) -> Optional[str]:
@@ -179,6 +186,9 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                     kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
                     num_preemptions=self.scheduler.num_preemptions, **self.counters,
                     step_times={k: dict(steps=n, seconds=round(t, 6)) for k, (n, t) in self.step_times.items()},
+                    decode_adapter_steps={k: dict(steps=n, seconds=round(t, 6), sequences=q, adapter_bytes=b)
+                                          for k, (n, t, q, b) in self.decode_adapter_steps.items()},
+                    host_times={k: round(t, 6) for k, t in self.host_times.items()},
                     # the runner's forwards by compiled function (a single-device runner's count)
                     forwards=dict(getattr(self.runner, "forwards", {})),
                     **self.adapters.stats(), **self._prefix_stats())
@@ -228,17 +238,27 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         try:
             self._step()
         finally:
+            t = time.perf_counter()
             self._deliver()
             orphans, self._orphans = self._orphans, []
             for seq in orphans:
                 self.abort(seq)
+            self._host("outputs", t)
+
+    def _host(self, part: str, since: float) -> float:
+        """Add the seconds since `since` to host_times[part]; now."""
+        now = time.perf_counter()
+        self.host_times[part] += now - since
+        return now
 
     def _step(self) -> None:
         lora = self.runner.lora is not None
+        t = time.perf_counter()
         if lora:
             sched = self.scheduler
             self.adapters.prepare_step(sched.queue_order(preview=True), len(sched.running),
                                        self.max_num_seqs - len(sched.running))
+            t = self._host("adapters", t)
         batch = self.scheduler.schedule()
         for seq in self.scheduler.rejected:
             self._emit(seq, StepOutput("", [], "error", error=self.adapters.exhausted(seq)))
@@ -248,15 +268,17 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             for seq, err in self.adapters.unreadable(self.scheduler.waiting):
                 self._fail(seq, err)
         if batch is None:
+            t = self._host("schedule", t)
             if lora and self.adapters.reads_pending():
                 self.adapters.wait_for_reads()  # every waiting request waits for its adapter's folder
+                self._host("wait_reads", t)
             return
         if lora:
             self.adapters.first_steps(batch.seqs)
         c = self.counters
         c["num_steps"] += 1
         c["max_running"] = max(c["max_running"], len(batch.seqs))
-        t0 = time.perf_counter()
+        t0 = self._host("schedule", t)
         try:
             rows = [i for i in range(len(batch.seqs)) if batch.samples(i)]
             scored = None if batch.is_decode else self._prompt_rows(batch)
@@ -273,7 +295,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             for seq in batch.seqs:
                 self._fail(seq, cls(f"engine step failed: {e}"))
             return
-        self._time_step(batch, time.perf_counter() - t0)
+        t = time.perf_counter()
+        self._time_step(batch, t - t0)
         for seq, chunk in zip(batch.seqs, batch.chunks):
             seq.num_cached += len(chunk)
             if self.prefix_caching:
@@ -286,6 +309,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                 self._append(batch.seqs[i], s)
             except Exception as e:  # pylint: disable=broad-except
                 self._fail(batch.seqs[i], MLCLoraError(f"request failed: {e}"))
+        self._host("outputs", t)
 
     def _capture_graphs(self) -> None:
         """A library compiled with CUDA graphs: its decode graphs captured now, one per padded
@@ -301,12 +325,23 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
 
     def _time_step(self, batch: Batch, seconds: float) -> None:
         """Steps and seconds (forward + sampling, which waits for the device) per kind and size:
-        `decode_<=N` by sequences, `prefill_<=N` by tokens, N the next power of two."""
+        `decode_<=N` by sequences, `prefill_<=N` by tokens, N the next power of two; decode steps
+        with adapters also by their distinct adapters (decode_adapter_steps), with the sequences
+        and the bytes of those adapters' pages (a host copy holds exactly its pool pages)."""
         n = len(batch.seqs) if batch.is_decode else sum(len(c) for c in batch.chunks)
         key = f"{'decode' if batch.is_decode else 'prefill'}_<={1 << max(0, n - 1).bit_length()}"
         entry = self.step_times.setdefault(key, [0, 0.0])
         entry[0] += 1
         entry[1] += seconds
+        by_slot = self.adapters.by_slot
+        slots = {s.adapter_slot for s in batch.seqs if s.adapter_slot is not None} \
+            if by_slot and batch.is_decode else ()
+        if slots:
+            entry = self.decode_adapter_steps.setdefault(f"<={1 << (len(slots) - 1).bit_length()}", [0, 0.0, 0, 0])
+            entry[0] += 1
+            entry[1] += seconds
+            entry[2] += len(batch.seqs)
+            entry[3] += sum(by_slot[k].host_bytes for k in slots)
 
     def _fail(self, seq: Sequence, error: MLCLoraError) -> None:
         self.scheduler.finish(seq)

@@ -16,6 +16,7 @@ from mlc_lora import AsyncMLCEngine, MLCEngine
 from mlc_lora.engine import LLMEngine, SamplingParams
 from mlc_lora.compile import CompileOptions
 from mlc_lora.errors import LoraError, PoolExhaustedError, UnknownAdapterError
+from mlc_lora.runner.config import CompiledConfig
 
 from ..conftest import make_tiny_hf_model, save_adapter
 from ..lora.test_peft_parity import ADAPTERS, REQUESTS, lora_setup  # noqa: F401  (module fixture)
@@ -99,6 +100,17 @@ def test_mixed_adapter_batch_matches_peft_and_single_agrees(lora_setup):  # noqa
     assert all(a["resident"] and not a["pinned"] for a in listed)
     assert_idle(stats, sum(a["pages"] for a in listed))
     assert stats["adapters_resident"] == [f"a{i}" for i in sorted(ADAPTERS)]
+    # every decode step held all the requests (one batch, the same max_tokens): all five adapters,
+    # whose pages it read: pages x layers x page elements x 4 bytes (float32)
+    lora = CompiledConfig.read(compiled["gather"], "cpu").lora
+    page_bytes = lora.num_layers * lora.page_elems * 4
+    steps = stats["decode_adapter_steps"]
+    assert list(steps) == ["<=8"] and steps["<=8"]["steps"] == stats["num_decode_steps"] == MAX_TOKENS - 1
+    assert steps["<=8"]["sequences"] == len(REQUESTS) * stats["num_decode_steps"]
+    assert steps["<=8"]["adapter_bytes"] == stats["num_decode_steps"] * page_bytes * sum(a["pages"] for a in listed)
+    assert steps["<=8"]["seconds"] == pytest.approx(stats["step_times"]["decode_<=8"]["seconds"], abs=1e-5)
+    assert set(stats["host_times"]) == {"adapters", "schedule", "outputs", "wait_reads"}
+    assert all(t >= 0 for t in stats["host_times"].values()) and stats["host_times"]["schedule"] > 0
     # stage 1: the scheduler runs one adapter per batch (the runner refuses anything else)
     single, stats1, _ = run_mixed(compiled["single"], root)
     assert stats1["num_finished"] == len(REQUESTS)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import bench_adapters as bench
 
 # the option each section compares, where the engine must have it for the section to run
@@ -60,6 +62,18 @@ def test_adapters_bench_smoke_runs_every_section_on_cpu(tmp_path, capsys):
         assert m["completed"] == r["requests"] and m["failed"] == 0, r["label"]
         assert m["request_throughput"] > 0 and m["p99_ttft_ms"] >= m["p50_ttft_ms"] > 0
     assert all(r["requests"] == n for r in scale["runs"])
+    # where each run's time went: the engine's parts lie inside the run's wall time; the decode
+    # steps with adapters (all of a scale run's requests have one) read some adapter pages
+    for r in runs:
+        sec = r["time"]["seconds"]
+        assert set(sec) == {"prefill", "decode", "adapters", "schedule", "outputs", "wait_reads", "other"}
+        assert sec["prefill"] > 0 and sec["decode"] > 0 and min(sec.values()) > -0.05 * r["metrics"]["duration"], r["label"]
+    for r in scale["runs"]:
+        by = r["time"]["decode_by_adapters"]
+        assert by and all(v["steps"] > 0 and v["sequences_per_step"] >= 1 and v["adapter_gb_per_step"] > 0
+                          for v in by.values()), r["label"]
+        assert max(int(k[2:]) for k in by) <= 2 * r["adapters"]
+    assert "decode steps with <=" in printed
     if "fair_share" in options:
         fair = secs["fairness"]
         for r in fair["runs"]:
@@ -81,3 +95,28 @@ def test_adapters_bench_smoke_runs_every_section_on_cpu(tmp_path, capsys):
                        str(req), "--sections", "prefix", "--out", str(out), "--append"]) == 0
     again = json.loads(out.read_text())["sections"]
     assert list(again) == list(bench.SECTIONS) and again["scale"] == scale
+
+
+def test_time_split_against_hand_made_stats():
+    """time_split's arithmetic on two engine stats written by hand (the differences over the run)."""
+    before = dict(step_times={"prefill_<=512": dict(steps=2, seconds=1.0), "decode_<=4": dict(steps=5, seconds=0.5)},
+                  host_times=dict(adapters=0.1, schedule=0.2, outputs=0.3, wait_reads=0.0),
+                  decode_adapter_steps={"<=2": dict(steps=5, seconds=0.5, sequences=15, adapter_bytes=10 ** 9)})
+    after = dict(step_times={"prefill_<=512": dict(steps=4, seconds=3.0), "prefill_<=64": dict(steps=1, seconds=0.25),
+                             "decode_<=4": dict(steps=9, seconds=1.5), "decode_<=16": dict(steps=2, seconds=1.0)},
+                 host_times=dict(adapters=0.6, schedule=0.7, outputs=0.8, wait_reads=0.25),
+                 decode_adapter_steps={"<=2": dict(steps=9, seconds=1.5, sequences=27, adapter_bytes=3 * 10 ** 9),
+                                       "<=16": dict(steps=2, seconds=1.0, sequences=24, adapter_bytes=4 * 10 ** 9)})
+    split = bench.time_split(before, after, 10.0)
+    assert split["seconds"] == pytest.approx(dict(prefill=2.25, decode=2.0, adapters=0.5, schedule=0.5, outputs=0.5,
+                                                  wait_reads=0.25, other=4.0))
+    by = split["decode_by_adapters"]
+    assert list(by) == ["<=2", "<=16"]
+    assert by["<=2"] == pytest.approx(dict(steps=4, ms_per_step=250.0, sequences_per_step=3.0,
+                                           adapter_gb_per_step=0.5, adapter_gb_per_s=2.0))
+    assert by["<=16"] == pytest.approx(dict(steps=2, ms_per_step=500.0, sequences_per_step=12.0,
+                                            adapter_gb_per_step=2.0, adapter_gb_per_s=4.0))
+    assert bench.time_split({}, dict(step_times={}), 1.0) is None  # an engine without these stats
+    lines = bench.time_lines("run", split)
+    assert lines[0].startswith("run: time prefill 2.2 s, decode 2.0 s") and "other 4.0 s" in lines[0]
+    assert "decode steps with <=16 adapters: 2, 500.0 ms, 12 sequences, 2.00 GB" in lines[2]
