@@ -147,6 +147,7 @@ class _EngineCollector:
             for name, n in sorted(s["forwards"].items()):
                 forwards.add_metric([name], n)
             yield forwards
+        yield from step_metrics(s)
         if s.get("prefix_caching"):
             yield from _scalars(s, (
                 (CounterMetricFamily, "prefix_cache_queries", "prefix_cache_query_tokens",
@@ -169,6 +170,46 @@ def _scalars(s: dict[str, Any], specs):
     """One unlabelled metric per (family, metric name, stats() key, help)."""
     for family, name, key, help_ in specs:
         yield family(f"{PREFIX}_{name}", help_, value=s[key])
+
+
+def step_metrics(s: dict[str, Any]):
+    """Where the engine's time goes, from a stats() snapshot: steps and their forward seconds by
+    kind and size bucket (`decode_<=N`: N sequences, `prefill_<=N`: N tokens), the host seconds of
+    the steps outside the forwards by part, and (LoRA engines) decode steps by the distinct
+    adapters they hold, with the bytes of those adapters' pool pages they read."""
+    times = s.get("step_times")
+    if times is None:
+        return
+    steps = CounterMetricFamily(f"{PREFIX}_steps", "Engine steps by kind and size (decode: sequences, "
+                                "prefill: tokens, up to the bucket's bound)", labels=["bucket"])
+    seconds = CounterMetricFamily(f"{PREFIX}_step_seconds", "Seconds of the engine steps' forwards (with "
+                                  "sampling) by kind and size", labels=["bucket"])
+    for k, v in sorted(times.items()):
+        steps.add_metric([k], v["steps"])
+        seconds.add_metric([k], v["seconds"])
+    yield steps
+    yield seconds
+    if "host_times" in s:
+        host = CounterMetricFamily(f"{PREFIX}_step_host_seconds", "Seconds of the engine steps outside the "
+                                   "forwards: adapters (their tiers before scheduling), schedule (with the "
+                                   "page-ins it makes), outputs, wait_reads (waiting for adapter reads)",
+                                   labels=["part"])
+        for k, v in s["host_times"].items():
+            host.add_metric([k], v)
+        yield host
+    by = s.get("decode_adapter_steps")
+    if by:
+        labels = ["adapters"]
+        fams = (CounterMetricFamily(f"{PREFIX}_decode_adapter_steps", "Decode steps with adapters by the "
+                                    "distinct adapters they hold (up to the bucket's bound)", labels=labels),
+                CounterMetricFamily(f"{PREFIX}_decode_adapter_step_seconds", "Seconds of those decode steps",
+                                    labels=labels),
+                CounterMetricFamily(f"{PREFIX}_decode_adapter_step_bytes", "Bytes of the pool pages of those "
+                                    "steps' adapters (what their LoRA kernels read)", labels=labels))
+        for k, v in sorted(by.items(), key=lambda kv: int(kv[0][2:])):
+            for fam, key in zip(fams, ("steps", "seconds", "adapter_bytes")):
+                fam.add_metric([k], v[key])
+        yield from fams
 
 
 def adapter_tier_metrics(s: dict[str, Any]):

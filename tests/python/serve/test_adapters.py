@@ -187,6 +187,10 @@ def test_unload_then_404_and_reload(server, client, setup):
     assert m["mlc_lora_adapter_loads_total"] == 10 and m["mlc_lora_adapter_unloads_total"] == 2
     # the pool's own counters (the engine test evicts and pages in; here the pool is large enough)
     assert m["mlc_lora_adapter_evictions_total"] == 0 and m["mlc_lora_adapter_page_ins_total"] == 0
+    # the greedy requests above ran alone: their decode steps held one adapter, whose pages they read
+    one = m['mlc_lora_decode_adapter_steps_total{adapters="<=1"}']
+    assert one >= 7 and m['mlc_lora_decode_adapter_step_bytes_total{adapters="<=1"}'] > 0
+    assert m['mlc_lora_decode_adapter_step_seconds_total{adapters="<=1"}'] > 0
 
 
 def test_a_name_found_on_disk_loads_once_for_concurrent_requests(server, setup):

@@ -32,3 +32,13 @@ def test_prefix_cache_metrics(tiny_chat):
     # fits one chunk), then a decode for each of its 3 tokens after the first
     assert m['mlc_lora_forwards_total{function="prefill"}'] == 2
     assert m['mlc_lora_forwards_total{function="decode"}'] == 2 * 3
+    # the same steps by kind and size (the prompt's 52 tokens, then its 4 past the cached pages;
+    # decodes of one sequence), timed; the host time outside the forwards by part; no decode
+    # steps with adapters (no LoRA)
+    assert m['mlc_lora_steps_total{bucket="prefill_<=64"}'] == 1 == m['mlc_lora_steps_total{bucket="prefill_<=4"}']
+    assert m['mlc_lora_steps_total{bucket="decode_<=1"}'] == 6
+    assert m['mlc_lora_step_seconds_total{bucket="prefill_<=64"}'] > 0 < m['mlc_lora_step_seconds_total{bucket="decode_<=1"}']
+    assert m['mlc_lora_step_host_seconds_total{part="schedule"}'] > 0
+    assert {k for k in m if k.startswith("mlc_lora_step_host_seconds_total")} == {
+        f'mlc_lora_step_host_seconds_total{{part="{p}"}}' for p in ("adapters", "schedule", "outputs", "wait_reads")}
+    assert not any(k.startswith("mlc_lora_decode_adapter_steps") for k in m)
