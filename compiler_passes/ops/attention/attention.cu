@@ -35,34 +35,57 @@ __device__ __forceinline__ uint32_t pack2(float x, float y) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// The PTX below; on the CPU (no __CUDA_ARCH__) the tests' emulation of each instruction
+// (tests/python/compiler/cuda_emu/prelude.h).
+#if defined(__CUDA_ARCH__)
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+#endif
 
 // 16 bytes global -> shared without registers; `valid == false` writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__)
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0));
+#else
+  emu_cp_async16(dst, src, valid);
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+#if defined(__CUDA_ARCH__)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+#else
+  emu_ldsm_x4(r, p, false);
+#endif
 }
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+#if defined(__CUDA_ARCH__)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+#else
+  emu_ldsm_x4(r, p, true);
+#endif
 }
 
 // c (16x8, fp32) += a (16x16, row) * b (16x8, col)
 __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
 #ifdef MLC_BF16
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -74,6 +97,10 @@ __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b
 #endif
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  const uint32_t b[2] = {b0, b1};
+  emu_mma16816<T>(c, a, b);
+#endif
 }
 
 __device__ __forceinline__ int seq_kv_len(const int* page_indptr, const int* last_page_len,

@@ -1,10 +1,13 @@
 """The paged attention op (compiler_passes/ops/attention): its numpy reference against torch SDPA,
-what the CUDA kernels support, and the pool cache's side of the "mlc_lora" kernel contract
-(argument order, max query length, split-KV split count and keys per split), by compiling a tiny
-llvm model whose mlc_lora kernels are numpy stand-ins, against the same model on TVM's kernels.
-The kernels themselves run in test_attention_gpu (skipped without a GPU) and
-scripts/bench_attention.py.
+attention.cu on the CPU emulation of its CUDA instructions (cp.async, ldmatrix, mma.sync, warp
+shuffles, the split-KV merge) against that reference, what the CUDA kernels support, and the pool
+cache's side of the "mlc_lora" kernel contract (argument order, max query length, split-KV split
+count and keys per split), by compiling a tiny llvm model whose mlc_lora kernels are numpy
+stand-ins, against the same model on TVM's kernels. On a GPU, scripts/bench_attention.py checks
+the built kernels against the reference before it times them.
 """
+
+import subprocess
 
 import numpy as np
 import pytest
@@ -14,7 +17,11 @@ import tvm_ffi
 from mlc_lora.compiler_passes.ops.attention import attention_cuda
 from mlc_lora.compiler_passes.ops.attention.reference import attention_ref
 
+from mlc_lora.contract import PAGE_SIZE
+
 from .stand_ins import Lockstep
+from ... import emu
+from ....conftest import needs_cxx
 
 
 def random_pages(rng, q_lens, kv_lens, hq, hkv, d):
@@ -47,6 +54,75 @@ def test_reference_matches_torch_sdpa():
         logits = (qs @ k.transpose(1, 2) * 0.3).masked_fill(~mask, float("-inf"))
         np.testing.assert_allclose(lse[qo[s]:qo[s + 1]].T, (torch.logsumexp(logits, -1) / np.log(2)).numpy(),
                                    atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def attention_emu(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("attention_emu")
+    return lambda dtype, d: emu.build("attention_emu.cc", out_dir / f"attention_emu_{dtype}_{d}", attention_cuda.SOURCE,
+                                      dtype, {"MLC_HEAD_DIM": d, "MLC_PAGE_SIZE": PAGE_SIZE})
+
+
+def _run_emu(exe, tmp_path, dtype, mode, q_lens, kv_lens, hq, hkv, d, seed):
+    """attention.cu's kernel on the emulation and the reference on the same rounded inputs:
+    (o, lse, ref o, ref lse, counters or None)."""
+    import ml_dtypes
+
+    np_dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    q, qo, pages, pind, pidx, last = random_pages(np.random.default_rng(seed), q_lens, kv_lens, hq, hkv, d)
+    q, pages = q.astype(np_dt), pages.astype(np_dt)
+    sm_scale = d ** -0.5
+    for name, a in dict(q=q, qo_indptr=qo, pages=pages, page_indptr=pind, page_indices=pidx,
+                        last_page_len=last).items():
+        a.tofile(tmp_path / name)
+    if mode == "prefill":
+        k1, k2 = max(q_lens), 0
+    else:  # as the pool cache splits: whole pages per split, every split holding keys of the longest
+        k1 = 3
+        k2 = -(-max(kv_lens) // k1 // PAGE_SIZE) * PAGE_SIZE
+        k1 = -(-max(kv_lens) // k2)
+    args = (len(q), len(q_lens), hq, hkv, len(pages), len(pidx), k1, k2, sm_scale * 1.4426950408889634)
+    subprocess.run([str(exe), str(tmp_path), mode, *map(str, args)], check=True, timeout=600)
+    o = np.fromfile(tmp_path / "o", np_dt).reshape(q.shape).astype(np.float32)
+    lse = np.fromfile(tmp_path / "lse", np.float32).reshape(q.shape[:2])
+    ref_o, ref_lse = attention_ref(q.astype(np.float32), qo, pages.astype(np.float32), pind, pidx, last, sm_scale)
+    counters = np.fromfile(tmp_path / "counters", np.int32) if mode == "decode" else None
+    return o, lse, ref_o, ref_lse, counters, k1
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype,d,hq,hkv,q_lens,kv_lens", [
+    # ragged, a cached prefix, a sequence of 100 rows (two row blocks), 150 keys (three key tiles,
+    # the causal tile and one past the end masked), GQA 2:1
+    ("float16", 64, 4, 2, [5, 100, 1, 17], [5, 150, 9, 40]),
+    ("bfloat16", 128, 2, 2, [70, 3], [70, 131]),
+])
+def test_prefill_cu_on_cpu_emulation(attention_emu, tmp_path, dtype, d, hq, hkv, q_lens, kv_lens):
+    o, lse, ref_o, ref_lse, _, _ = _run_emu(attention_emu(dtype, d), tmp_path, dtype, "prefill", q_lens, kv_lens,
+                                            hq, hkv, d, seed=d + len(q_lens))
+    # P and the output are rounded to the dtype (fp32 sums): ~2^-11 / 2^-8 relative
+    tol = 2e-3 if dtype == "float16" else 1.5e-2
+    assert np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o) < tol
+    np.testing.assert_allclose(o, ref_o, rtol=0, atol=8 * tol * np.abs(ref_o).max())
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-3)
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype,d,hq,hkv,kv_lens", [
+    # 3 splits of whole pages: the longest context fills them, the shortest (5 keys) only the
+    # first, so the last block of its pairs merges empty splits
+    ("float16", 128, 4, 2, [5, 70, 130]),
+    ("bfloat16", 64, 2, 1, [33, 48, 17]),
+])
+def test_decode_cu_on_cpu_emulation(attention_emu, tmp_path, dtype, d, hq, hkv, kv_lens):
+    o, lse, ref_o, ref_lse, counters, splits = _run_emu(attention_emu(dtype, d), tmp_path, dtype, "decode",
+                                                        [1] * len(kv_lens), kv_lens, hq, hkv, d, seed=d)
+    assert splits > 1  # the merge ran
+    tol = 2e-3 if dtype == "float16" else 1.5e-2
+    assert np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o) < tol
+    np.testing.assert_allclose(o, ref_o, rtol=0, atol=8 * tol * np.abs(ref_o).max())
+    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-3)
+    assert not counters.any()  # the last block of each pair set its counter back to 0
 
 
 def test_supported_says_why_not():
