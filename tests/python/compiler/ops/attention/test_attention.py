@@ -57,7 +57,7 @@ def test_reference_matches_torch_sdpa():
 
 
 @pytest.fixture(scope="module")
-def attention_emu(tmp_path_factory):
+def attention_emu(tmp_path_factory):  # (two builds: fp16 at d 64, bf16 at d 128)
     out_dir = tmp_path_factory.mktemp("attention_emu")
     return lambda dtype, d: emu.build("attention_emu.cc", out_dir / f"attention_emu_{dtype}_{d}", attention_cuda.SOURCE,
                                       dtype, {"MLC_HEAD_DIM": d, "MLC_PAGE_SIZE": PAGE_SIZE})
@@ -111,8 +111,8 @@ def test_prefill_cu_on_cpu_emulation(attention_emu, tmp_path, dtype, d, hq, hkv,
 @pytest.mark.parametrize("dtype,d,hq,hkv,kv_lens", [
     # 3 splits of whole pages: the longest context fills them, the shortest (5 keys) only the
     # first, so the last block of its pairs merges empty splits
-    ("float16", 128, 4, 2, [5, 70, 130]),
-    ("bfloat16", 64, 2, 1, [33, 48, 17]),
+    ("float16", 64, 4, 2, [5, 70, 130]),
+    ("bfloat16", 128, 2, 1, [33, 48, 17]),
 ])
 def test_decode_cu_on_cpu_emulation(attention_emu, tmp_path, dtype, d, hq, hkv, kv_lens):
     o, lse, ref_o, ref_lse, counters, splits = _run_emu(attention_emu(dtype, d), tmp_path, dtype, "decode",
