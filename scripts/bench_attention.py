@@ -9,7 +9,8 @@ float32 torch reference first.
   python scripts/bench_attention.py run --lib-dir attn [--log-dir DIR]
 
 Shapes: Llama-2-7B (32 heads, MHA, d 128), Llama-3-8B (32/8 GQA, d 128, fp16 and bf16),
-SmolLM2-135M (9/3, d 64). Timing: scripts/harness/timing.py's CUDA-graph method, the three
+SmolLM2-135M (9/3, d 64). Decode also runs the pipelined variants of our kernel
+(attention_cuda.DECODE_KERNELS: `pipe2`, `pipe4`), checked and timed beside the default one. Timing: scripts/harness/timing.py's CUDA-graph method, the three
 implementations of one case interleaved, 5 calls on the same pages per graph, 10 replays each.
 """
 
@@ -41,6 +42,9 @@ def compile_libs(out: Path) -> None:
         prefill, decode, ext = C.attention_cuda.build(dtype, d, hq, hkv, C.ARCH)
         funcs = {
             "ours_prefill": prefill, "ours_decode": decode,
+            # the pipelined decode kernels, timed beside the default (attention_cuda.DECODE_KERNELS)
+            **{f"ours_{k.removeprefix('mlc_lora_attn_')}": C.attention_cuda.decode_wrapper(dtype, d, hq, hkv, k)
+               for k in C.attention_cuda.DECODE_KERNELS if k != C.attention_cuda.DECODE_KERNEL},
             "tir_prefill": _attention_prefill(hkv, hq, d, dtype, False, {}, target),
             "tir_decode": _attention_decode(hkv, hq, d, dtype, False, {}, target),
         }
@@ -108,10 +112,12 @@ def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-local
             keys = -(-keys // PAGE) * PAGE
             return -(-max_kv // keys), keys
 
-        def ours_decode(q, pages, page_indptr, page_indices, last, o, lse, max_kv):
+        def ours_decode(q, pages, page_indptr, page_indices, last, o, lse, max_kv, fn="ours_decode"):
             n, keys = splits(q.shape[0], max_kv)
-            lib["ours_decode"](tv(q), tv(pages), tv(page_indptr), tv(page_indices), tv(last), tv(o), tv(lse),
-                               tv(work_o), tv(work_l), tv(counters), n, keys, scale)
+            lib[fn](tv(q), tv(pages), tv(page_indptr), tv(page_indices), tv(last), tv(o), tv(lse),
+                    tv(work_o), tv(work_l), tv(counters), n, keys, scale)
+
+        variants = [f for f in ("ours_decode_pipe2", "ours_decode_pipe4") if lib.implements_function(f)]
 
         def tir_prefill(q, qo_indptr, pages, page_indptr, page_indices, last, o, lse):
             zeros_b = torch.zeros(len(qo_indptr) - 1, dtype=torch.int32, device=dev)
@@ -130,7 +136,7 @@ def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-local
         for kind, q_lens, kv_lens in cases:
             q, qo, pages, pind, pidx, last = make_batch(q_lens, kv_lens)
             ref = reference(q, qo, pages, pind, pidx, last)
-            for impl in ("ours", "tir"):
+            for impl in ("ours", "tir", *(v.removeprefix("ours_decode_") for v in variants if kind == "decode")):
                 o = torch.zeros_like(q)
                 lse = torch.zeros(q.shape[0], hq, dtype=torch.float32, device=dev)
                 if kind == "prefill" and impl == "ours":
@@ -139,8 +145,10 @@ def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-local
                     tir_prefill(q, qo, pages, pind, pidx, last, o, lse)
                 elif impl == "ours":
                     ours_decode(q, pages, pind, pidx, last, o, lse, max(kv_lens))
-                else:
+                elif impl == "tir":
                     tir_decode(q, pages, pind, pidx, last, o, lse)
+                else:
+                    ours_decode(q, pages, pind, pidx, last, o, lse, max(kv_lens), fn=f"ours_decode_{impl}")
                 torch.cuda.synchronize()
                 err = float((o.float() - ref).norm() / ref.norm())
                 mx = float((o.float() - ref).abs().max())
@@ -150,7 +158,9 @@ def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-local
         # ---- timing
         for kind, b, ql, kv in ([("prefill", b, 512, 512) for b in (1, 4, 16)]
                                 + [("decode", b, 1, 525) for b in (1, 16, 64)]
-                                + [("decode", 1, 1, 4096), ("decode", 16, 1, 4096)]):
+                                + [("decode", 1, 1, 4096), ("decode", 16, 1, 4096)]
+                                # short contexts at large batches (ShareGPT serving's decode steps)
+                                + [("decode", b, 1, 160) for b in (64, 256)]):
             q, qo, pages, pind, pidx, last = make_batch([ql] * b, [kv] * b)
             o = torch.empty_like(q)
             lse = torch.empty(q.shape[0], hq, dtype=torch.float32, device=dev)
@@ -164,17 +174,24 @@ def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-local
             else:
                 cands = {"ours": lambda _c: ours_decode(q, pages, pind, pidx, last, o, lse, kv),
                          "tir": lambda _c: tir_decode(q, pages, pind, pidx, last, o, lse)}
+                for v in variants:
+                    cands[v.removeprefix("ours_decode_")] = \
+                        lambda _c, v=v: ours_decode(q, pages, pind, pidx, last, o, lse, kv, fn=v)
             cands["sdpa"] = lambda _c: F.scaled_dot_product_attention(qs, ks, vs, is_causal=kind == "prefill")
             t = compare({k: (fn, 5) for k, fn in cands.items()}, reps=10)  # TIR prefill: up to ~50 ms a call
             t_ours, t_tir, t_sdpa = t["ours"], t["tir"], t["sdpa"]
             flops = 4 * b * hq * ql * kv * d / (2 if kind == "prefill" else 1)
             kv_bytes = 2 * b * kv * hkv * d * q.element_size()
             row = dict(shape=name, kind=kind, batch=b, q_len=ql, kv_len=kv, ours_us=t_ours, tir_us=t_tir,
-                       sdpa_us=t_sdpa, ours_tflops=flops / t_ours / 1e6, ours_tbps=kv_bytes / t_ours / 1e6)
+                       sdpa_us=t_sdpa, ours_tflops=flops / t_ours / 1e6, ours_tbps=kv_bytes / t_ours / 1e6,
+                       **{f"{k}_us": t[k] for k in cands if k not in ("ours", "tir", "sdpa")})
             results["timing"].append(row)
+            pipes = "".join(f"  {k} {t[k]:8.1f} us ({t[k] / t_ours:.3f}x ours)" for k in cands
+                            if k not in ("ours", "tir", "sdpa"))
             log.say(f"[time] {name:15s} {kind:7s} b={b:3d} q={ql:4d} kv={kv:5d}  ours {t_ours:9.1f} us  "
                     f"tir {t_tir:9.1f} us  sdpa {t_sdpa:9.1f} us  | tir/ours {t_tir / t_ours:6.2f}  "
-                    f"ours/sdpa {t_ours / t_sdpa:5.2f}  {row['ours_tflops']:.0f} TFLOP/s {row['ours_tbps']:.2f} TB/s")
+                    f"ours/sdpa {t_ours / t_sdpa:5.2f}  {row['ours_tflops']:.0f} TFLOP/s {row['ours_tbps']:.2f} TB/s"
+                    + pipes)
     cli.write_results(log.json, results)
 
 

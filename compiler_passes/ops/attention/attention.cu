@@ -109,11 +109,14 @@ __device__ __forceinline__ int seq_kv_len(const int* page_indptr, const int* las
   return n == 0 ? 0 : (n - 1) * PAGE + last_page_len[s];
 }
 
-// Element offset of (token j of a sequence, K or V, kv head) in a layer's pages.
+// Element offset of (token j of a sequence, K or V, kv head) in a layer's pages: in `page`, the
+// page of the sequence's that holds j.
+__device__ __forceinline__ size_t page_offset(size_t page, int j, int which, int hkv, int kvh) {
+  return (((page * 2 + which) * hkv + kvh) * PAGE + j % PAGE) * D;
+}
 __device__ __forceinline__ size_t kv_offset(const int* pages_of_seq, int j, int which, int hkv,
                                             int kvh) {
-  const size_t page = pages_of_seq[j / PAGE];
-  return (((page * 2 + which) * hkv + kvh) * PAGE + j % PAGE) * D;
+  return page_offset(pages_of_seq[j / PAGE], j, which, hkv, kvh);
 }
 
 }  // namespace
@@ -310,13 +313,20 @@ __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
-    mlc_lora_attn_decode(const T* __restrict__ q, const T* __restrict__ pages,
-                         const int* __restrict__ page_indptr,
-                         const int* __restrict__ page_indices,
-                         const int* __restrict__ last_page_len, T* __restrict__ o,
-                         float* __restrict__ lse, float* part_o, float* part_lse, int* counters,
-                         int hq, int hkv, int chunk, float sm_scale_log2) {
+// U: the steps of RPI rows whose loads a thread issues at once, a round (the plain kernel:
+// UNROLL). PIPE: the pipelined variants (mlc_lora_attn_decode_pipe<U>): the rows of round i + 1 are
+// loaded while round i is summed, and their page ids a round earlier still, so a block waits for
+// memory about once instead of once a round (a context of a few hundred keys takes only a few
+// rounds, each a round trip in the plain kernel). The same sums in the same order as the plain
+// kernel: the same bits. Not the default until timed (attention_cuda.DECODE_KERNELS).
+template <bool PIPE, int U>
+__device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __restrict__ pages,
+                                            const int* __restrict__ page_indptr,
+                                            const int* __restrict__ page_indices,
+                                            const int* __restrict__ last_page_len, T* __restrict__ o,
+                                            float* __restrict__ lse, float* part_o, float* part_lse,
+                                            int* counters, int hq, int hkv, int chunk,
+                                            float sm_scale_log2) {
   wait_for_producers();
   const int split = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
   const int nsplit = gridDim.x, b = gridDim.z;
@@ -335,21 +345,32 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   float m = -INFINITY, l = 0.f, acc[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) acc[e] = 0.f;
-  for (int j0 = lo; j0 < hi; j0 += RPI * UNROLL) {
-    uint4 kr[UNROLL], vr[UNROLL];
+  constexpr int ROUND = RPI * U;  // key rows a round
+  // Each thread's rows of the round at j0: j0 + u * RPI + row (u < U), row j in page page_of(u, j);
+  // zeros past hi.
+  auto load_rows = [&](int j0, auto page_of, uint4* kr, uint4* vr) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int j = j0 + u * RPI + row;
       if (j < hi) {
-        const T* p = pages + kv_offset(seq_pages, j, 0, hkv, kvh) + sub * VEC;
+        const T* p = pages + page_offset(page_of(u, j), j, 0, hkv, kvh) + sub * VEC;
         kr[u] = *reinterpret_cast<const uint4*>(p);
         vr[u] = *reinterpret_cast<const uint4*>(p + v_delta);
       } else {
         kr[u] = vr[u] = make_uint4(0, 0, 0, 0);
       }
     }
+  };
+  auto page_ids = [&](int j0, int* pg) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * RPI + row;
+      pg[u] = j < hi ? seq_pages[j / PAGE] : 0;
+    }
+  };
+  auto sum_rows = [&](int j0, const uint4* kr, const uint4* vr) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
       float kf[VEC];
       unpack8(kr[u], kf);
       float sc = 0.f;
@@ -365,6 +386,32 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] = acc[e] * a + p * vf[e];
       m = mn;
+    }
+  };
+  if constexpr (!PIPE) {
+    for (int j0 = lo; j0 < hi; j0 += ROUND) {
+      uint4 kr[U], vr[U];
+      load_rows(j0, [&](int, int j) { return seq_pages[j / PAGE]; }, kr, vr);
+      sum_rows(j0, kr, vr);
+    }
+  } else if (lo < hi) {  // (constexpr: the plain kernel has none of this)
+    // two register sets of rows (a, b) in turn; page ids a round ahead of the rows
+    int pa[U], pb[U];
+    uint4 ka[U], va[U], kb[U], vb[U];
+    page_ids(lo, pa);
+    page_ids(lo + ROUND, pb);
+    auto in_a = [&](int u, int) { return pa[u]; };
+    auto in_b = [&](int u, int) { return pb[u]; };
+    load_rows(lo, in_a, ka, va);
+    for (int j0 = lo; j0 < hi; j0 += 2 * ROUND) {
+      const int j1 = j0 + ROUND, j2 = j1 + ROUND;
+      if (j1 < hi) load_rows(j1, in_b, kb, vb);
+      if (j2 < hi) page_ids(j2, pa);
+      sum_rows(j0, ka, va);
+      if (j1 >= hi) break;
+      if (j2 < hi) load_rows(j2, in_a, ka, va);
+      if (j2 + ROUND < hi) page_ids(j2 + ROUND, pb);
+      sum_rows(j1, kb, vb);
     }
   }
 
@@ -425,3 +472,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     }
   }
 }
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    mlc_lora_attn_decode(const T* __restrict__ q, const T* __restrict__ pages,
+                         const int* __restrict__ page_indptr,
+                         const int* __restrict__ page_indices,
+                         const int* __restrict__ last_page_len, T* __restrict__ o,
+                         float* __restrict__ lse, float* part_o, float* part_lse, int* counters,
+                         int hq, int hkv, int chunk, float sm_scale_log2) {
+  attn_decode<false, UNROLL>(q, pages, page_indptr, page_indices, last_page_len, o, lse, part_o,
+                             part_lse, counters, hq, hkv, chunk, sm_scale_log2);
+}
+
+#define MLC_ATTN_DECODE_PIPE(U)                                                                    \
+  extern "C" __global__ void __launch_bounds__(NTHREADS) mlc_lora_attn_decode_pipe##U(             \
+      const T* __restrict__ q, const T* __restrict__ pages, const int* __restrict__ page_indptr,    \
+      const int* __restrict__ page_indices, const int* __restrict__ last_page_len,                 \
+      T* __restrict__ o, float* __restrict__ lse, float* part_o, float* part_lse, int* counters,   \
+      int hq, int hkv, int chunk, float sm_scale_log2) {                                           \
+    attn_decode<true, U>(q, pages, page_indptr, page_indices, last_page_len, o, lse, part_o,       \
+                         part_lse, counters, hq, hkv, chunk, sm_scale_log2);                      \
+  }
+MLC_ATTN_DECODE_PIPE(2)
+MLC_ATTN_DECODE_PIPE(4)

@@ -28,6 +28,12 @@ DTYPES = ("float16", "bfloat16")
 PREFILL_ROWS = 64  # query rows per prefill block (BM in attention.cu)
 THREADS = 128
 _LOG2E = 1.4426950408889634
+# attention.cu's decode kernels, all of one signature and one result (the same bits): the plain
+# split-KV kernel, and the variants that load a round of key rows while they sum the one before
+# (2 or 4 rows of loads a thread a round). DECODE_KERNEL is the one the wrappers launch; the
+# others are for scripts/bench_attention.py to time beside it.
+DECODE_KERNELS = ("mlc_lora_attn_decode", "mlc_lora_attn_decode_pipe2", "mlc_lora_attn_decode_pipe4")
+DECODE_KERNEL = DECODE_KERNELS[0]
 
 
 def supported(dtype: str, head_dim: int, num_qo_heads: int, num_kv_heads: int) -> str | None:
@@ -49,8 +55,10 @@ def decode_workspace_floats(max_batch: int, num_qo_heads: int, head_dim: int,
     return (target_blocks + max_batch * num_qo_heads) * head_dim
 
 
-def build(dtype: str, head_dim: int, num_qo_heads: int, num_kv_heads: int, arch: str):
-    """(prefill PrimFunc, decode PrimFunc, CUDA module) for one model's attention shape."""
+def build(dtype: str, head_dim: int, num_qo_heads: int, num_kv_heads: int, arch: str,
+          decode_kernel: str = DECODE_KERNEL):
+    """(prefill PrimFunc, decode PrimFunc, CUDA module) for one model's attention shape; the decode
+    PrimFunc launches `decode_kernel` (the module holds every one of DECODE_KERNELS)."""
     why = supported(dtype, head_dim, num_qo_heads, num_kv_heads)
     if why is not None:
         raise ValueError(f"no CUDA attention kernels for {why}")
@@ -61,10 +69,10 @@ def build(dtype: str, head_dim: int, num_qo_heads: int, num_kv_heads: int, arch:
     ptr, i32, f32 = "handle", "int32", "float32"
     module = cuda_build.cuda_module(cubin, {
         "mlc_lora_attn_prefill": [ptr] * 8 + [i32, i32, f32],
-        "mlc_lora_attn_decode": [ptr] * 10 + [i32, i32, i32, f32],
+        **{k: [ptr] * 10 + [i32, i32, i32, f32] for k in DECODE_KERNELS},
     }, arch)
     return _prefill(dtype, head_dim, num_qo_heads, num_kv_heads), \
-        _decode(dtype, head_dim, num_qo_heads, num_kv_heads), module
+        decode_wrapper(dtype, head_dim, num_qo_heads, num_kv_heads, decode_kernel), module
 
 
 def _prefill(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-name
@@ -94,11 +102,15 @@ def _prefill(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-
     return attn_prefill
 
 
-def _decode(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-name
-    """Signature: (q (b, h_q, d), pages, page_indptr (b+1,), page_indices (m,), last_page_len
-    (b,), o (b, h_q, d) [out], lse (b, h_q) [out], part_o (w,) f32, part_lse (w2,) f32,
-    counters (w3,) int32 [workspace; counters zero before the first call, left zero after each],
-    num_splits: int32, chunk: int32 (keys per split), sm_scale: float32)."""
+def decode_wrapper(dtype: str, D: int, HQ: int, HKV: int,  # pylint: disable=invalid-name
+                   kernel: str = DECODE_KERNEL):
+    """The PrimFunc that launches decode kernel `kernel` (one of DECODE_KERNELS). Signature: (q
+    (b, h_q, d), pages, page_indptr (b+1,), page_indices (m,), last_page_len (b,), o (b, h_q, d)
+    [out], lse (b, h_q) [out], part_o (w,) f32, part_lse (w2,) f32, counters (w3,) int32
+    [workspace; counters zero before the first call, left zero after each], num_splits: int32,
+    chunk: int32 (keys per split), sm_scale: float32)."""
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"decode kernel {kernel!r}: attention.cu has {', '.join(DECODE_KERNELS)}")
 
     # pylint: disable=unused-variable
     @T.prim_func
@@ -118,7 +130,7 @@ def _decode(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-n
         part_o = T.match_buffer(part_o_h, (w,), "float32")
         part_lse = T.match_buffer(part_lse_h, (w2,), "float32")
         counters = T.match_buffer(counters_h, (w3,), "int32")
-        T.call_packed("mlc_lora_attn_decode", q.data, pages.data, page_indptr.data,
+        T.call_packed(kernel, q.data, pages.data, page_indptr.data,
                       page_indices.data, last.data, o.data, lse.data, part_o.data,
                       part_lse.data, counters.data, HQ, HKV, chunk, sm_scale * T.float32(_LOG2E),
                       num_splits, HQ, b, THREADS)

@@ -1,7 +1,8 @@
 // compiler_passes/ops/attention/attention.cu on the CPU (prelude.h), launched as attention_cuda.py's
 // wrappers launch it (grid, 128 threads). Usage:
 //   attention_emu DIR prefill n b hq hkv npages m max_q_len sm_scale_log2
-//   attention_emu DIR decode  n b hq hkv npages m num_splits chunk sm_scale_log2
+//   attention_emu DIR KERNEL  n b hq hkv npages m num_splits chunk sm_scale_log2
+// (KERNEL: decode, pipe2 or pipe4: mlc_lora_attn_decode or one of its pipelined variants)
 // reads DIR/{q, qo_indptr (prefill), pages, page_indptr, page_indices, last_page_len} (raw), writes
 // DIR/o, DIR/lse and (decode) DIR/counters.
 #include "prelude.h"
@@ -33,10 +34,11 @@ int main(int argc, char** argv) {
     const int num_splits = k1, chunk = k2;
     std::vector<float> part_o(size_t(num_splits) * b * hq * D, 9.f), part_lse(size_t(num_splits) * b * hq, 9.f);
     std::vector<int> counters(size_t(b) * hq, 0);
+    auto kernel = mode == "pipe2" ? mlc_lora_attn_decode_pipe2
+                  : mode == "pipe4" ? mlc_lora_attn_decode_pipe4 : mlc_lora_attn_decode;
     launch(dim3{unsigned(num_splits), unsigned(hq), unsigned(b)}, NTHREADS, [&] {
-      mlc_lora_attn_decode(q.data(), pages.data(), page_indptr.data(), page_indices.data(), last.data(), o.data(),
-                           lse.data(), part_o.data(), part_lse.data(), counters.data(), hq, hkv, chunk,
-                           sm_scale_log2);
+      kernel(q.data(), pages.data(), page_indptr.data(), page_indices.data(), last.data(), o.data(), lse.data(),
+             part_o.data(), part_lse.data(), counters.data(), hq, hkv, chunk, sm_scale_log2);
     });
     write(d + "/counters", counters);
   }

@@ -63,9 +63,10 @@ def attention_emu(tmp_path_factory):  # (two builds: fp16 at d 64, bf16 at d 128
                                       dtype, {"MLC_HEAD_DIM": d, "MLC_PAGE_SIZE": PAGE_SIZE})
 
 
-def _run_emu(exe, tmp_path, dtype, mode, q_lens, kv_lens, hq, hkv, d, seed):
-    """attention.cu's kernel on the emulation and the reference on the same rounded inputs:
-    (o, lse, ref o, ref lse, counters or None)."""
+def _run_emu(exe, tmp_path, dtype, mode, q_lens, kv_lens, hq, hkv, d, seed, splits=3):
+    """attention.cu's kernel on the emulation (`mode`: prefill, or a decode kernel: decode, pipe2,
+    pipe4; decode over about `splits` splits) and the reference on the same rounded inputs: (o, lse,
+    ref o, ref lse, counters or None, the splits)."""
     import ml_dtypes
 
     np_dt = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
@@ -78,15 +79,14 @@ def _run_emu(exe, tmp_path, dtype, mode, q_lens, kv_lens, hq, hkv, d, seed):
     if mode == "prefill":
         k1, k2 = max(q_lens), 0
     else:  # as the pool cache splits: whole pages per split, every split holding keys of the longest
-        k1 = 3
-        k2 = -(-max(kv_lens) // k1 // PAGE_SIZE) * PAGE_SIZE
+        k2 = -(-max(kv_lens) // splits // PAGE_SIZE) * PAGE_SIZE
         k1 = -(-max(kv_lens) // k2)
     args = (len(q), len(q_lens), hq, hkv, len(pages), len(pidx), k1, k2, sm_scale * 1.4426950408889634)
     subprocess.run([str(exe), str(tmp_path), mode, *map(str, args)], check=True, timeout=600)
     o = np.fromfile(tmp_path / "o", np_dt).reshape(q.shape).astype(np.float32)
     lse = np.fromfile(tmp_path / "lse", np.float32).reshape(q.shape[:2])
     ref_o, ref_lse = attention_ref(q.astype(np.float32), qo, pages.astype(np.float32), pind, pidx, last, sm_scale)
-    counters = np.fromfile(tmp_path / "counters", np.int32) if mode == "decode" else None
+    counters = np.fromfile(tmp_path / "counters", np.int32) if mode != "prefill" else None
     return o, lse, ref_o, ref_lse, counters, k1
 
 
@@ -107,22 +107,46 @@ def test_prefill_cu_on_cpu_emulation(attention_emu, tmp_path, dtype, d, hq, hkv,
     np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-3)
 
 
+DECODE_KERNELS = ("decode", "pipe2", "pipe4")  # mlc_lora_attn_decode and its pipelined variants
+
+
 @needs_cxx
-@pytest.mark.parametrize("dtype,d,hq,hkv,kv_lens", [
+@pytest.mark.parametrize("dtype,d,hq,hkv,kv_lens,splits", [
     # 3 splits of whole pages: the longest context fills them, the shortest (5 keys) only the
     # first, so the last block of its pairs merges empty splits
-    ("float16", 64, 4, 2, [5, 70, 130]),
-    ("bfloat16", 128, 2, 1, [33, 48, 17]),
+    ("float16", 64, 4, 2, [5, 70, 130], 3),
+    ("bfloat16", 128, 2, 1, [33, 48, 17], 3),
+    # one split: 300 keys are 10-38 rounds of loads (odd and even counts, a partial last round)
+    ("float16", 64, 2, 2, [300, 7, 161], 1),
+    ("bfloat16", 128, 2, 2, [300, 7, 161], 1),
 ])
-def test_decode_cu_on_cpu_emulation(attention_emu, tmp_path, dtype, d, hq, hkv, kv_lens):
-    o, lse, ref_o, ref_lse, counters, splits = _run_emu(attention_emu(dtype, d), tmp_path, dtype, "decode",
-                                                        [1] * len(kv_lens), kv_lens, hq, hkv, d, seed=d)
-    assert splits > 1  # the merge ran
-    tol = 2e-3 if dtype == "float16" else 1.5e-2
-    assert np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o) < tol
-    np.testing.assert_allclose(o, ref_o, rtol=0, atol=8 * tol * np.abs(ref_o).max())
-    np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-3)
-    assert not counters.any()  # the last block of each pair set its counter back to 0
+def test_decode_cu_on_cpu_emulation(attention_emu, tmp_path, dtype, d, hq, hkv, kv_lens, splits):
+    """Every decode kernel against the reference; the pipelined ones, which add the same rows in
+    the same order, equal the plain kernel bit for bit."""
+    first = None
+    for kernel in DECODE_KERNELS:
+        o, lse, ref_o, ref_lse, counters, n = _run_emu(attention_emu(dtype, d), tmp_path, dtype, kernel,
+                                                       [1] * len(kv_lens), kv_lens, hq, hkv, d, seed=d, splits=splits)
+        assert n == splits  # (> 1: the merge ran)
+        tol = 2e-3 if dtype == "float16" else 1.5e-2
+        assert np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o) < tol, kernel
+        np.testing.assert_allclose(o, ref_o, rtol=0, atol=8 * tol * np.abs(ref_o).max())
+        np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-3)
+        assert not counters.any()  # the last block of each pair set its counter back to 0
+        if first is None:
+            first = o, lse
+        else:
+            np.testing.assert_array_equal(o, first[0], err_msg=kernel)
+            np.testing.assert_array_equal(lse, first[1], err_msg=kernel)
+
+
+def test_decode_wrapper_launches_the_named_kernel():
+    for kernel in attention_cuda.DECODE_KERNELS:
+        script = attention_cuda.decode_wrapper("float16", 128, 32, 8, kernel).script()
+        assert [k for k in attention_cuda.DECODE_KERNELS if f'"{k}"' in script] == [kernel]
+    assert attention_cuda.DECODE_KERNEL in attention_cuda.DECODE_KERNELS
+    with pytest.raises(ValueError, match="decode kernel 'mlc_lora_attn_decode_pipe3'"):
+        attention_cuda.decode_wrapper("float16", 128, 32, 8, "mlc_lora_attn_decode_pipe3")
 
 
 def test_supported_says_why_not():
@@ -138,7 +162,7 @@ def test_supported_says_why_not():
 # The cache's side of the contract, on CPU: numpy stand-ins for the mlc_lora kernels.
 
 class _NumpyKernels:
-    """The mlc_lora signatures (attention_cuda._prefill / _decode) in numpy. Decode follows the
+    """The mlc_lora signatures (attention_cuda._prefill / decode_wrapper) in numpy. Decode follows the
     split-KV contract: split k covers keys [k * chunk, (k + 1) * chunk) and the partials merge."""
 
     def __init__(self):
