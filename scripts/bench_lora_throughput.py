@@ -96,6 +96,10 @@ def compile_libs(a) -> int:
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
     kernel_attrs.PDL = not a.no_pdl  # our kernels' launches programmatic (the default) or not
+    if a.attention_decode:  # the attention's decode kernel, where not the default (to time against)
+        from mlc_lora.compiler_passes.ops.attention import attention_cuda  # pylint: disable=import-outside-toplevel
+
+        attention_cuda.DECODE_KERNEL = f"mlc_lora_attn_decode_{a.attention_decode}"
 
     size = SIZES["smoke" if a.smoke else "7b"]
     model_cfg = random_model.TINY if a.smoke else random_model.LLAMA2_7B
@@ -126,7 +130,9 @@ def compile_libs(a) -> int:
         notes = ", ".join(n for n, on in (("no programmatic launches", a.no_pdl),
                                            ("TVM's RoPE and KV append", not a.rope_append),
                                            ("TVM's residual add and RMSNorm", not a.add_norm),
-                                           ("prefill memory per token count", not a.bounded_prefill_memory)) if on)
+                                           ("prefill memory per token count", not a.bounded_prefill_memory),
+                                           (f"the attention's {a.attention_decode} decode kernel",
+                                            a.attention_decode)) if on)
         print(f"{a.out / name}: built in {secs:.0f} s{f' ({notes})' if notes else ''}")
     print(f"pool: {size['kv_pages']} KV pages + {adapters} for {NUM_ADAPTERS_MAX} adapters of rank {MAX_RANK} "
           f"on all 7 modules = --lora-pool-pages {pages}")
@@ -462,6 +468,9 @@ def main(argv=None) -> int:
     c.add_argument("--no-bounded-prefill-memory", dest="bounded_prefill_memory", action="store_false",
                    help="prefill's memory planned per token count instead of at the chunk's bound "
                    "(CompileOptions.bounded_prefill_memory; to time against)")
+    c.add_argument("--attention-decode", default=None, choices=["pipe2", "pipe4"], help="the attention's "
+                   "pipelined decode kernel instead of the default one (attention_cuda.DECODE_KERNELS; to time "
+                   "against: run --compare-lib-dir)")
     r = sub.add_parser("run", help="base vs LoRA through AsyncMLCEngine, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True)
     r.add_argument("--compare-lib-dir", default=None, help="a second folder of libraries (e.g. the build before a "

@@ -30,7 +30,8 @@ THREADS = 128
 _LOG2E = 1.4426950408889634
 # attention.cu's decode kernels, all of one signature and one result (the same bits): the plain
 # split-KV kernel, and the variants that load a round of key rows while they sum the one before
-# (2 or 4 rows of loads a thread a round). DECODE_KERNEL is the one the wrappers launch; the
+# (2 or 4 rows of loads a thread a round). DECODE_KERNEL is the one the wrappers launch (read when
+# a wrapper is made: scripts/bench_lora_throughput.py compile --attention-decode sets it); the
 # others are for scripts/bench_attention.py to time beside it.
 DECODE_KERNELS = ("mlc_lora_attn_decode", "mlc_lora_attn_decode_pipe2", "mlc_lora_attn_decode_pipe4")
 DECODE_KERNEL = DECODE_KERNELS[0]
@@ -56,9 +57,10 @@ def decode_workspace_floats(max_batch: int, num_qo_heads: int, head_dim: int,
 
 
 def build(dtype: str, head_dim: int, num_qo_heads: int, num_kv_heads: int, arch: str,
-          decode_kernel: str = DECODE_KERNEL):
+          decode_kernel: str | None = None):
     """(prefill PrimFunc, decode PrimFunc, CUDA module) for one model's attention shape; the decode
-    PrimFunc launches `decode_kernel` (the module holds every one of DECODE_KERNELS)."""
+    PrimFunc launches `decode_kernel` (None: DECODE_KERNEL; the module holds every one of
+    DECODE_KERNELS)."""
     why = supported(dtype, head_dim, num_qo_heads, num_kv_heads)
     if why is not None:
         raise ValueError(f"no CUDA attention kernels for {why}")
@@ -103,12 +105,14 @@ def _prefill(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-
 
 
 def decode_wrapper(dtype: str, D: int, HQ: int, HKV: int,  # pylint: disable=invalid-name
-                   kernel: str = DECODE_KERNEL):
-    """The PrimFunc that launches decode kernel `kernel` (one of DECODE_KERNELS). Signature: (q
+                   kernel: str | None = None):
+    """The PrimFunc that launches decode kernel `kernel` (one of DECODE_KERNELS; None:
+    DECODE_KERNEL). Signature: (q
     (b, h_q, d), pages, page_indptr (b+1,), page_indices (m,), last_page_len (b,), o (b, h_q, d)
     [out], lse (b, h_q) [out], part_o (w,) f32, part_lse (w2,) f32, counters (w3,) int32
     [workspace; counters zero before the first call, left zero after each], num_splits: int32,
     chunk: int32 (keys per split), sm_scale: float32)."""
+    kernel = kernel or DECODE_KERNEL
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode kernel {kernel!r}: attention.cu has {', '.join(DECODE_KERNELS)}")
 
