@@ -589,9 +589,9 @@ def table(doc: dict) -> str:
 
 
 def draw(doc: dict, out: Path) -> None:
-    """Two charts beside `out` (.png): output tokens/s of the scale runs; the p99 latencies each
-    on/off comparison is about (TTFT for prefetch and the prefix cache, the light tenant's end to
-    end for fair share)."""
+    """Charts beside `out` (.png): output tokens/s of the scale runs; where their time went
+    (`-time.png`, time_split's parts stacked); the p99 latencies each on/off comparison is about
+    (TTFT for prefetch and the prefix cache, the light tenant's end to end for fair share)."""
     out = Path(out)
     scale = doc["sections"].get("scale", {}).get("runs", [])
     if scale:
@@ -599,6 +599,13 @@ def draw(doc: dict, out: Path) -> None:
                     [r["metrics"]["output_throughput"] for r in scale], out.with_name(out.stem + "-throughput.png"),
                     title="ShareGPT, Poisson arrivals: throughput by adapters and popularity", ylabel="output tokens/s",
                     notes=[f"{r['throughput_vs_fewest']:.2f}x" for r in scale])
+    timed = [r for r in scale if "time" in r]
+    if timed:  # where each scale run's wall time went (time_split)
+        parts = list(timed[0]["time"]["seconds"])
+        charts.stacked([f"{r['adapters']}\n{r['popularity']}" for r in timed],
+                       {p: [max(0.0, r["time"]["seconds"][p]) for r in timed] for p in parts},
+                       out.with_name(out.stem + "-time.png"), title="Where each run's time went",
+                       ylabel="seconds")
     labels, values = [], []
     for sec, key, option, what in (("prefetch", "p99_ttft_ms", "prefetch_adapters", "TTFT"),
                                    ("prefix", "p99_ttft_ms", "enable_prefix_caching", "TTFT"),

@@ -43,6 +43,24 @@ def bars(labels, values, path, *, title: str, ylabel: str, notes=None) -> Path |
     return _save(fig, plt, Path(path))
 
 
+def stacked(labels, parts: dict, path, *, title: str, ylabel: str) -> Path | None:
+    """One bar per label, stacked from `parts` {part: [value per label]} in their order, with a
+    legend."""
+    plt = _pyplot()
+    if plt is None:
+        print(f"matplotlib is not installed: no plot {path}")
+        return None
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(labels)) + 1.6, 3.6))
+    bottom = [0.0] * len(labels)
+    for name, values in parts.items():
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    return _save(fig, plt, Path(path))
+
+
 def lines(panels: dict, path, *, title: str, xlabel: str, ylabel: str, logx: bool = True,
           hline: float | None = None) -> Path | None:
     """One subplot per panel {panel title: {series label: (xs, ys)}}, side by side, shared y axis;

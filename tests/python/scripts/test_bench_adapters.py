@@ -85,6 +85,7 @@ def test_adapters_bench_smoke_runs_every_section_on_cpu(tmp_path, capsys):
     folders = sorted(p.name for p in (adapters / "adapters").iterdir())
     assert len(folders) >= 8 and len(list((adapters / "weights").iterdir())) == 2 * len(bench.RANKS)
     assert (tmp_path / "res-throughput.png").stat().st_size > 0
+    assert (tmp_path / "res-time.png").stat().st_size > 0
 
     # `plot` redraws the charts and prints the table from the JSON; `--append` keeps other sections
     (tmp_path / "res-throughput.png").unlink()
