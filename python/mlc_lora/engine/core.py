@@ -341,7 +341,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
             entry[0] += 1
             entry[1] += seconds
             entry[2] += len(batch.seqs)
-            entry[3] += sum(by_slot[k].host_bytes for k in slots)
+            entry[3] += sum(by_slot[k].host_bytes for k in slots if k in by_slot)
 
     def _fail(self, seq: Sequence, error: MLCLoraError) -> None:
         self.scheduler.finish(seq)
