@@ -14,7 +14,6 @@ processes into one JSON):
             arrivals at `--request-rate`: throughput, TTFT p50/p99, end-to-end latency; the ratio of
             each count's throughput to the smallest count's. The two popularities of one count share
             an engine (the adapters are loaded once).
-Every run also records where its time went (`time`: time_split) and prints it after its metrics.
   prefetch  the largest count, uniform popularity, at `--latency-rate`: TTFT p50/p99 with the engine's
             adapter prefetch on vs off.
   prefix    `--prefix-adapters` adapters, each request's prompt behind its adapter's own
@@ -23,6 +22,7 @@ Every run also records where its time went (`time`: time_split) and prints it af
   fairness  two tenants (two adapters), a heavy one at `--heavy-rate` overloading the engine and a
             light one at `--light-rate`: the light tenant's p50/p99 latency with fair share on vs off,
             and what fair share costs in throughput.
+Every run also records where its time went (`time`: time_split) and prints it after its metrics.
 Engine options another part of the engine may lack (prefetch_adapters, enable_prefix_caching,
 adapter_host_bytes, fair_share) are passed only where MLCEngine accepts them; a section that needs a
 missing one is recorded as skipped, with why, and so is an adapter count whose host copies would not
