@@ -319,6 +319,7 @@ __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
 // memory about once instead of once a round (a context of a few hundred keys takes only a few
 // rounds, each a round trip in the plain kernel). The same sums in the same order as the plain
 // kernel: the same bits. Not the default until timed (attention_cuda.DECODE_KERNELS).
+// (each kernel below waits for its producers first, then runs this)
 template <bool PIPE, int U>
 __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __restrict__ pages,
                                             const int* __restrict__ page_indptr,
@@ -327,7 +328,6 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __
                                             float* __restrict__ lse, float* part_o, float* part_lse,
                                             int* counters, int hq, int hkv, int chunk,
                                             float sm_scale_log2) {
-  wait_for_producers();
   const int split = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
   const int nsplit = gridDim.x, b = gridDim.z;
   const int kv_len = seq_kv_len(page_indptr, last_page_len, s);
@@ -480,6 +480,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
                          const int* __restrict__ last_page_len, T* __restrict__ o,
                          float* __restrict__ lse, float* part_o, float* part_lse, int* counters,
                          int hq, int hkv, int chunk, float sm_scale_log2) {
+  wait_for_producers();
   attn_decode<false, UNROLL>(q, pages, page_indptr, page_indices, last_page_len, o, lse, part_o,
                              part_lse, counters, hq, hkv, chunk, sm_scale_log2);
 }
@@ -490,6 +491,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
       const int* __restrict__ page_indices, const int* __restrict__ last_page_len,                 \
       T* __restrict__ o, float* __restrict__ lse, float* part_o, float* part_lse, int* counters,   \
       int hq, int hkv, int chunk, float sm_scale_log2) {                                           \
+    wait_for_producers();                                                                          \
     attn_decode<true, U>(q, pages, page_indptr, page_indices, last_page_len, o, lse, part_o,       \
                          part_lse, counters, hq, hkv, chunk, sm_scale_log2);                      \
   }
