@@ -386,24 +386,23 @@ void AdapterStore::BuildTables(const std::vector<int64_t>& seqs, const std::vect
                                int64_t tokens) {
   const int64_t b = static_cast<int64_t>(seqs.size());
   std::vector<int64_t> used;  // the batch's adapters, in order of first use
+  std::unordered_set<int64_t> seen;
   std::vector<int64_t> adapter(b);
   for (int64_t i = 0; i < b; ++i) {
     adapter[i] = pool_->SequenceAdapter(seqs[i]);
-    if (adapter[i] >= 0 && std::find(used.begin(), used.end(), adapter[i]) == used.end()) {
-      used.push_back(adapter[i]);
-    }
+    if (adapter[i] >= 0 && seen.insert(adapter[i]).second) used.push_back(adapter[i]);
   }
   int64_t used_rank = 0;
   for (int64_t a : used) used_rank += host_.at(a).rank;
   const bool keep = keep_rank_columns_ > 0 && !used.empty() &&
                     static_cast<int64_t>(used.size()) <= keep_slot_columns_ && used_rank <= keep_rank_columns_;
   const std::vector<int64_t> slots = keep ? KeptColumns(used) : used;  // adapter id of each slot
+  std::unordered_map<int64_t, int32_t> slot_of;
+  for (size_t s = 0; s < slots.size(); ++s) slot_of.emplace(slots[s], static_cast<int32_t>(s));
   std::vector<int32_t> token_slot;
   token_slot.reserve(tokens);
   for (int64_t i = 0; i < b; ++i) {
-    int32_t s = -1;
-    if (adapter[i] >= 0) s = static_cast<int32_t>(std::find(slots.begin(), slots.end(), adapter[i]) - slots.begin());
-    token_slot.insert(token_slot.end(), lens[i], s);
+    token_slot.insert(token_slot.end(), lens[i], adapter[i] >= 0 ? slot_of.at(adapter[i]) : -1);
   }
   num_slots_ = static_cast<int64_t>(slots.size());
   rank_total_ = 0;
@@ -423,15 +422,22 @@ void AdapterStore::Upload(const std::vector<int64_t>& slots, const std::vector<i
     const std::vector<int32_t>& pages = pool_->AdapterPages(slots[s]);
     rank[s] = h.rank;
     std::copy(h.scale.begin(), h.scale.end(), scale.begin() + s * M_);
-    // Local offsets -> offsets inside a layer region; -1 (unused) stays -1. The kernels read
-    // rows k < rank of modules with scale != 0 only.
-    auto global = [&](int32_t off) {
-      return off < 0 ? -1 : static_cast<int32_t>(pages[off / E] * E + off % E);
-    };
-    for (int64_t i = 0; i < M_ * R_; ++i) {
-      a_off[s * M_ * R_ + i] = global(h.a_off[i]);
-      b_off[s * M_ * R_ + i] = global(h.b_off[i]);
+    if (h.placed_pages != pages) {
+      // Local offsets -> offsets inside a layer region; -1 (unused) stays -1. The kernels read
+      // rows k < rank of modules with scale != 0 only.
+      auto global = [&](int32_t off) {
+        return off < 0 ? -1 : static_cast<int32_t>(pages[off / E] * E + off % E);
+      };
+      h.a_placed.resize(M_ * R_);
+      h.b_placed.resize(M_ * R_);
+      for (int64_t i = 0; i < M_ * R_; ++i) {
+        h.a_placed[i] = global(h.a_off[i]);
+        h.b_placed[i] = global(h.b_off[i]);
+      }
+      h.placed_pages = pages;
     }
+    std::copy(h.a_placed.begin(), h.a_placed.end(), a_off.begin() + s * M_ * R_);
+    std::copy(h.b_placed.begin(), h.b_placed.end(), b_off.begin() + s * M_ * R_);
   }
   // Tokens sorted by slot (a counting sort; stable), base-model tokens last; slot s owns the
   // sorted positions [start[s], start[s + 1]). Every entry of start is written.

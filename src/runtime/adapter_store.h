@@ -138,6 +138,9 @@ class AdapterStore {
     int32_t n_pages, rank;
     std::vector<int32_t> a_off, b_off;  // [M, R], local to the adapter's n*E region
     std::vector<float> scale;           // [M]
+    // a_off / b_off placed in the arena (offsets in a layer's region) for the pages they were
+    // placed on: built again when the adapter's pages differ (a batch's tables copy them)
+    mutable std::vector<int32_t> placed_pages, a_placed, b_placed;
   };
 
   /*! \brief The slots of a batch using adapters `used` (in order of first use) that fits the

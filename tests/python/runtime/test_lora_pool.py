@@ -144,6 +144,16 @@ def test_eviction_page_in_and_deferred_unload(runner):
     pool.load_packed_adapter(0, a)
     pool.load_packed_adapter(1, b, pin=True)
     pool.load_packed_adapter(2, c)
+    # a batch on adapter 0 first: its tables placed on the pages it holds now; then one on
+    # adapter 2 (0 stays the least recently used)
+    for seq, (adapter, h) in enumerate(((0, a), (2, c)), start=8):
+        pool.add_sequence(seq)
+        pool.set_sequence_adapter(seq, adapter)
+        pool.begin_forward([seq], [1])
+        check_tables(pool, [(adapter, h)], [0], L, E)
+        pool.end_forward()
+        pool.remove_sequence(seq)
+    first_pages = pool.adapter_info(0).pages
     pool.add_sequence(0)
     pool.begin_forward([0], [32])  # 2 KV pages: evicts the least recently used idle adapter (0)
     pool.end_forward()
@@ -157,6 +167,7 @@ def test_eviction_page_in_and_deferred_unload(runner):
     pool.set_sequence_adapter(1, 0)
     pool.begin_forward([1], [1])
     assert [pool.adapter_info(i).resident for i in range(3)] == [True, True, False]
+    assert pool.adapter_info(0).pages != first_pages  # on other pages: its tables placed again
     check_tables(pool, [(0, a)], [0], L, E)
     pool.end_forward()
     # Unloading adapter 0 while sequence 1 uses it is deferred.
