@@ -5,6 +5,7 @@ stop checks, handing outputs to the asyncio side, the engine loop) shows.
 
   python scripts/bench_engine_host.py [--requests 256] [--out-len 64 200] [--adapters 4] [--base]
                                       [--tokenizer smollm2|none] [--stream] [--profile] [--workdir DIR]
+  python scripts/bench_engine_host.py --tables [--max-rank 64]   # begin_forward's LoRA tables alone
 
 The model: 2 layers, hidden 64, a vocabulary of 8192 tokens (the first of the embedded SmolLM2's
 tokenizer; `--tokenizer none`: no tokenizer, as the random Llama-2 of
@@ -45,13 +46,13 @@ VOCAB = 8192  # (with the tokenizer: its first 8192 tokens) a cheap lm_head and 
 MAX_BATCH, CHUNK, RANK, POOL_PAGES = 256, 2048, 8, 6144
 
 
-def build(out: Path, tokenizer: str, lora: bool = True) -> Path:
-    """The tiny model's compiled folder (compiled on first use)."""
+def build(out: Path, tokenizer: str, lora: bool = True, rank: int = RANK) -> Path:
+    """The tiny model's compiled folder (compiled on first use; LoRA up to `rank`)."""
     from mlc_lora.compile import CompileOptions  # pylint: disable=import-outside-toplevel
     from mlc_lora.contract import CONFIG_FILE, TOKENIZER_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
-    out = out / (tokenizer if lora else f"{tokenizer}-base")
+    out = out / (f"{tokenizer}-base" if not lora else tokenizer if rank == RANK else f"{tokenizer}-r{rank}")
     if (out / CONFIG_FILE).is_file():
         return out
     info = {}
@@ -63,7 +64,7 @@ def build(out: Path, tokenizer: str, lora: bool = True) -> Path:
         (out / TOKENIZER_FILE).write_text(src.tokenizer_json)
         info = {k: v for k, v in src.tokenizer_config.items() if k != "chat_template"}
         info["file"] = TOKENIZER_FILE
-    lora_opts = dict(max_lora_rank=RANK, lora_pool_pages=POOL_PAGES, lora_kernel="sgmv") if lora else {}
+    lora_opts = dict(max_lora_rank=rank, lora_pool_pages=POOL_PAGES, lora_kernel="sgmv") if lora else {}
     opts = CompileOptions(target="llvm", dtype="float32", context_window_size=1024, prefill_chunk_size=CHUNK,
                           max_batch_size=MAX_BATCH, **lora_opts)
     secs = random_model.build(out, dict(MODEL, vocab_size=VOCAB), opts, name="llama-host-bench")
@@ -123,6 +124,50 @@ def profiled_loop(engine, prof: cProfile.Profile) -> None:
     loop.thread.start()
 
 
+def tables_bench(a) -> int:
+    """--tables: the pool's begin_forward (its KV plan and the batch's LoRA tables) and the tables'
+    handover, for a decode of --tables-seqs sequences over 1..that many distinct adapters of rank 8
+    on a library compiled for --max-rank (the tables are (adapters, modules, max rank)); the
+    forward is not run. Median of 200 steps per count."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
+    from mlc_lora.engine.core import LLMEngine  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
+
+    folder = build(Path(a.workdir), "none", rank=a.max_rank)
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    weights = random_model.make_params(cfg, torch, "cpu", seed=a.seed)
+    eng = LLMEngine(folder, "cpu", max_num_seqs=MAX_BATCH, params=[tvm_ffi.from_dlpack(weights[n])
+                                                                   for n in cfg["param_names"]])
+    modules = [m["name"] for m in cfg["lora"]["modules"]]
+    n = a.tables_seqs
+    for i in range(n):
+        eng.adapters.load(f"a{i}", random_model.random_adapter(f"a{i}", cfg["model_config"], modules, RANK, torch,
+                                                               "cpu", seed=i))
+    pool, seqs = eng.pool, list(range(10 ** 6, 10 ** 6 + n))
+    for s in seqs:
+        pool.add_sequence(s)
+        pool.begin_forward([s], [4])
+        pool.end_forward()
+    for distinct in sorted({c for c in (1, 4, 16, 64) if c < n} | {n}):
+        for k, s in enumerate(seqs):
+            pool.set_sequence_adapter(s, eng.adapters.by_name[f"a{k % distinct}"].slot)
+        times = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            pool.begin_forward(seqs, [1] * len(seqs))
+            pool.lora_tables()
+            times.append(time.perf_counter() - t0)
+            pool.end_forward()
+            for s in seqs:
+                pool.popn(s, 1)
+        print(f"decode of {len(seqs)} sequences over {distinct:3d} distinct adapters (max rank {a.max_rank}): "
+              f"begin_forward + tables {np.median(times) * 1e6:.0f} us", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=256)
@@ -140,7 +185,14 @@ def main(argv=None) -> int:
     p.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumulative...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "mlc_lora_bench_engine_host"))
+    p.add_argument("--tables", action="store_true", help="instead: the pool's begin_forward with the batch's "
+                   "LoRA tables, by distinct adapters (tables_bench)")
+    p.add_argument("--max-rank", type=int, default=64, help="--tables: the library's max LoRA rank")
+    p.add_argument("--tables-seqs", type=int, default=MAX_BATCH, help="--tables: the decode's sequences")
     a = p.parse_args(argv)
+    if a.tables:
+        os.environ.setdefault("TVM_NUM_THREADS", "1")
+        return tables_bench(a)
 
     # the forward on the engine thread alone: no TVM worker threads spinning beside the host's threads
     os.environ.setdefault("TVM_NUM_THREADS", "1")

@@ -41,3 +41,13 @@ def test_bench_engine_host_base_model(tmp_path):
     assert (tmp_path / "none-base").is_dir() and not (tmp_path / "none").exists()
     bad = subprocess.run(args + ["--adapters", "1"], capture_output=True, text=True, timeout=600, check=False)
     assert bad.returncode != 0 and "--adapters 0" in bad.stderr
+
+
+def test_bench_engine_host_tables(tmp_path):
+    """--tables: begin_forward with the batch's LoRA tables, timed by distinct adapters."""
+    r = subprocess.run([sys.executable, str(SCRIPT), "--tables", "--tables-seqs", "8", "--max-rank", "16",
+                        "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    counts = re.findall(r"decode of 8 sequences over +(\d+) distinct adapters \(max rank 16\): begin_forward \+ "
+                        r"tables (\d+) us", r.stdout)
+    assert [int(c) for c, _ in counts] == [1, 4, 8] and all(int(us) > 0 for _, us in counts), r.stdout
