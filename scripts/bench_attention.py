@@ -10,8 +10,9 @@ float32 torch reference first.
 
 Shapes: Llama-2-7B (32 heads, MHA, d 128), Llama-3-8B (32/8 GQA, d 128, fp16 and bf16),
 SmolLM2-135M (9/3, d 64). Decode also runs the pipelined variants of our kernel
-(attention_cuda.DECODE_KERNELS: `pipe2`, `pipe4`), checked and timed beside the default one. Timing: scripts/harness/timing.py's CUDA-graph method, the three
-implementations of one case interleaved, 5 calls on the same pages per graph, 10 replays each.
+(attention_cuda.DECODE_KERNELS: `pipe2`, `pipe4`), checked and timed beside the default one.
+Timing: scripts/harness/timing.py's CUDA-graph method, the implementations of one case
+interleaved, 5 calls on the same pages per graph, 10 replays each.
 """
 
 from __future__ import annotations

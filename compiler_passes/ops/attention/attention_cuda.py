@@ -107,11 +107,10 @@ def _prefill(dtype: str, D: int, HQ: int, HKV: int):  # pylint: disable=invalid-
 def decode_wrapper(dtype: str, D: int, HQ: int, HKV: int,  # pylint: disable=invalid-name
                    kernel: str | None = None):
     """The PrimFunc that launches decode kernel `kernel` (one of DECODE_KERNELS; None:
-    DECODE_KERNEL). Signature: (q
-    (b, h_q, d), pages, page_indptr (b+1,), page_indices (m,), last_page_len (b,), o (b, h_q, d)
-    [out], lse (b, h_q) [out], part_o (w,) f32, part_lse (w2,) f32, counters (w3,) int32
-    [workspace; counters zero before the first call, left zero after each], num_splits: int32,
-    chunk: int32 (keys per split), sm_scale: float32)."""
+    DECODE_KERNEL). Signature: (q (b, h_q, d), pages, page_indptr (b+1,), page_indices (m,),
+    last_page_len (b,), o (b, h_q, d) [out], lse (b, h_q) [out], part_o (w,) f32, part_lse (w2,)
+    f32, counters (w3,) int32 [workspace; counters zero before the first call, left zero after
+    each], num_splits: int32, chunk: int32 (keys per split), sm_scale: float32)."""
     kernel = kernel or DECODE_KERNEL
     if kernel not in DECODE_KERNELS:
         raise ValueError(f"decode kernel {kernel!r}: attention.cu has {', '.join(DECODE_KERNELS)}")
