@@ -174,6 +174,7 @@ class AdapterStore {
   std::vector<int64_t> kept_;                              // the kept adapters, in column order
   int64_t columns_generation_ = 0;
   mutable tvm::ffi::Array<tvm::runtime::Tensor> tables_;
+  mutable std::vector<int32_t> a_host_, b_host_;  // the a_off / b_off tables on the host (Upload)
   mutable int64_t inert_tokens_ = -1;  // >= 0: the tokens of a batch without adapters, tables not built
   std::unordered_map<int64_t, HostAdapter> host_;
   void* copy_stream_ = nullptr;                   // GPU: the page-in copies' stream (made on first use)
