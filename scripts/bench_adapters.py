@@ -295,13 +295,6 @@ class Bench:  # pylint: disable=too-many-instance-attributes
 ENGINE_COUNTERS = ("num_steps", "num_preemptions", "adapter_evictions", "adapter_page_ins")
 
 
-def _delta(after, before):
-    """after - before, nested dicts of numbers (keys missing before count as 0)."""
-    if isinstance(after, dict):
-        return {k: _delta(v, (before or {}).get(k)) for k, v in after.items()}
-    return after - (before or 0)
-
-
 def time_split(before: dict, after: dict, duration: float) -> dict | None:
     """Where a run's wall time went, from the engine's stats before and after it: the steps' forwards
     by kind (prefill, decode), the engine's host work outside them (host_times: the adapters' tiers,
@@ -312,11 +305,11 @@ def time_split(before: dict, after: dict, duration: float) -> dict | None:
     None for an engine without these stats."""
     if "host_times" not in after or "decode_adapter_steps" not in after:
         return None
-    steps = _delta(after["step_times"], before.get("step_times"))
+    steps = offline.stats_delta(after["step_times"], before.get("step_times"))
     fwd = {kind: sum(v["seconds"] for k, v in steps.items() if k.startswith(kind + "_")) for kind in ("prefill", "decode")}
-    host = _delta(after["host_times"], before.get("host_times"))
+    host = offline.stats_delta(after["host_times"], before.get("host_times"))
     by_adapters = {}
-    for k, v in _delta(after["decode_adapter_steps"], before.get("decode_adapter_steps")).items():
+    for k, v in offline.stats_delta(after["decode_adapter_steps"], before.get("decode_adapter_steps")).items():
         if v["steps"] > 0:
             by_adapters[k] = dict(steps=v["steps"], ms_per_step=1e3 * v["seconds"] / v["steps"],
                                   sequences_per_step=v["sequences"] / v["steps"],
@@ -324,7 +317,7 @@ def time_split(before: dict, after: dict, duration: float) -> dict | None:
                                   adapter_gb_per_s=v["adapter_bytes"] / v["seconds"] / 1e9 if v["seconds"] else 0.0)
     seconds = {**fwd, **host}
     seconds["other"] = duration - sum(seconds.values())
-    return dict(seconds=seconds, decode_by_adapters=dict(sorted(by_adapters.items(), key=lambda kv: int(kv[0][2:]))))
+    return dict(seconds=seconds, decode_by_adapters=by_adapters)  # (in the engine's order: by adapters)
 
 
 def time_lines(label: str, split: dict) -> list[str]:

@@ -17,6 +17,7 @@ interleaved, 5 calls on the same pages per graph, 10 replays each.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 from harness import cli
 from harness.timing import compare
 
+VARIANTS = "decode_variants.json"  # beside the libraries: the names of the other decode kernels' functions
 SHAPES = {  # name: (h_q, h_kv, d, dtype)
     "llama2-7b": (32, 32, 128, "float16"),
     "llama3-8b": (32, 8, 128, "float16"),
@@ -41,15 +43,16 @@ def compile_libs(out: Path) -> None:
     target = C.target("cuda")
     for name, (hq, hkv, d, dtype) in cli.tqdm(SHAPES.items(), desc="compile"):
         prefill, decode, ext = C.attention_cuda.build(dtype, d, hq, hkv, C.ARCH)
+        # the other decode kernels, timed beside the default (attention_cuda.DECODE_KERNELS)
+        variants = {f"ours_{k.removeprefix('mlc_lora_attn_')}": C.attention_cuda.decode_wrapper(dtype, d, hq, hkv, k)
+                    for k in C.attention_cuda.DECODE_KERNELS if k != C.attention_cuda.DECODE_KERNEL}
         funcs = {
-            "ours_prefill": prefill, "ours_decode": decode,
-            # the pipelined decode kernels, timed beside the default (attention_cuda.DECODE_KERNELS)
-            **{f"ours_{k.removeprefix('mlc_lora_attn_')}": C.attention_cuda.decode_wrapper(dtype, d, hq, hkv, k)
-               for k in C.attention_cuda.DECODE_KERNELS if k != C.attention_cuda.DECODE_KERNEL},
+            "ours_prefill": prefill, "ours_decode": decode, **variants,
             "tir_prefill": _attention_prefill(hkv, hq, d, dtype, False, {}, target),
             "tir_decode": _attention_decode(hkv, hq, d, dtype, False, {}, target),
         }
         C.build_library(funcs, out / f"{name}.so", target, imports=[ext])
+        (out / VARIANTS).write_text(json.dumps(sorted(variants)))  # (the run side has no compiler to ask)
 
 
 def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-locals,too-many-statements
@@ -118,7 +121,7 @@ def run(lib_dir: Path, log_dir: Path) -> None:  # pylint: disable=too-many-local
             lib[fn](tv(q), tv(pages), tv(page_indptr), tv(page_indices), tv(last), tv(o), tv(lse),
                     tv(work_o), tv(work_l), tv(counters), n, keys, scale)
 
-        variants = [f for f in ("ours_decode_pipe2", "ours_decode_pipe4") if lib.implements_function(f)]
+        variants = json.loads((lib_dir / VARIANTS).read_text()) if (lib_dir / VARIANTS).is_file() else []
 
         def tir_prefill(q, qo_indptr, pages, page_indptr, page_indices, last, o, lse):
             zeros_b = torch.zeros(len(qo_indptr) - 1, dtype=torch.int32, device=dev)

@@ -75,6 +75,29 @@ def build(out: Path, tokenizer: str, lora: bool = True, rank: int = RANK) -> Pat
     return out
 
 
+def load_model(folder: Path, seed: int):
+    """(compiled config, parameters) of the tiny model in `folder`: seeded random weights."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
+    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
+
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    weights = random_model.make_params(cfg, torch, "cpu", seed=seed)
+    return cfg, [tvm_ffi.from_dlpack(weights[n]) for n in cfg["param_names"]]
+
+
+def make_adapter(cfg: dict, name: str, seed: int):
+    """A seeded random adapter of rank RANK on every LoRA module of the library."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
+
+    modules = [m["name"] for m in cfg["lora"]["modules"]]
+    return random_model.random_adapter(name, cfg["model_config"], modules, RANK, torch, "cpu", seed=seed)
+
+
 class Timers:
     """Wall and CPU seconds (of the calling thread) spent in wrapped callables, by name."""
 
@@ -129,23 +152,14 @@ def tables_bench(a) -> int:
     handover, for a decode of --tables-seqs sequences over 1..that many distinct adapters of rank 8
     on a library compiled for --max-rank (the tables are (adapters, modules, max rank)); the
     forward is not run. Median of 200 steps per count."""
-    import torch  # pylint: disable=import-outside-toplevel
-    import tvm_ffi  # pylint: disable=import-outside-toplevel
-
-    from mlc_lora.contract import CONFIG_FILE  # pylint: disable=import-outside-toplevel
     from mlc_lora.engine.core import LLMEngine  # pylint: disable=import-outside-toplevel
-    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
     folder = build(Path(a.workdir), "none", rank=a.max_rank)
-    cfg = json.loads((folder / CONFIG_FILE).read_text())
-    weights = random_model.make_params(cfg, torch, "cpu", seed=a.seed)
-    eng = LLMEngine(folder, "cpu", max_num_seqs=MAX_BATCH, params=[tvm_ffi.from_dlpack(weights[n])
-                                                                   for n in cfg["param_names"]])
-    modules = [m["name"] for m in cfg["lora"]["modules"]]
+    cfg, params = load_model(folder, a.seed)
+    eng = LLMEngine(folder, "cpu", max_num_seqs=MAX_BATCH, params=params)
     n = a.tables_seqs
     for i in range(n):
-        eng.adapters.load(f"a{i}", random_model.random_adapter(f"a{i}", cfg["model_config"], modules, RANK, torch,
-                                                               "cpu", seed=i))
+        eng.adapters.load(f"a{i}", make_adapter(cfg, f"a{i}", i))
     pool, seqs = eng.pool, list(range(10 ** 6, 10 ** 6 + n))
     for s in seqs:
         pool.add_sequence(s)
@@ -196,20 +210,16 @@ def main(argv=None) -> int:
 
     # the forward on the engine thread alone: no TVM worker threads spinning beside the host's threads
     os.environ.setdefault("TVM_NUM_THREADS", "1")
-    import torch  # pylint: disable=import-outside-toplevel
-    import tvm_ffi  # pylint: disable=import-outside-toplevel
+    import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (before TVM, as before)
 
     from mlc_lora import AsyncMLCEngine  # pylint: disable=import-outside-toplevel
-    from mlc_lora.contract import CONFIG_FILE, PAGE_SIZE  # pylint: disable=import-outside-toplevel
-    from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
+    from mlc_lora.contract import PAGE_SIZE  # pylint: disable=import-outside-toplevel
     from mlc_lora.tokenizer import Detokenizer  # pylint: disable=import-outside-toplevel
 
     if a.base and a.adapters:
         raise SystemExit("--base: the library has no LoRA; pass --adapters 0")
     folder = build(Path(a.workdir), a.tokenizer, lora=not a.base)
-    cfg = json.loads((folder / CONFIG_FILE).read_text())
-    weights = random_model.make_params(cfg, torch, "cpu", seed=a.seed)
-    params = [tvm_ffi.from_dlpack(weights[n]) for n in cfg["param_names"]]
+    cfg, params = load_model(folder, a.seed)
     vocab = cfg["model_config"]["vocab_size"]
     rng = np.random.default_rng(a.seed)
     reqs = [(rng.integers(3, vocab, int(rng.integers(8, 33))).tolist(), int(rng.integers(a.out_len[0], a.out_len[1] + 1)))
@@ -249,10 +259,8 @@ def main(argv=None) -> int:
         return st["num_steps"], sum(v["seconds"] for v in st["step_times"].values())
 
     try:
-        modules = [m["name"] for m in cfg["lora"]["modules"]] if names else []
         for i, name in enumerate(names):
-            ad = random_model.random_adapter(name, cfg["model_config"], modules, RANK, torch, "cpu", seed=i)
-            asyncio.run(engine.load_adapter(name, ad, pin=True))
+            asyncio.run(engine.load_adapter(name, make_adapter(cfg, name, i), pin=True))
         asyncio.run(drive([(pr[:8], 4) for pr, _ in reqs[:8]], assign[:8]))  # warm-up
         prof = cProfile.Profile() if (a.profile or a.profile_main) else None
         if a.profile:

@@ -194,10 +194,8 @@ def run_config(name, lib_dir, device, requests, weights, torch, a, size):
     steps = {k: stats[k] - base_stats[k] for k in ("num_steps", "num_prefill_steps", "num_decode_steps")}
     # which compiled functions the timed steps ran (the fused ones, the LoRA stage, the base ones)
     forwards = {k: n - base_stats["forwards"].get(k, 0) for k, n in sorted(stats["forwards"].items())}
-    before = base_stats.get("step_times", {})
-    step_times = {k: dict(steps=v["steps"] - before.get(k, {}).get("steps", 0),
-                          seconds=round(v["seconds"] - before.get(k, {}).get("seconds", 0.0), 4))
-                  for k, v in sorted(stats.get("step_times", {}).items())}
+    step_times = {k: dict(steps=v["steps"], seconds=round(v["seconds"], 4)) for k, v in sorted(
+        offline.stats_delta(stats.get("step_times", {}), base_stats.get("step_times")).items())}
     return dict(config=name, library=lib, adapters=len(adapters),
                 ranks=sorted({r for _, r in adapters}), assign=a.assign if adapters else None,
                 max_loras=MAX_LORAS.get(config_of(name)),

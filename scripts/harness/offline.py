@@ -27,6 +27,14 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+def stats_delta(after, before):
+    """What an engine's stats() gained over a run: after - before over nested dicts of numbers
+    (keys missing before count as 0)."""
+    if isinstance(after, dict):
+        return {k: stats_delta(v, (before or {}).get(k)) for k, v in after.items()}
+    return after - (before or 0)
+
+
 def drive(engine, requests, adapters=None, desc: str = "mlc_lora") -> float:
     """Seconds to run [(prompt_ids, output_len)] on an open AsyncMLCEngine; request i uses adapter
     adapters[i] (None or absent: the base model)."""

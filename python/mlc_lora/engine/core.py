@@ -113,9 +113,10 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         self._orphans: list[Sequence] = []  # requests whose sink raised, aborted after the step
         self._outbox: list[tuple[Sequence, StepOutput]] = []  # the step's outputs, delivered as it ends
         self.step_times: dict[str, list] = {}  # "decode_<=64" -> [steps, seconds]
-        # decode steps with adapters by the distinct adapters they hold: "<=N" -> [steps, seconds,
-        # sequences, bytes of those adapters' pages (what the step's LoRA kernels read)]
-        self.decode_adapter_steps: dict[str, list] = {}
+        # decode steps with adapters by the distinct adapters they hold, up to N (a power of two):
+        # N -> [steps, seconds, sequences, bytes of those adapters' pages (what the step's LoRA
+        # kernels read)]; stats() names them "<=N", fewest first
+        self.decode_adapter_steps: dict[int, list] = {}
         # seconds of the steps outside the forward: the adapters' tiers before scheduling (reads
         # taken, host tier trimmed, prefetch page-ins), scheduling (with the page-ins and evictions
         # of what it admits), the outputs after it, waiting for adapter reads when nothing could run
@@ -186,8 +187,8 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
                     kv_pages_total=self.kv_pages_total, kv_pages_free=self.pool.available_pages(),
                     num_preemptions=self.scheduler.num_preemptions, **self.counters,
                     step_times={k: dict(steps=n, seconds=round(t, 6)) for k, (n, t) in self.step_times.items()},
-                    decode_adapter_steps={k: dict(steps=n, seconds=round(t, 6), sequences=q, adapter_bytes=b)
-                                          for k, (n, t, q, b) in self.decode_adapter_steps.items()},
+                    decode_adapter_steps={f"<={k}": dict(steps=n, seconds=round(t, 6), sequences=q, adapter_bytes=b)
+                                          for k, (n, t, q, b) in sorted(self.decode_adapter_steps.items())},
                     host_times={k: round(t, 6) for k, t in self.host_times.items()},
                     # the runner's forwards by compiled function (a single-device runner's count)
                     forwards=dict(getattr(self.runner, "forwards", {})),
@@ -337,7 +338,7 @@ class LLMEngine:  # pylint: disable=too-many-instance-attributes
         slots = {s.adapter_slot for s in batch.seqs if s.adapter_slot is not None} \
             if by_slot and batch.is_decode else ()
         if slots:
-            entry = self.decode_adapter_steps.setdefault(f"<={1 << (len(slots) - 1).bit_length()}", [0, 0.0, 0, 0])
+            entry = self.decode_adapter_steps.setdefault(1 << (len(slots) - 1).bit_length(), [0, 0.0, 0, 0])
             entry[0] += 1
             entry[1] += seconds
             entry[2] += len(batch.seqs)
