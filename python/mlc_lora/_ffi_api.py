@@ -41,7 +41,7 @@ peft_adapter_plan(folder, compiled_config_json)
     -> {name, rank, modules, scales, num_pages, lora_alpha, use_rslora, warnings}   no packing
 pack_adapter(spec_json, name, rank, modules, scales{module: s}, [(layer, module, A, B^T)], shard)
     -> {pages, a_off, b_off, rank, scale, name, modules, scales, warnings}   an adapter in memory
-adapter_layout(page_elems, names, in_features, out_features, rank)
+adapter_layout(page_elems, names, in_features, out_features, rank, rows, elem_bytes, int8_align)
     -> {num_pages, used_elems, a_off, b_off}   the rows' local offsets, [module][k] flattened
 
 GEMM and tensor parallelism: cublas_gemm(x, w, out), cublas_init(device), cublas_available(),

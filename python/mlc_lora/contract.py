@@ -53,6 +53,12 @@ FUSED_FUNCTION_SUFFIX = "_fused"
 FILL_COLUMNS_FUNCTION = "lora_fill_columns"
 # Kernel stages: "single" (one adapter per batch), "gather" (per token), "sgmv" (token tiles).
 LORA_KERNELS = ("single", "gather", "sgmv")
+# How the pool's pages may store adapter rows: in the model dtype, or as int8 values with a float32
+# scale per row: the scale in the INT8_ROW_ALIGN bytes before a row's values (the rest zero), the
+# values padded to a multiple of them; a row's offset points at its first value (lora/layout.py, the
+# runtime's RowFormat, the kernels that read the scale there).
+ROW_FORMATS = ("model", "int8")
+INT8_ROW_ALIGN = 16
 
 # --- sampling -----------------------------------------------------------------------------------
 # The compiled sampling functions, and the columns of `top_logprobs` (OpenAI's limit).
@@ -118,6 +124,8 @@ def compiled_contract() -> dict:
         "fused_function_suffix": FUSED_FUNCTION_SUFFIX,
         "fill_columns_function": FILL_COLUMNS_FUNCTION,
         "lora_kernels": list(LORA_KERNELS),
+        "row_formats": list(ROW_FORMATS),
+        "int8_row_align": INT8_ROW_ALIGN,
         "sampler_functions": list(SAMPLER_FUNCTIONS),
         "top_logprobs_max": TOP_LOGPROBS_MAX,
     }

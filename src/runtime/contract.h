@@ -5,7 +5,8 @@
  * python/mlc_lora/contract.py is the one definition of what the compiler, the runtime and the
  * engines agree on; `compiled_contract()` writes it into mlc-lora-config.json. C++ reads it from
  * there (and nowhere else): the page size, the LoRA modules in canonical order, which of them
- * are column-parallel under tensor parallelism, and the LoRA table inputs of prefill/decode.
+ * are column-parallel under tensor parallelism, the LoRA table inputs of prefill/decode, and how
+ * int8 adapter rows are laid out.
  */
 #ifndef MLC_LORA_RUNTIME_CONTRACT_H_
 #define MLC_LORA_RUNTIME_CONTRACT_H_
@@ -25,6 +26,7 @@ struct Contract {
   std::vector<std::string> lora_modules;             // every module LoRA can target, in order
   std::vector<std::string> column_parallel_modules;  // split by output rows under TP
   std::vector<std::string> lora_table_inputs;        // the per-batch inputs, in order
+  int64_t int8_row_align = 0;  // int8 adapter rows: their scale's lead bytes and padding (0: none)
 
   /*!
    * \brief The contract of compiled config `config`; `what` names the model in errors.
@@ -46,6 +48,7 @@ struct Contract {
     out.lora_modules = names(c["lora_modules"]);
     out.column_parallel_modules = names(c["column_parallel_modules"]);
     out.lora_table_inputs = names(c["lora_table_inputs"]);
+    out.int8_row_align = c.get("int8_row_align").i64_or(0);
     return out;
   }
 

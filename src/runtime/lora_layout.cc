@@ -5,6 +5,7 @@
 #include "lora_layout.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -115,6 +116,49 @@ void Store(void* base, DLDataType dtype, int64_t at, const float* src, int64_t n
 
 }  // namespace
 
+RowFormat RowFormat::Of(const std::string& rows, int64_t elem_bytes, int64_t int8_align) {
+  if (rows != "model" && rows != "int8") {
+    throw InvalidArgument("unknown adapter row format '" + rows + "' (model, int8)");
+  }
+  if (elem_bytes != 2 && elem_bytes != 4) {
+    throw InvalidArgument("adapter rows on pages of " + std::to_string(elem_bytes) + "-byte elements (2, 4)");
+  }
+  RowFormat f;
+  f.elem_bytes = elem_bytes;
+  if (rows == "int8") {
+    if (int8_align < 4 || int8_align % 4 != 0) {
+      throw InvalidArgument("int8 adapter rows need a row alignment of a multiple of 4 bytes, not " +
+                            std::to_string(int8_align) + " (a config from an older mlc-lora? compile it again)");
+    }
+    f.align = int8_align;
+  }
+  return f;
+}
+
+int64_t RowFormat::Elems(int64_t n) const {
+  if (!int8()) return n;
+  return (align + (n + align - 1) / align * align) / elem_bytes;
+}
+
+bool QuantizeRow(const float* w, int64_t n, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(w[i])) return false;
+    amax = std::max(amax, std::fabs(w[i]));
+  }
+  const float s = amax / 127.f;
+  for (int64_t i = 0; i < n; ++i) {
+    // nearbyint: the current rounding mode, to nearest even by default (numpy's np.round)
+    q[i] = s > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(w[i] / s), -127.f, 127.f)) : 0;
+  }
+  *scale = s;
+  return true;
+}
+
+RowFormat LoraSpec::Rows() const {
+  return RowFormat::Of(rows, PageDType(dtype).bits / 8, contract.int8_row_align);
+}
+
 std::string PyList(const std::vector<std::string>& items) {
   std::string s = "[";
   for (size_t i = 0; i < items.size(); ++i) s += (i ? ", '" : "'") + items[i] + "'";
@@ -138,6 +182,8 @@ LoraSpec LoraSpec::FromConfig(const JSON& config) {
   s.shards = lora.get("tensor_parallel_shards").i64_or(1);
   s.kernel = lora.get("kernel").str_or("gather");
   s.dtype = config["dtype"].str();
+  s.rows = lora.get("rows").str_or("model");
+  s.Rows();  // an unknown format fails here, not at the first adapter
   for (const JSON& m : lora["modules"].items()) {
     s.modules.push_back({m["name"].str(), m["in_features"].i64(), m["out_features"].i64()});
   }
@@ -162,7 +208,8 @@ std::string LoraSpec::ModuleList() const {
   return s;
 }
 
-AdapterLayout LayoutAdapter(int64_t E, const std::vector<LoraModule>& modules, int64_t rank) {
+AdapterLayout LayoutAdapter(int64_t E, const std::vector<LoraModule>& modules, int64_t rank,
+                            const RowFormat& fmt) {
   struct Row {
     int64_t len;
     size_t mi;
@@ -173,13 +220,14 @@ AdapterLayout LayoutAdapter(int64_t E, const std::vector<LoraModule>& modules, i
   AdapterLayout out;
   for (size_t mi = 0; mi < modules.size(); ++mi) {
     const LoraModule& m = modules[mi];
-    if (std::max(m.in_features, m.out_features) > E) {
+    const int64_t a_len = fmt.Elems(m.in_features), b_len = fmt.Elems(m.out_features);
+    if (std::max(a_len, b_len) > E) {
       throw InvalidArgument("rows of " + m.name + " (" + std::to_string(m.in_features) + "/" +
                             std::to_string(m.out_features) + ") exceed a page of " + std::to_string(E));
     }
-    for (int64_t k = 0; k < rank; ++k) rows.push_back({m.in_features, mi, false, k});
-    for (int64_t k = 0; k < rank; ++k) rows.push_back({m.out_features, mi, true, k});
-    out.used_elems += rank * (m.in_features + m.out_features);
+    for (int64_t k = 0; k < rank; ++k) rows.push_back({a_len, mi, false, k});
+    for (int64_t k = 0; k < rank; ++k) rows.push_back({b_len, mi, true, k});
+    out.used_elems += rank * (a_len + b_len);
   }
   // Stable: longest rows first, then module order, A before B, k ascending.
   std::stable_sort(rows.begin(), rows.end(), [](const Row& x, const Row& y) { return x.len > y.len; });
@@ -196,7 +244,7 @@ AdapterLayout LayoutAdapter(int64_t E, const std::vector<LoraModule>& modules, i
       best = static_cast<int64_t>(free.size()) - 1;
     }
     (row.b ? out.b_off : out.a_off)[row.mi * rank + row.k] =
-        static_cast<int32_t>(best * E + (E - free[best]));
+        static_cast<int32_t>(best * E + (E - free[best]) + fmt.Lead());
     free[best] -= row.len;
   }
   out.num_pages = static_cast<int64_t>(free.size());
@@ -233,7 +281,8 @@ PackedAdapter PackAdapter(const LoraSpec& spec, const std::string& name, int64_t
   for (const LoraModule& m : spec.modules) {
     if (std::find(modules.begin(), modules.end(), m.name) != modules.end()) mods.push_back(m);
   }
-  const AdapterLayout lay = LayoutAdapter(spec.page_elems, mods, rank);
+  const RowFormat fmt = spec.Rows();
+  const AdapterLayout lay = LayoutAdapter(spec.page_elems, mods, rank, fmt);
   const int64_t L = spec.num_layers, E = spec.page_elems, n = lay.num_pages;
   const int64_t M = static_cast<int64_t>(spec.modules.size()), R = spec.max_rank;
   PackedAdapter out;
@@ -250,6 +299,7 @@ PackedAdapter PackAdapter(const LoraSpec& spec, const std::string& name, int64_t
   std::fill(b_off, b_off + M * R, -1);
   void* pages = out.pages.data_ptr();
   std::vector<float> row;
+  std::vector<int8_t> qrow;
   size_t j = 0;  // index into mods / lay
   for (int64_t mi = 0; mi < M; ++mi) {
     const LoraModule& m = spec.modules[mi];
@@ -275,6 +325,19 @@ PackedAdapter PackAdapter(const LoraSpec& spec, const std::string& name, int64_t
         for (const bool b : {false, true}) {
           const int64_t at = l * n * E + (b ? b_off : a_off)[mi * R + k];
           const int64_t from = b ? b_from : a_from, len = b ? m.out_features : m.in_features;
+          if (fmt.int8()) {  // the scale fmt.align bytes before the values (the rest of the lead stays 0)
+            rows.Row(l, m.name, b, k, row.data());
+            qrow.resize(len);
+            float s = 0.f;
+            if (!QuantizeRow(row.data() + from, len, qrow.data(), &s)) {
+              throw InvalidArgument("adapter " + name + ": " + m.name + " layer " + std::to_string(l) +
+                                    (b ? " lora_B" : " lora_A") + " holds a value that is not finite");
+            }
+            char* bytes = static_cast<char*>(pages) + at * fmt.elem_bytes;
+            std::memcpy(bytes - fmt.align, &s, sizeof(float));
+            std::memcpy(bytes, qrow.data(), len);
+            continue;
+          }
           if (dtype.bits == 16 && rows.RawRow(l, m.name, b, k, dtype, from, len, static_cast<uint16_t*>(pages) + at)) {
             continue;
           }

@@ -9,6 +9,14 @@
  * placed best-fit-decreasing (longest rows first, each into the fullest page that still has
  * room), which lets short rows fill the tail of pages holding long ones (docs/DESIGN.md).
  *
+ * Rows are stored in the model dtype, or (a model compiled with `--lora-rows int8`) as int8 values
+ * with a float32 scale per row: the contract's int8_row_align bytes before the values hold the
+ * scale (the rest zero), the values follow, padded to a multiple of int8_row_align; a row's offset
+ * points at its first value, so the scale is at the offset less int8_row_align bytes. Row k's
+ * values are q_i = round_half_even(w_i / s) in [-127, 127] with s = max_i |w_i| / 127 (s = 0 and
+ * q = 0 for a zero row); the kernels read q_i * s rounded to the model dtype (RowFormat,
+ * QuantizeRow; python/mlc_lora/lora/layout.py holds their references).
+ *
  * Under tensor parallelism the spec's module shapes are one shard's: every shard's pool holds its
  * slices of each adapter (column-parallel modules: all of A, their output columns of B^T;
  * row-parallel ones: their input columns of A, all of B^T), and every shard has the same layout.
@@ -32,6 +40,28 @@
 
 namespace mlc_lora {
 
+/*! \brief How a row of n values is stored in the pages (see the file comment). */
+struct RowFormat {
+  int64_t elem_bytes = 2;  // the pages' dtype
+  int64_t align = 0;       // int8 rows: the contract's int8_row_align; 0: rows in the model dtype
+  /*!
+   * \brief "model" or "int8" (the config's lora "rows") on pages of `elem_bytes`-byte elements, int8
+   *        rows laid out by `int8_align` (the contract's); bad input throws InvalidArgument.
+   */
+  static RowFormat Of(const std::string& rows, int64_t elem_bytes, int64_t int8_align);
+  bool int8() const { return align > 0; }
+  /*! \brief Page elements a row of n values takes, its scale included. */
+  int64_t Elems(int64_t n) const;
+  /*! \brief Page elements before a row's first value (its scale). */
+  int64_t Lead() const { return align / elem_bytes; }
+};
+
+/*!
+ * \brief int8 values and the scale of one row of n floats (see the file comment); false if the row
+ *        holds a value that is not finite (nothing written then).
+ */
+bool QuantizeRow(const float* w, int64_t n, int8_t* q, float* scale);
+
 struct LoraModule {
   std::string name;
   int64_t in_features, out_features;
@@ -43,6 +73,9 @@ struct LoraSpec {
   std::vector<LoraModule> modules;  // compiled modules, canonical order, one shard's shapes
   std::string kernel;
   std::string dtype;  // the model's (and the pages') dtype: float32, float16 or bfloat16
+  std::string rows = "model";  // how adapter rows are stored: "model" (its dtype) or "int8"
+  /*! \brief The row format of this spec's pages. */
+  RowFormat Rows() const;
   Contract contract;
 
   /*!
@@ -64,8 +97,12 @@ struct AdapterLayout {
   std::vector<int32_t> a_off, b_off;  // [modules.size(), rank]
 };
 
-/*! \brief Best-fit-decreasing placement of the A and B^T rows of `modules` at `rank`. */
-AdapterLayout LayoutAdapter(int64_t page_elems, const std::vector<LoraModule>& modules, int64_t rank);
+/*!
+ * \brief Best-fit-decreasing placement of the A and B^T rows of `modules` at `rank`, each row taking
+ *        `rows.Elems(its length)` elements; offsets point at the rows' first values.
+ */
+AdapterLayout LayoutAdapter(int64_t page_elems, const std::vector<LoraModule>& modules, int64_t rank,
+                            const RowFormat& rows = RowFormat{});
 
 /*! \brief The input of pool_load_adapter, plus what the engines show about the adapter. */
 struct PackedAdapter {

@@ -501,7 +501,7 @@ PeftAdapter ReadPeftAdapter(const std::string& folder, const LoraSpec& spec, std
   for (const LoraModule& m : spec.modules) {
     if (std::find(out.modules.begin(), out.modules.end(), m.name) != out.modules.end()) mods.push_back(m);
   }
-  out.num_pages = LayoutAdapter(spec.page_elems, mods, out.rank).num_pages;
+  out.num_pages = LayoutAdapter(spec.page_elems, mods, out.rank, spec.Rows()).num_pages;
   return out;
 }
 

@@ -197,7 +197,9 @@ ffi::Map<ffi::String, ffi::Any> PackAdapterFn(const ffi::String& spec_json, cons
 ffi::Map<ffi::String, ffi::Any> AdapterLayoutFn(int64_t page_elems,
                                                 const ffi::Array<ffi::String>& names,
                                                 const ffi::Shape& in_features,
-                                                const ffi::Shape& out_features, int64_t rank) {
+                                                const ffi::Shape& out_features, int64_t rank,
+                                                const ffi::String& rows, int64_t elem_bytes,
+                                                int64_t int8_align) {
   return LoraGuard([&] {
     if (names.size() != in_features.size() || names.size() != out_features.size()) {
       throw InvalidArgument("adapter_layout needs one name, in and out size per module");
@@ -206,7 +208,7 @@ ffi::Map<ffi::String, ffi::Any> AdapterLayoutFn(int64_t page_elems,
     for (size_t i = 0; i < names.size(); ++i) {
       mods.push_back({names[i], in_features[i], out_features[i]});
     }
-    AdapterLayout lay = LayoutAdapter(page_elems, mods, rank);
+    AdapterLayout lay = LayoutAdapter(page_elems, mods, rank, RowFormat::Of(rows, elem_bytes, int8_align));
     return ffi::Map<ffi::String, ffi::Any>{
         {"num_pages", lay.num_pages},
         {"used_elems", lay.used_elems},

@@ -7,6 +7,11 @@ adapter of rank r stores, for every module m it targets, `r` rows of A (length i
 of B^T (length out_m); a row never crosses a page and every layer uses the same layout. Rows are
 placed best-fit-decreasing (longest rows first, each into the fullest page that still has room),
 which lets short rows fill the tail of pages holding long ones. See docs/DESIGN.md.
+
+Rows are stored in the model dtype, or (`LoraSpec.rows == "int8"`, `mlc_lora compile --lora-rows
+int8`) as int8 values with a float32 scale per row, which halves an fp16 adapter's bytes (lossy:
+`quantize_rows` is the reference of what the runtime packs, `dequantize_rows` of what the kernels
+read; docs/SGMV.md "int8 adapter rows").
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..contract import COLUMN_PARALLEL_MODULES, LORA_KERNELS, LORA_MODULES, PAGE_SIZE, compiled_contract
+from ..contract import (COLUMN_PARALLEL_MODULES, INT8_ROW_ALIGN, LORA_KERNELS, LORA_MODULES, PAGE_SIZE, ROW_FORMATS,
+                        compiled_contract)
 from ..errors import LoraError
 
 
@@ -48,6 +54,8 @@ class LoraSpec:
     # targeted weights hold the rank rows route's reserved rows (passes/reserve_rank_rows.py);
     # spare_columns: the rank columns route's reserved columns (passes/reserve_rank_columns.py). None: none built.
     fused: dict[str, int] | None = None
+    # How the pages store adapter rows: "model" (the model dtype) or "int8" (ROW_FORMATS).
+    rows: str = "model"
 
     def fused_fits(self, num_slots: int, rank_total: int) -> bool:
         """Whether the _fused functions cover a batch over `num_slots` adapters of these ranks."""
@@ -71,7 +79,7 @@ class LoraSpec:
             "max_rank": self.max_rank, "kernel": self.kernel, "pool_pages": self.pool_pages,
             "page_elems": self.page_elems, "num_layers": self.num_layers,
             "tensor_parallel_shards": self.tensor_parallel_shards,
-            "fused": self.fused,
+            "fused": self.fused, "rows": self.rows,
         }
 
     @classmethod
@@ -80,7 +88,7 @@ class LoraSpec:
                    modules=tuple(LoraModule(**m) for m in d["modules"]), max_rank=d["max_rank"],
                    pool_pages=d["pool_pages"], kernel=d["kernel"],
                    tensor_parallel_shards=d.get("tensor_parallel_shards", 1),
-                   fused=_fused_limits(d))
+                   fused=_fused_limits(d), rows=d.get("rows", "model"))
 
 
 def _fused_limits(d: dict[str, Any]) -> dict[str, int] | None:
@@ -119,7 +127,7 @@ def shard_module_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 
 def make_spec(cfg, max_rank: int, pool_pages: int, target_modules: Sequence[str] | None = None,
-              kernel: str = "gather") -> LoraSpec:
+              kernel: str = "gather", rows: str = "model") -> LoraSpec:
     """The LoRA part of a compile: validates the options against the model config."""
     names = list(target_modules or LORA_MODULES)
     bad = [n for n in names if n not in LORA_MODULES]
@@ -139,9 +147,13 @@ def make_spec(cfg, max_rank: int, pool_pages: int, target_modules: Sequence[str]
     too_long = [m.name for m in mods if max(m.in_features, m.out_features) > E]
     if too_long:
         raise LoraError(f"rows of {too_long} are longer than a page ({E} elements); cannot page them")
+    if rows not in ROW_FORMATS:
+        raise LoraError(f"unknown adapter row format {rows!r}; choose one of {', '.join(ROW_FORMATS)}")
+    if rows == "int8" and kernel != "sgmv":
+        raise LoraError(f"int8 adapter rows need the sgmv kernel (--lora-kernel sgmv), not {kernel!r}")
     if pool_pages * E >= 2**31:
         raise LoraError(f"--lora-pool-pages {pool_pages} x page {E} elements exceeds 2^31 per layer")
-    return LoraSpec(cfg.num_hidden_layers, E, mods, max_rank, pool_pages, kernel, _shards(cfg))
+    return LoraSpec(cfg.num_hidden_layers, E, mods, max_rank, pool_pages, kernel, _shards(cfg), rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,13 +177,15 @@ class AdapterLayout:
         return self.num_pages * self.page_elems - self.used_elems
 
 
-def layout_adapter(E: int, modules: Sequence[LoraModule], rank: int) -> AdapterLayout:
-    """Best-fit-decreasing placement of the A and B^T rows of `modules` at `rank`."""
+def layout_adapter(E: int, modules: Sequence[LoraModule], rank: int, rows: str = "model",
+                   elem_bytes: int = 2) -> AdapterLayout:
+    """Best-fit-decreasing placement of the A and B^T rows of `modules` at `rank`, rows stored as
+    `rows` (ROW_FORMATS) on pages of `elem_bytes`-byte elements; offsets point at a row's first value."""
     from .. import _ffi_api  # pylint: disable=import-outside-toplevel  (loads the runtime)
 
     modules = list(modules)
     out = _ffi_api.adapter_layout(E, [m.name for m in modules], [m.in_features for m in modules],
-                                  [m.out_features for m in modules], rank)
+                                  [m.out_features for m in modules], rank, rows, elem_bytes, INT8_ROW_ALIGN)
     a_off, b_off = list(out["a_off"]), list(out["b_off"])
     offsets = {}
     for i, m in enumerate(modules):
@@ -181,8 +195,45 @@ def layout_adapter(E: int, modules: Sequence[LoraModule], rank: int) -> AdapterL
     return AdapterLayout(rank, E, int(out["num_pages"]), offsets, int(out["used_elems"]))
 
 
-def lower_bound_pages(E: int, modules: Sequence[LoraModule], rank: int) -> int:
-    return math.ceil(sum(rank * (m.in_features + m.out_features) for m in modules) / E)
+def lower_bound_pages(E: int, modules: Sequence[LoraModule], rank: int, rows: str = "model",
+                      elem_bytes: int = 2) -> int:
+    return math.ceil(sum(rank * (row_elems(m.in_features, rows, elem_bytes) + row_elems(m.out_features, rows, elem_bytes))
+                         for m in modules) / E)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row formats (contract.ROW_FORMATS; the runtime's RowFormat and QuantizeRow in lora_layout.h: these are
+# their references).
+
+def row_elems(n: int, rows: str = "model", elem_bytes: int = 2) -> int:
+    """Page elements a row of n values takes (int8: its scale's lead, the values padded; contract.py)."""
+    if rows == "model":
+        return n
+    return (INT8_ROW_ALIGN + -(-n // INT8_ROW_ALIGN) * INT8_ROW_ALIGN) // elem_bytes
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Semantics: per row, s = max |w| / 127 (float32) and q = round_half_even(w / s) in [-127, 127]
+    (s = 0, q = 0 for a zero row). Returns (q int8 (..., n), s float32 (...))."""
+    w = np.asarray(w, np.float32)
+    s = (np.abs(w).max(axis=-1) / np.float32(127)).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1))[..., None]
+    q = np.where(s[..., None] > 0, np.clip(np.round(w / safe), -127, 127), 0).astype(np.int8)
+    return q, s
+
+
+def dequantize_rows(q: np.ndarray, s: np.ndarray, dtype) -> np.ndarray:
+    """What the kernels read of int8 rows: q * s in float32, rounded to the model `dtype`."""
+    return (q.astype(np.float32) * np.asarray(s, np.float32)[..., None]).astype(dtype)
+
+
+def as_int8_rows(adapter):
+    """A copy of `adapter` (a `peft.LoraAdapter`) whose rows (of A and of B^T) are what int8 rows read
+    of them (quantize_rows, then dequantize_rows in float32): the reference of an int8-row library
+    serving `adapter` (unsharded: a tensor-parallel shard quantizes its slices of the rows)."""
+    return dataclasses.replace(adapter, weights={
+        key: tuple(dequantize_rows(*quantize_rows(np.asarray(w, np.float32)), np.float32) for w in pair)
+        for key, pair in adapter.weights.items()})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,6 +177,8 @@ def test_pack_adapter_refuses_what_was_not_compiled():
     (dict(max_rank=0), "max-lora-rank must be >= 1"),
     (dict(pool_pages=0), "lora-pool-pages must be >= 1"),
     (dict(pool_pages=2**21), "exceeds 2\\^31"),
+    (dict(rows="fp8", kernel="sgmv"), "unknown adapter row format 'fp8'"),
+    (dict(rows="int8", kernel="gather"), "int8 adapter rows need the sgmv kernel"),
 ])
 def test_make_spec_refuses_bad_options(kw, msg):
     args = dict(max_rank=8, pool_pages=4) | kw
@@ -187,4 +189,89 @@ def test_make_spec_refuses_bad_options(kw, msg):
 def test_spec_json_round_trip():
     spec = make_spec(_tiny_cfg(), max_rank=16, pool_pages=12, kernel="single")
     assert LoraSpec.from_json(spec.to_json()) == spec
+    int8 = make_spec(_tiny_cfg(), max_rank=16, pool_pages=12, kernel="sgmv", rows="int8")
+    assert LoraSpec.from_json(int8.to_json()) == int8 and int8.rows == "int8"
     assert spec.arena_elems == 2 * 12 * 1024
+
+
+def test_layout_int8_rows_leave_room_for_their_scales():
+    """int8 rows take their scale's 16 bytes and their values padded to 16 bytes; offsets point at
+    the values, 16-byte aligned, and no row (with its scale) crosses a page or overlaps another."""
+    rng = np.random.default_rng(1)
+    for elem_bytes in (2, 4):
+        for _ in range(20):
+            E = int(rng.integers(16, 200)) * 16 // elem_bytes
+            mods = [LoraModule(f"m{i}", int(rng.integers(1, E)), int(rng.integers(1, E)))
+                    for i in range(int(rng.integers(1, 6)))]
+            r = int(rng.integers(1, 9))
+            lay = layout_adapter(E, mods, r, "int8", elem_bytes)
+            lead = 16 // elem_bytes
+            used = np.zeros(lay.num_pages * E, int)
+            for (name, ab, k), off in lay.offsets.items():
+                m = next(x for x in mods if x.name == name)
+                n = m.in_features if ab == "A" else m.out_features
+                size = (16 + -(-n // 16) * 16) // elem_bytes
+                assert size == layout.row_elems(n, "int8", elem_bytes)
+                assert off * elem_bytes % 16 == 0
+                start = off - lead
+                assert start // E == (start + size - 1) // E, "a row crosses a page"
+                used[start:start + size] += 1
+            assert used.max() == 1 and used.sum() == lay.used_elems
+            assert layout.lower_bound_pages(E, mods, r, "int8", elem_bytes) <= lay.num_pages
+    # a 7B layer's rows take half the pages: rank 16 on all 7 modules, 10 pages in fp16, 5 in int8
+    mods7b = [LoraModule(n, i, o) for n, (i, o) in layout.module_shapes(LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+        num_hidden_layers=1, vocab_size=32000)).items()]
+    assert layout_adapter(131072, mods7b, 16).num_pages == 10
+    assert layout_adapter(131072, mods7b, 16, "int8", 2).num_pages == 5
+
+
+def read_int8_rows(spec, packed):
+    """Every targeted row of an int8-row adapter: (q int8 (rank, n), s float32 (rank,)) as stored."""
+    L, n, E = packed.pages.shape
+    raw = np.ascontiguousarray(packed.pages).view(np.uint8).reshape(L, -1)
+    eb = packed.pages.dtype.itemsize
+    out = {}
+    for mi, m in enumerate(spec.modules):
+        if packed.scale[mi] == 0:
+            continue
+        for l in range(L):
+            for name, offs, width in (("A", packed.a_off[mi, :packed.rank], m.in_features),
+                                      ("B^T", packed.b_off[mi, :packed.rank], m.out_features)):
+                q = np.stack([raw[l, o * eb:o * eb + width].view(np.int8) for o in offs])
+                s = np.array([raw[l, o * eb - 16:o * eb - 12].view(np.float32)[0] for o in offs], np.float32)
+                assert all((raw[l, o * eb - 12:o * eb] == 0).all() for o in offs)
+                out[l, m.name, name] = (q, s)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_pack_adapter_int8_rows_are_quantize_rows(dtype):
+    """The runtime's int8 packing equals quantize_rows bit for bit (ties to even, a zero row, a row
+    of one large value), on pages of every dtype; dequantized, a row is within half a step of the
+    float32 row."""
+    import ml_dtypes
+
+    np_dt = {"bfloat16": ml_dtypes.bfloat16}.get(dtype, np.dtype(dtype))
+    spec = make_spec(_tiny_cfg(), max_rank=8, pool_pages=40, target_modules=["q_proj", "v_proj", "down_proj"],
+                     kernel="sgmv", rows="int8")
+    ad = _fake_adapter(spec, 5, ["q_proj", "v_proj", "down_proj"], 3)
+    a, bt = ad.weights[0, "q_proj"]
+    a[0] = 0.0
+    a[1, :4] = [127.0, 0.5, 1.5, -2.5]  # s = 1: ties to even give 0, 2, -2
+    a[1, 4:] = 0.0
+    bt[2, 5] = 1e30
+    got = read_int8_rows(spec, pack_adapter(spec, ad, np_dt))
+    assert got[0, "q_proj", "A"][0][1, :4].tolist() == [127, 0, 2, -2]
+    for (l, m), (a, bt) in ad.weights.items():
+        for rows, name in ((a, "A"), (bt, "B^T")):
+            q, s = got[l, m, name]
+            want_q, want_s = layout.quantize_rows(rows)
+            np.testing.assert_array_equal(s, want_s, err_msg=f"layer {l} {m} {name}")
+            np.testing.assert_array_equal(q, want_q, err_msg=f"layer {l} {m} {name}")
+            err = np.abs(q.astype(np.float32) * s[:, None] - rows)
+            assert (err <= s[:, None] * 0.5 * (1 + 1e-6)).all()
+    nan = _fake_adapter(spec, 2, ["q_proj"], 4)
+    nan.weights[1, "q_proj"][1][1, 3] = np.nan
+    with pytest.raises(LoraError, match="q_proj layer 1 lora_B holds a value that is not finite"):
+        pack_adapter(spec, nan, np_dt)
