@@ -60,6 +60,7 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         base_functions: bool = True,
         fused: bool = False,
         add_norm: bool = False,
+        rows: str = "model",
     ):
         """`param_names`: the packed params in export order. `modules`: the compiled target modules
         (name, in, out); their order is module index m. `linears`: weight kind (e.g. "qkv_proj") ->
@@ -76,7 +77,9 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         pair over the batch's rank columns above); the runner takes them for the batches whose
         adapters fit its rank columns. `add_norm`: where the rank columns route's x is the RMSNorm of a
         residual sum h = a + b, the route's wrapper adds a and b too and hands on the sum in h's place
-        (linear_triton.PRODUCERS' "add_rms_norm"; DispatchNorm does the same outside the route)."""
+        (linear_triton.PRODUCERS' "add_rms_norm"; DispatchNorm does the same outside the route).
+        `rows`: how the arena stores adapter rows (lora/layout.py ROW_FORMATS; "int8" needs a stage
+        that reads them, and no fused functions)."""
         lora_stages.check(kernel, backend)
         self.param_names = list(param_names)
         self.module_index = {name: i for i, (name, _, _) in enumerate(modules)}
@@ -93,6 +96,9 @@ class LoraRewrite:  # pylint: disable=too-few-public-methods,too-many-instance-a
         self.base_functions = base_functions
         self.fused = fused
         self.add_norm = add_norm
+        self.rows = rows
+        if rows != "model" and fused:
+            raise ValueError(f"{rows} adapter rows: the fused functions read model-dtype rows (fused=False)")
         # the rows' element offsets are multiples of this when every row length is (16-byte loads)
         self.row_align = 8 if all(i % 8 == 0 and o % 8 == 0 for _, i, o in modules) else 1
         self._name_re = linear_weight_re(self.linears)
@@ -136,7 +142,8 @@ class _Rewriter(relax.PyExprMutator):
         self.mod_ = mod
         self.opts = opts
         self.ctx = LoraContext(self.builder_, target, num_layers=opts.num_layers, max_rank=opts.max_rank,
-                               num_modules=opts.num_modules, max_slots=opts.max_slots, row_align=opts.row_align)
+                               num_modules=opts.num_modules, max_slots=opts.max_slots, row_align=opts.row_align,
+                               rows=opts.rows)
         self.inputs: dict[str, relax.Var] = {}
         self.packed: relax.Var | None = None
         self.n_tok = None
@@ -269,7 +276,8 @@ class _Rewriter(relax.PyExprMutator):
                 self.set_var_remap(residual, bb.emit(relax.op.reshape(h1, residual.ty.shape)))
             return y
         x2 = bb.emit(relax.op.reshape(x, relax.ShapeExpr([self.n_tok, in_f])))
-        impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(call.ty.dtype), o.max_rank, len(parts))
+        impl = lora_stages.select(o.kernel, o.backend, self.ctx.target, str(call.ty.dtype), o.max_rank, len(parts),
+                                  o.rows)
         self.rewritten += 1
         return impl.emit(self.ctx, call, x2, layer, parts, self.inputs)  # (the stage emits the GEMM)
 

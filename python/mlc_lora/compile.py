@@ -80,6 +80,10 @@ class CompileOptions:  # pylint: disable=too-many-instance-attributes
     # without the rank rows route (measured faster than the pair past 64 tokens and equal below:
     # docs/SGMV.md); False: the pair
     lora_spare_columns: bool | None = None
+    # how the pool's pages store adapter rows: "model" (the model dtype) or "int8" (int8 values with a
+    # float32 scale per row: half an fp16 adapter's bytes and pages, lossy; needs lora_kernel "sgmv" and
+    # builds no fused functions; lora/layout.py, docs/SGMV.md "int8 adapter rows")
+    lora_rows: str = "model"
     # Megatron-style tensor parallelism over this many GPUs (docs/TP.md).
     tensor_parallel_shards: int = 1
 
@@ -236,8 +240,11 @@ def lora_spec(cfg, options: CompileOptions):
     if not options.max_lora_rank or not options.lora_pool_pages:
         raise CompileError("LoRA needs both --max-lora-rank and --lora-pool-pages")
     spec = make_spec(cfg, options.max_lora_rank, options.lora_pool_pages,
-                     options.lora_target_modules, options.lora_kernel)
-    if (options.lora_fused and options.target == "cuda" and options.lora_kernel == "sgmv"
+                     options.lora_target_modules, options.lora_kernel, options.lora_rows)
+    if spec.rows != "model" and (options.lora_rank_rows or options.lora_spare_columns):
+        raise CompileError(f"{spec.rows} adapter rows: the fused functions' routes read model-dtype rows "
+                           "(no --lora-rank-rows, no spare columns)")
+    if (options.lora_fused and spec.rows == "model" and options.target == "cuda" and options.lora_kernel == "sgmv"
             and options.resolved_dtype() in ("float16", "bfloat16") and options.tensor_parallel_shards == 1):
         from .compiler_passes.ops.lora import linear_triton  # pylint: disable=import-outside-toplevel
 
@@ -275,6 +282,7 @@ def lora_pass_options(spec, cfg, arch_module, param_names: list[str], backend: s
         "kernel": spec.kernel,
         "max_slots": cfg.max_batch_size,
         "fused": spec.fused is not None,
+        "rows": spec.rows,
         # Symbolic: the pool's size (KV + adapter pages) is chosen when the cache is created.
         "arena_elems": None,
     }

@@ -22,14 +22,14 @@ The interface (stage.py), called by passes/lora_rewrite.py once per target linea
         stage: str      # a name of contract.LORA_KERNELS
         backend: str    # "tir", "cuda", ...
         def supported(self, target: tvm.target.Target, dtype: str, max_rank: int,
-                      num_parts: int) -> str | None
+                      num_parts: int, rows: str = "model") -> str | None
             # None if it can run this linear, else the reason in words
         def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int,
                  parts: Sequence[Part], tables: Mapping[str, relax.Var]) -> relax.Expr
             # emits the base GEMM and the update with ctx.builder, returns the new y
 
     Part(name: str, module: int, lo: int, hi: int)   # a slice y[:, lo:hi]; module -1: no adapter
-    LoraContext: builder, target, num_layers, max_rank, num_modules,
+    LoraContext: builder, target, num_layers, max_rank, num_modules, rows (the rows' format),
         kernel(key, name, make) -> GlobalVar   # add a PrimFunc once per key
         external(key, make)                    # link a runtime module (a cubin) once per key
     x is the linear's input as (n, in), base the base output's call (..., W) with W = parts[-1].hi
@@ -95,18 +95,18 @@ def check(stage: str, backend: str) -> None:
         raise ValueError(f"LoRA kernel {stage!r} has no {backend!r} implementation (it has: {have})")
 
 
-def select(stage: str, backend: str, target, dtype: str, max_rank: int, num_parts: int):
+def select(stage: str, backend: str, target, dtype: str, max_rank: int, num_parts: int, rows: str = "model"):
     """The implementation that updates a linear of `num_parts` parts (see the module docstring)."""
     check(stage, backend)
     if backend != "auto":
         impl = _stages()[(stage, backend)]
-        why = impl.supported(target, dtype, max_rank, num_parts)
+        why = impl.supported(target, dtype, max_rank, num_parts, rows)
         if why is not None:
             raise ValueError(f"LoRA kernel {stage!r} on backend {backend!r} cannot run {why}")
         return impl
     reasons = []
     for impl in implementations(stage):
-        why = impl.supported(target, dtype, max_rank, num_parts)
+        why = impl.supported(target, dtype, max_rank, num_parts, rows)
         if why is None:
             return impl
         reasons.append(f"{impl.backend}: {why}")

@@ -148,7 +148,9 @@ class GatherTir(LoraStage):
 
     stage, backend = "gather", "tir"
 
-    def supported(self, target, dtype, max_rank, num_parts):
+    def supported(self, target, dtype, max_rank, num_parts, rows="model"):
+        if rows != "model":
+            return f"{rows} adapter rows (the sgmv stage reads them)"
         return None  # plain TIR: every target, dtype, rank and fused linear
 
     def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],

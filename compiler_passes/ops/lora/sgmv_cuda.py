@@ -178,9 +178,11 @@ class SgmvCuda(LoraStage):
 
     stage, backend = "sgmv", "cuda"
 
-    def supported(self, target, dtype, max_rank, num_parts):
+    def supported(self, target, dtype, max_rank, num_parts, rows="model"):
         if target.kind.name != "cuda":
             return f"target {target.kind.name} (the kernels are CUDA)"
+        if rows != "model":
+            return f"{rows} adapter rows (on CUDA the triton kernels read them)"
         return supported(dtype, max_rank, num_parts)
 
     def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],

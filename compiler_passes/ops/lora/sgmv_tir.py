@@ -18,6 +18,8 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
+from mlc_lora.contract import INT8_ROW_ALIGN
+
 from ..kernel_attrs import is_gpu, kernel_attrs
 from .reference import CHUNK, num_chunks
 from .stage import LoraContext, LoraStage, Part, add_module_deltas, layer_arg, tokens
@@ -27,11 +29,12 @@ _OV = 4  # outputs per expand thread
 
 
 def lora_sgmv_shrink_kernel(in_f: int, m: int, num_layers: int, max_rank: int, num_modules: int,
-                            dtype: str, target: tvm.target.Target):
+                            dtype: str, target: tvm.target.Target, rows: str = "model"):
     """The stage-3 shrink of module `m`; reference: `reference.lora_sgmv_shrink_ref`.
 
     Semantics: v[t, c, k] = scale[s, m] * sum_{i in chunk c} x[t, i] * A[s, m][k, i] for
-    s = slot[t] >= 0, k < rank[s]; 0 elsewhere (the expand sums over c).
+    s = slot[t] >= 0, k < rank[s]; 0 elsewhere (the expand sums over c). With `rows` "int8"
+    (CPU only), A[s, m][k, i] = dtype(q_i * s_k) of the row's int8 values and scale (layout.py).
 
     Signature: (x (n, in_f), arena (size,), slot (n,), rank (S,), scale (S, M), a_off (S, M, R),
     layer: int64, v (n, C, R) float32 [out]).
@@ -39,6 +42,8 @@ def lora_sgmv_shrink_kernel(in_f: int, m: int, num_layers: int, max_rank: int, n
     R, M, L, C = max_rank, num_modules, num_layers, num_chunks(in_f)
     gpu = is_gpu(target)
     attrs = kernel_attrs(gpu)
+    q8, EB, LEAD = rows == "int8", tvm.DataType(dtype).bits // 8, INT8_ROW_ALIGN  # the scale: LEAD bytes before
+    assert not (q8 and gpu), "int8 rows: the TIR kernels run on the CPU only"
 
     @T.prim_func(s_tir=True)
     def sgmv_shrink_cpu(x_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
@@ -52,6 +57,8 @@ def lora_sgmv_shrink_kernel(in_f: int, m: int, num_layers: int, max_rank: int, n
         scale = T.match_buffer(scale_h, (S, M), "float32")
         a_off = T.match_buffer(aoff_h, (S, M, R), "int32")
         v = T.match_buffer(v_h, (n, C, R), "float32")
+        arena8 = T.decl_buffer((size * EB,), "int8", data=arena.data)  # int8 rows: their values
+        arenaf = T.decl_buffer((size * EB // 4,), "float32", data=arena.data)  # ... and scales
         for t in T.parallel(n):
             with T.sblock("token"):
                 T.reads()
@@ -68,11 +75,16 @@ def lora_sgmv_shrink_kernel(in_f: int, m: int, num_layers: int, max_rank: int, n
                     for k in T.serial(R):
                         acc[0] = T.float32(0)
                         if k < rk[0]:
+                            off: T.let[T.int64] = base + T.cast(a_off[s, m, k], "int64")
                             for j in T.serial(CHUNK):
                                 if c * CHUNK + j < in_f:
-                                    acc[0] += T.cast(x[t, c * CHUNK + j], "float32") * T.cast(
-                                        arena[base + T.cast(a_off[s, m, k], "int64") + c * CHUNK + j],
-                                        "float32")
+                                    if q8:
+                                        acc[0] += T.cast(x[t, c * CHUNK + j], "float32") * T.cast(T.cast(
+                                            T.cast(arena8[off * EB + c * CHUNK + j], "float32")
+                                            * arenaf[(off * EB - LEAD) // 4], dtype), "float32")
+                                    else:
+                                        acc[0] += T.cast(x[t, c * CHUNK + j], "float32") * T.cast(
+                                            arena[off + c * CHUNK + j], "float32")
                             acc[0] = acc[0] * scale[s, m]
                         v[t, c, k] = acc[0]
 
@@ -161,13 +173,14 @@ def lora_sgmv_shrink_kernel(in_f: int, m: int, num_layers: int, max_rank: int, n
 
 
 def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_rank: int,
-                            num_modules: int, dtype: str, target: tvm.target.Target):
+                            num_modules: int, dtype: str, target: tvm.target.Target, rows: str = "model"):
     """The stage-3 expand of module `m`; reference: `reference.lora_sgmv_expand_ref`.
 
     Semantics: delta[t] = sum_{k < rank[s]} (sum_c v[t, c, k]) * B[s, m].T[k] for s = slot[t] >= 0
     with rows for m (b_off[s, m, 0] >= 0), else 0 (the shrink already applied scale[s, m] and wrote
     0 where the module is not targeted; such a module's offsets are -1, and its "rows" would be
-    whatever precedes the layer region, NaN included: 0 * NaN is NaN, so none is read).
+    whatever precedes the layer region, NaN included: 0 * NaN is NaN, so none is read). With
+    `rows` "int8" (CPU only), B^T[k, o] = dtype(q_o * s_k) of the row's int8 values and scale.
 
     Signature: (v (n, C, R) float32, arena (size,), slot (n,), rank (S,), b_off (S, M, R),
     layer: int64, delta (n, out_f) [out]).
@@ -175,6 +188,8 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
     R, M, L, C = max_rank, num_modules, num_layers, num_chunks(in_f)
     gpu = is_gpu(target)
     attrs = kernel_attrs(gpu)
+    q8, EB, LEAD = rows == "int8", tvm.DataType(dtype).bits // 8, INT8_ROW_ALIGN  # the scale: LEAD bytes before
+    assert not (q8 and gpu), "int8 rows: the TIR kernels run on the CPU only"
 
     @T.prim_func(s_tir=True)
     def sgmv_expand_cpu(v_h: T.handle, arena_h: T.handle, slot_h: T.handle, rank_h: T.handle,
@@ -187,6 +202,8 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
         rank = T.match_buffer(rank_h, (S,), "int32")
         b_off = T.match_buffer(boff_h, (S, M, R), "int32")
         y = T.match_buffer(y_h, (n, out_f), dtype)
+        arena8 = T.decl_buffer((size * EB,), "int8", data=arena.data)  # int8 rows: their values
+        arenaf = T.decl_buffer((size * EB // 4,), "float32", data=arena.data)  # ... and scales
         for t in T.parallel(n):
             with T.sblock("token"):
                 T.reads()
@@ -207,7 +224,12 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
                 for o in T.serial(out_f):
                     acc[0] = T.float32(0)
                     for k in T.serial(rk[0]):
-                        acc[0] += h[k] * T.cast(arena[base + T.cast(b_off[s, m, k], "int64") + o], "float32")
+                        if q8:
+                            acc[0] += h[k] * T.cast(T.cast(
+                                T.cast(arena8[(base + T.cast(b_off[s, m, k], "int64")) * EB + o], "float32")
+                                * arenaf[((base + T.cast(b_off[s, m, k], "int64")) * EB - LEAD) // 4], dtype), "float32")
+                        else:
+                            acc[0] += h[k] * T.cast(arena[base + T.cast(b_off[s, m, k], "int64") + o], "float32")
                     y[t, o] = T.cast(acc[0], dtype)
 
     NT, OT = _NT, _NT * _OV
@@ -274,7 +296,9 @@ class SgmvTir(LoraStage):
 
     stage, backend = "sgmv", "tir"
 
-    def supported(self, target, dtype, max_rank, num_parts):
+    def supported(self, target, dtype, max_rank, num_parts, rows="model"):
+        if rows == "int8" and is_gpu(target):
+            return "int8 adapter rows on a GPU (the TIR kernels read them on the CPU; on CUDA: triton)"
         return None  # plain TIR: every target, dtype, rank and fused linear
 
     def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],
@@ -287,9 +311,9 @@ class SgmvTir(LoraStage):
         def delta(p: Part) -> relax.Var:
             m, w = p.module, p.width
             shrink = ctx.kernel(("sgmv", "shrink", in_f, 0, m, dtype), f"lora_sgmv_shrink_m{m}_{in_f}",
-                                lambda: lora_sgmv_shrink_kernel(in_f, m, L, R, M, dtype, ctx.target))
+                                lambda: lora_sgmv_shrink_kernel(in_f, m, L, R, M, dtype, ctx.target, ctx.rows))
             expand = ctx.kernel(("sgmv", "expand", in_f, w, m, dtype), f"lora_sgmv_expand_m{m}_{in_f}x{w}",
-                                lambda: lora_sgmv_expand_kernel(in_f, w, m, L, R, M, dtype, ctx.target))
+                                lambda: lora_sgmv_expand_kernel(in_f, w, m, L, R, M, dtype, ctx.target, ctx.rows))
             v = bb.emit(relax.call_tir(shrink, [x, t["lora_arena"], t["lora_token_slot"], t["lora_rank"],
                                                 t["lora_scale"], t["lora_a_off"], layer_arg(layer)],
                                        relax.TensorType([n, num_chunks(in_f), R], "float32")))

@@ -50,6 +50,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from mlc_lora.contract import INT8_ROW_ALIGN
+
 from .. import triton_build
 from ..kernel_attrs import kernel_attrs
 from .reference import sort_tokens_ref  # noqa: F401  (the pool's token order)
@@ -280,16 +282,35 @@ if triton is not None:
         """Work items per tile of each part for groups of g output tiles of BN columns."""
         return ((w0 + BN - 1) // BN + g - 1) // g, ((w1 + BN - 1) // BN + g - 1) // g, ((w2 + BN - 1) // BN + g - 1) // g
 
+    @triton.jit
+    def _row_ptrs(arena_ptr, base, off, kmask, Q8: tl.constexpr, LEAD: tl.constexpr):
+        """(pointers to the first values of the rows at element offsets `off` of the layer at `base`,
+        their scales): the model-dtype rows and scales of 1, or (Q8) int8 rows, whose values a
+        kernel reads as q * scale rounded to the model dtype, their float32 scales LEAD bytes before
+        the values (contract.INT8_ROW_ALIGN)."""
+        elem = base + off.to(tl.int64)
+        if Q8:  # (a constexpr branch: one return, of either type)
+            eb: tl.constexpr = arena_ptr.dtype.element_ty.primitive_bitwidth // 8
+            at = tl.multiple_of(elem * eb, LEAD)
+            rows = arena_ptr.to(tl.pointer_type(tl.int8)) + at
+            sc = tl.load((rows - LEAD).to(tl.pointer_type(tl.float32)), mask=kmask, other=0.0)
+        else:
+            rows = arena_ptr + elem
+            sc = tl.full(off.shape, 1.0, tl.float32)
+        return rows, sc
+
     @triton.jit(repr=_kernel_name("shrink"))
     def lora_shrink_kernel(x_ptr, arena_ptr, order_ptr, tiles_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr,
                            n, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
                            C: tl.constexpr, CMAX: tl.constexpr, UNITS: tl.constexpr, FILL: tl.constexpr,
                            P: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                           RB: tl.constexpr, RS: tl.constexpr, ALIGN: tl.constexpr):
+                           RB: tl.constexpr, RS: tl.constexpr, ALIGN: tl.constexpr, Q8: tl.constexpr,
+                           LEAD: tl.constexpr):
         """Work item (tile of BM sorted positions of one slot, split c of the input's BK steps) of
         (part, rank block rb of RS): v[tile, part, c, rank rows of rb] = scale * x[tile] @ A[those
         rows, split].T (RS = 1: every rank row at once). The batch's splits (_splits) are spread
-        with its tiles over the C x grid-x blocks of each (part, rb)."""
+        with its tiles over the C x grid-x blocks of each (part, rb). Q8: the rows are int8 with
+        their float32 scales LEAD bytes before them (_row_ptrs)."""
         triton_build.wait_for_producers()
         RBS: tl.constexpr = RB // RS  # rank rows per block: the rank block rb of RS
         rb = tl.program_id(1) % RS
@@ -317,7 +338,8 @@ if triton is not None:
                 kmask = kk < r_s
                 aoff = tl.multiple_of(tl.load(aoff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
                 xp = x_ptr + tok[:, None] * K + tl.arange(0, BK)[None, :]
-                ap = arena_ptr + base + aoff.to(tl.int64)[None, :] + tl.arange(0, BK)[:, None]
+                ap, asc = _row_ptrs(arena_ptr, base, aoff, kmask, Q8, LEAD)
+                ap = ap[None, :] + tl.arange(0, BK)[:, None]
                 acc = tl.zeros((BM, RBS), dtype=tl.float32)
                 st0 = c * per
                 for st in range(st0, tl.minimum(st0 + per, steps)):
@@ -329,6 +351,8 @@ if triton is not None:
                         imask = i0 + tl.arange(0, BK) < K
                         xt = tl.load(xp + i0, mask=rmask[:, None] & imask[None, :], other=0.0)
                         at = tl.load(ap + i0, mask=kmask[None, :] & imask[:, None], other=0.0)
+                    if Q8:
+                        at = (at.to(tl.float32) * asc[None, :]).to(x_ptr.dtype.element_ty)
                     acc += tl.dot(xt, at)
                 vptr = v_ptr + ((pos[:, None].to(tl.int64) * P + part) * CMAX + c) * R + kk[None, :]
                 tl.store(vptr, acc * sc, mask=rmask[:, None] & kmask[None, :])
@@ -339,11 +363,13 @@ if triton is not None:
                            FILL: tl.constexpr, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr,
                            m2: tl.constexpr, w0: tl.constexpr, w1: tl.constexpr, w2: tl.constexpr, P: tl.constexpr,
                            W: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr,
-                           GMIN: tl.constexpr, RB: tl.constexpr, ALIGN: tl.constexpr):
+                           GMIN: tl.constexpr, RB: tl.constexpr, ALIGN: tl.constexpr, Q8: tl.constexpr,
+                           LEAD: tl.constexpr):
         """Work item (tile of BM sorted positions of one slot, group of gd output tiles of BN of a
         part): h = sum_c v[tile, part, c] once, then y[tile, cols] += h @ B^T[:rank, cols] per
         output tile. gd = G, halved down to GMIN while the batch's items (total tiles x groups)
-        fall short of FILL (groups_for); the items are spread over all blocks of the grid."""
+        fall short of FILL (groups_for); the items are spread over all blocks of the grid. Q8: the
+        rows are int8 with their float32 scales LEAD bytes before them (_row_ptrs)."""
         triton_build.wait_for_producers()
         total = tl.load(tiles_ptr)
         cd = _splits(total, C, CMAX, STEPS, UNITS, FILL)  # the shrink's splits of this batch
@@ -377,12 +403,15 @@ if triton is not None:
                     h += tl.load(vptr + c * R, mask=rmask[:, None] & kmask[None, :] & (c < cd), other=0.0)
                 hh = h.to(arena_ptr.dtype.element_ty)  # rounded once, as PEFT rounds lora_A's output
                 boff = tl.multiple_of(tl.load(boff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
-                bp = arena_ptr + base + boff.to(tl.int64)[:, None]
+                bp, bsc = _row_ptrs(arena_ptr, base, boff, kmask, Q8, LEAD)
+                bp = bp[:, None]
                 yp = y_ptr + tok[:, None] * W + o_p
                 for g in range(gd):
                     cols = (grp * gd + g) * BN + tl.arange(0, BN)
                     cmask = cols < width
                     bt = tl.load(bp + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
+                    if Q8:
+                        bt = (bt.to(tl.float32) * bsc[:, None]).to(hh.dtype)
                     acc = tl.dot(hh, bt)
                     ymask = rmask[:, None] & cmask[None, :]
                     yv = tl.load(yp + cols[None, :], mask=ymask, other=0.0)
@@ -401,12 +430,12 @@ def _signature(kind: str, dtype: str) -> dict:
         ptrs = dict(x_ptr=e, arena_ptr=e, order_ptr="*i32", tiles_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", aoff_ptr="*i32", v_ptr="*fp32")
         consts = ["M", "m0", "m1", "m2", "C", "CMAX", "UNITS", "FILL", "P", "K", "R", "BM", "BK", "RB", "RS",
-                  "ALIGN"]
+                  "ALIGN", "Q8", "LEAD"]
     else:
         ptrs = dict(v_ptr="*fp32", arena_ptr=e, order_ptr="*i32", tiles_ptr="*i32", rank_ptr="*i32",
                     scale_ptr="*fp32", boff_ptr="*i32", y_ptr=e)
         consts = ["C", "CMAX", "UNITS", "STEPS", "FILL", "M", "m0", "m1", "m2", "w0", "w1", "w2", "P", "W", "R",
-                  "BM", "BN", "G", "GMIN", "RB", "ALIGN"]
+                  "BM", "BN", "G", "GMIN", "RB", "ALIGN", "Q8", "LEAD"]
     sig = dict(ptrs)
     sig.update({"n": "i32", "base": "i64"})
     sig.update({k: "constexpr" for k in consts})
@@ -425,11 +454,12 @@ def _slot_pad(max_slots: int) -> int:
 
 
 def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_modules: int, max_slots: int,
-              align: int, cfg: dict | None = None) -> tuple[dict, int]:
+              align: int, cfg: dict | None = None, rows: str = "model") -> tuple[dict, int]:
     """(the compile-time constants, blocks along y) of the shrink or expand kernel of tile variant
     `var` (cfg: its VARIANTS entry, or another configuration to try) for a linear of parts `mods`
-    (widths: the parts' widths, for the expand)."""
+    (widths: the parts' widths, for the expand) over rows stored as `rows` (contract.ROW_FORMATS)."""
     cfg = cfg or VARIANTS[var]
+    q8 = dict(Q8=int(rows == "int8"), LEAD=INT8_ROW_ALIGN)
     M, R, P, RB = num_modules, max_rank, len(mods), rank_block(max_rank)
     m0, m1, m2 = (list(mods) + [-1] * MAX_PARTS)[:MAX_PARTS]
     c, bk = num_chunks(in_f, var, cfg), step_elems(var, cfg)
@@ -439,19 +469,19 @@ def constants(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_m
     dyn = dict(C=c, CMAX=most_chunks(in_f, var, cfg), UNITS=rs * max(1, sum(m >= 0 for m in mods)), FILL=FILL_BLOCKS)
     if kind == "shrink":
         return dict(M=M, m0=m0, m1=m1, m2=m2, **dyn, P=P, K=in_f, R=R, BM=cfg["BM"], BK=bk, RB=RB, RS=rs,
-                    ALIGN=align), c * P * rs
+                    ALIGN=align, **q8), c * P * rs
     w0, w1, w2 = (list(widths) + [0] * MAX_PARTS)[:MAX_PARTS]
     consts = dict(**dyn, STEPS=-(-in_f // bk), M=M, m0=m0, m1=m1, m2=m2, w0=w0, w1=w1, w2=w2, P=P, W=sum(widths),
                   R=R, BM=cfg["BM"], BN=cfg["BN"], G=cfg["G"], GMIN=min(cfg.get("GMIN", cfg["G"]), cfg["G"]), RB=RB,
-                  ALIGN=align)
+                  ALIGN=align, **q8)
     return consts, _groups_per_tile(widths, cfg["BN"], cfg["G"])
 
 
 def variant_kernel(kind: str, var: str, in_f: int, mods, widths, max_rank: int, num_modules: int, dtype: str,
-                   max_slots: int, align: int, arch: str):
+                   max_slots: int, align: int, arch: str, rows: str = "model"):
     """(name, launch threads, dynamic shared bytes, TVM CUDA module, blocks along y) of the shrink
     or expand kernel of tile variant `var` for a linear (widths: the parts' widths, for the expand)."""
-    consts, grid_y = constants(kind, var, in_f, mods, widths, max_rank, num_modules, max_slots, align)
+    consts, grid_y = constants(kind, var, in_f, mods, widths, max_rank, num_modules, max_slots, align, rows=rows)
     return (*_module(kind, dtype, consts, VARIANTS[var], arch), grid_y)
 
 
@@ -507,7 +537,7 @@ def launch(var: str, kernel: tuple, n, cap1, base) -> tuple:
 
 
 def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
-                   max_slots: int, align: int, arch: str):
+                   max_slots: int, align: int, arch: str, rows: str = "model"):
     """(TIR wrapper, CUDA modules). Signature: (x (n, in_f), arena (size,), order (n,) int32,
     slot_start (cap + 1,) int32, tiles (>= tile_table_len(n),) int32 (tiles_wrapper's),
     rank (S,), scale (S, M), a_off (S, M, R), layer: int64, v (n, P, C, R) float32 [out]); part p
@@ -517,7 +547,7 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
 
     R, M, L, P, SP = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots)
     C = max_chunks(in_f)  # the least the scratch holds
-    built = {var: variant_kernel("shrink", var, in_f, mods, None, R, M, dtype, max_slots, align, arch)
+    built = {var: variant_kernel("shrink", var, in_f, mods, None, R, M, dtype, max_slots, align, arch, rows)
              for var in VARIANTS}
     tn, sn, ln = built["tiny"][0], built["small"][0], built["large"][0]
 
@@ -555,7 +585,7 @@ def shrink_wrapper(in_f: int, mods, num_layers: int, max_rank: int, num_modules:
 
 
 def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_modules: int, dtype: str,
-                   max_slots: int, align: int, arch: str):
+                   max_slots: int, align: int, arch: str, rows: str = "model"):
     """(TIR wrapper, CUDA modules). Signature: (v (n, P, C, R) float32, arena (size,), order (n,),
     slot_start (cap + 1,), tiles (as the shrink's), rank (S,), scale (S, M), b_off (S, M, R),
     layer: int64, y (n, W) [in place]); W = sum(widths), part p = module mods[p], C >=
@@ -564,7 +594,7 @@ def expand_wrapper(in_f: int, widths, mods, num_layers: int, max_rank: int, num_
 
     R, M, L, P, SP, W = max_rank, num_modules, num_layers, len(mods), _slot_pad(max_slots), sum(widths)
     C = max_chunks(in_f)  # the least the scratch holds
-    built = {var: variant_kernel("expand", var, in_f, mods, widths, R, M, dtype, max_slots, align, arch)
+    built = {var: variant_kernel("expand", var, in_f, mods, widths, R, M, dtype, max_slots, align, arch, rows)
              for var in VARIANTS}
     tn, sn, ln = built["tiny"][0], built["small"][0], built["large"][0]
 
@@ -649,10 +679,10 @@ class SgmvTriton(LoraStage):
 
     stage, backend = "sgmv", "triton"
 
-    def supported(self, target, dtype, max_rank, num_parts):
+    def supported(self, target, dtype, max_rank, num_parts, rows="model"):
         if target.kind.name != "cuda":
             return f"target {target.kind.name} (the kernels are CUDA)"
-        return supported(dtype, max_rank, num_parts)
+        return supported(dtype, max_rank, num_parts)  # (rows: both formats)
 
     def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],
              tables: Mapping[str, relax.Var]) -> relax.Expr:
@@ -665,15 +695,16 @@ class SgmvTriton(LoraStage):
         arch = str(ctx.target.arch)
         mods = tuple(p.module for p in parts)
         widths = tuple(p.width for p in parts)
-        key = ("sgmv_triton", in_f, mods, widths, dtype)
+        key = ("sgmv_triton", in_f, mods, widths, dtype, ctx.rows)
         tag = "_".join(str(m) if m >= 0 else "x" for m in mods)
         align = ctx.row_align if all(w % ctx.row_align == 0 for w in (in_f, *widths)) else 1
         built = {}
 
         def make(kind):
             if kind not in built:
-                built["shrink"] = shrink_wrapper(in_f, mods, L, R, M, dtype, ctx.max_slots, align, arch)
-                built["expand"] = expand_wrapper(in_f, widths, mods, L, R, M, dtype, ctx.max_slots, align, arch)
+                built["shrink"] = shrink_wrapper(in_f, mods, L, R, M, dtype, ctx.max_slots, align, arch, ctx.rows)
+                built["expand"] = expand_wrapper(in_f, widths, mods, L, R, M, dtype, ctx.max_slots, align, arch,
+                                                 ctx.rows)
                 for i, m in enumerate(built["shrink"][1] + built["expand"][1]):
                     ctx.external(key + ("module", i), lambda m=m: m)
             return built[kind][0]

@@ -113,7 +113,9 @@ class SingleTir(LoraStage):
 
     stage, backend = "single", "tir"
 
-    def supported(self, target, dtype, max_rank, num_parts):
+    def supported(self, target, dtype, max_rank, num_parts, rows="model"):
+        if rows != "model":
+            return f"{rows} adapter rows (the sgmv stage reads them)"
         return None  # plain TIR and dense matmuls: every target, dtype, rank and fused linear
 
     def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],

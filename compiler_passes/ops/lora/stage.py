@@ -34,7 +34,8 @@ class LoraContext:
     """The rewrite's shared state: where to emit, the model's LoRA shape, the kernels added."""
 
     def __init__(self, builder: relax.BlockBuilder, target: tvm.target.Target, *, num_layers: int,
-                 max_rank: int, num_modules: int, max_slots: int = 256, row_align: int = 1):
+                 max_rank: int, num_modules: int, max_slots: int = 256, row_align: int = 1,
+                 rows: str = "model"):
         self.builder = builder  # emits into the function being rewritten
         self.target = target
         self.num_layers = num_layers  # L: the arena holds L equal layer slices
@@ -42,6 +43,7 @@ class LoraContext:
         self.num_modules = num_modules  # M: the module axis of the tables
         self.max_slots = max_slots  # the most slots lora_slot_start describes (minus one)
         self.row_align = row_align  # every row offset in the arena is a multiple of this
+        self.rows = rows  # how the arena stores adapter rows: "model" or "int8" (lora/layout.py)
         self.external_mods: dict[tuple, tvm.runtime.Module] = {}  # linked into the library
         self._kernels: dict[tuple, relax.GlobalVar] = {}
         self._function_values: dict[tuple, relax.Var] = {}
@@ -77,10 +79,12 @@ class LoraStage:
     stage: str = ""  # "single", "gather" or "sgmv"
     backend: str = ""  # "tir", "cuda", ...
 
-    def supported(self, target: tvm.target.Target, dtype: str, max_rank: int, num_parts: int) -> str | None:
+    def supported(self, target: tvm.target.Target, dtype: str, max_rank: int, num_parts: int,
+                  rows: str = "model") -> str | None:
         """None when this implementation can update a linear of `num_parts` parts of a `dtype`
-        model with adapters up to `max_rank` on `target`; else why not, in words ("dtype float32
-        (the kernels are float16/bfloat16)"). The "auto" backend takes the first that can."""
+        model with adapters up to `max_rank`, rows stored as `rows` (lora/layout.py ROW_FORMATS),
+        on `target`; else why not, in words ("dtype float32 (the kernels are float16/bfloat16)").
+        The "auto" backend takes the first that can."""
         raise NotImplementedError
 
     def emit(self, ctx: LoraContext, base: relax.Call, x: relax.Var, layer: int, parts: Sequence[Part],

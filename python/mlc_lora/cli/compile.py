@@ -6,7 +6,7 @@ import argparse
 
 from ..compile import DTYPES, CompileOptions, compile_model
 from ..compiler_passes.ops.lora import BACKENDS
-from ..contract import LORA_KERNELS
+from ..contract import LORA_KERNELS, ROW_FORMATS
 from . import HelpFormatter
 
 
@@ -69,6 +69,10 @@ def parser() -> argparse.ArgumentParser:
                         "instead of the rank columns route (by default each targeted weight is stored with "
                         "spare columns for the batch's B rows, and one cuBLAS GEMM over [x | shrink] and them "
                         "gives the output)")
+    p.add_argument("--lora-rows", choices=ROW_FORMATS, default="model",
+                   help="how the pool stores adapter rows: model (the model dtype) or int8 (int8 values with a "
+                        "scale per row: half an fp16 adapter's bytes and pages, lossy; needs --lora-kernel sgmv; "
+                        "builds no fused functions)")
     p.add_argument("--tensor-parallel-shards", type=int, default=1, metavar="K",
                    help="split the model over K GPUs (Megatron-style; docs/TP.md)")
     return p
@@ -83,6 +87,7 @@ def main(argv: list[str]) -> int:
                           lora_target_modules=a.lora_target_modules, lora_kernel=a.lora_kernel,
                           lora_sgmv_backend=a.lora_sgmv_backend, lora_fused=a.lora_fused,
                           lora_rank_rows=a.lora_rank_rows, lora_spare_columns=a.lora_spare_columns,
+                          lora_rows=a.lora_rows,
                           gemm=a.gemm, gemv_max_rows=a.gemv_max_rows, cuda_graph=a.cuda_graph, attention=a.attention,
                           rope_append=a.rope_append, add_norm=a.add_norm,
                           bounded_prefill_memory=a.bounded_prefill_memory,

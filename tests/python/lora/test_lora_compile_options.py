@@ -109,3 +109,27 @@ def test_without_lora_flags_the_model_has_no_lora_inputs(tiny_models):
 
     with pytest.raises(LoraError, match="compiled without LoRA"):
         pack_peft_adapter(compiled, r.config)
+
+
+def test_int8_rows_flag_and_spec(monkeypatch, tmp_path):
+    """--lora-rows int8 reaches CompileOptions and the spec (the config's lora.rows, read back); a
+    CUDA sgmv fp16 spec with int8 rows has no fused functions (they read model-dtype rows), and
+    their routes asked for are refused; an unknown format is refused by the CLI."""
+    pytest.importorskip("triton")
+    from mlc_lora.lora.layout import LoraSpec
+
+    seen = {}
+    monkeypatch.setattr(cli, "compile_model", lambda model, out, opts: seen.setdefault("opts", opts) and out)
+    cli.main(["m", "-o", str(tmp_path), "--lora-pool-pages", "64", "--max-lora-rank", "16", "--lora-kernel", "sgmv",
+              "--target", "cuda", "--lora-rows", "int8"])
+    opts = seen["opts"]
+    cfg = LlamaConfig(**TINY_CONFIGS["gqa"])
+    spec = lora_spec(cfg, opts)
+    assert opts.lora_rows == spec.rows == "int8" and spec.fused is None
+    assert LoraSpec.from_json(spec.to_json()) == spec
+    assert lora_spec(cfg, CompileOptions(**{**opts.__dict__, "lora_rows": "model"})).fused is not None
+    for bad in ({"lora_rank_rows": True}, {"lora_spare_columns": True}):
+        with pytest.raises(CompileError, match="int8 adapter rows: the fused functions' routes"):
+            lora_spec(cfg, CompileOptions(**{**opts.__dict__, **bad}))
+    with pytest.raises(SystemExit):
+        cli.main(["m", "-o", str(tmp_path), "--lora-rows", "fp8"])

@@ -344,3 +344,59 @@ def test_spare_columns_library_matches_peft(lora_setup, tmp_path, monkeypatch):
                         if a.shape[-1] > plain[k].shape[-1]}
     runner = _matches_peft_with_nan_reserved(lora_setup, out, params, "spare columns")
     assert runner.lora.fused.get("spare_columns") is True
+
+
+def _int8_peft(model):
+    """A copy of PEFT `model` whose adapter rows are what int8 rows read (lora/layout.py's references):
+    each row of lora_A and of lora_B's transpose quantized, dequantized, back in float32."""
+    import copy
+
+    from mlc_lora.lora.layout import dequantize_rows, quantize_rows
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                rows = p.numpy() if "lora_A" in name else p.numpy().T
+                deq = dequantize_rows(*quantize_rows(rows), np.float32)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(deq if "lora_A" in name else deq.T)))
+    return out
+
+
+def test_int8_rows_library_matches_peft_on_its_rows(lora_setup, tmp_path):
+    """A library compiled with --lora-rows int8 (CPU, sgmv) with the C++ pool: equal to PEFT run on
+    the rows int8 rows stand for (each row quantized and dequantized) as closely as the float32
+    library is to PEFT, and near PEFT itself: the error well below what the adapters change. Its
+    adapters take about a third of a float32 library's pages; any other stage is refused."""
+    cfg, root, refs, compiled = lora_setup
+    opts = dict(prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=96, max_lora_rank=64)
+    lib = compile_model(root / "hf", tmp_path / "lora-int8", CompileOptions(**opts, lora_kernel="sgmv",
+                                                                            lora_rows="int8"), progress=False)
+    runner = ModelRunner(lib)
+    assert runner.lora.rows == "int8"
+    kv = runner.create_pool(max_batch_size=16, max_total_seq_len=1024, prefill_chunk_size=128)
+    for aid in (3, 1, 5, 2, 4):
+        p = pack_peft_adapter(root / f"adapter{aid}", runner.config)
+        full = pack_peft_adapter(root / f"adapter{aid}", ModelRunner(compiled["sgmv"]).config)
+        # a byte a value where float32 takes four; the scales' 16 bytes weigh on rows of 32-128 values
+        assert p.pages.shape[1] <= full.pages.shape[1] // 3 + 1, (aid, p.pages.shape, full.pages.shape)
+        kv.load_packed_adapter(aid, p, False)
+    out, seqs = _run_batches(runner, "pool", [list(range(len(REQUESTS)))], kv=kv)
+    int8_refs = {aid: (m if aid is None else _int8_peft(m)) for aid, m in refs.items()}
+    worst, worst_orig, effect = 0.0, 0.0, np.inf
+    for i, (aid, prompt) in enumerate(REQUESTS):
+        for step, got in enumerate(out[i]):
+            toks = list(seqs[i][: len(prompt) + step])
+            worst = max(worst, float(np.abs(got - _peft_logits(int8_refs[aid], toks)).max()))
+            want = _peft_logits(refs[aid], toks)
+            worst_orig = max(worst_orig, np.linalg.norm(got - want) / np.linalg.norm(want))
+            if aid is not None:
+                effect = min(effect, np.linalg.norm(want - _peft_logits(refs[None], toks)) / np.linalg.norm(want))
+    print(f"int8 rows: max abs error vs PEFT on the int8 rows {worst:.2e}; relative error vs PEFT {worst_orig:.2e}, "
+          f"smallest adapter effect {effect:.2e}")
+    assert worst < 1e-4 and worst_orig < effect / 20
+    kv.check_invariants()
+    for kernel in ("gather", "single"):
+        with pytest.raises(Exception, match="int8 adapter rows need the sgmv kernel"):
+            compile_model(root / "hf", tmp_path / f"int8-{kernel}", CompileOptions(**opts, lora_kernel=kernel,
+                                                                                  lora_rows="int8"), progress=False)

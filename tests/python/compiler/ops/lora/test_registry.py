@@ -77,3 +77,20 @@ def test_unknown_names_are_refused():
         lora.check("bgmv", "auto")
     with pytest.raises(ValueError, match="unknown LoRA kernel backend 'cutlass'; choose from auto, cuda, tir, triton"):
         lora.check("sgmv", "cutlass")
+
+
+def test_int8_rows_take_the_stages_that_read_them(monkeypatch):
+    """int8 adapter rows: stage 3 on Triton (CUDA) or TIR (CPU); every other implementation says why
+    not, and with no reader left "auto" refuses, naming each reason."""
+    pytest.importorskip("triton")
+    assert lora.select("sgmv", "auto", CUDA, "float16", 64, 3, "int8") is sgmv_triton.STAGE
+    assert lora.select("sgmv", "auto", LLVM, "float32", 64, 3, "int8") is sgmv_tir.STAGE
+    for backend, why in (("cuda", "int8 adapter rows .on CUDA the triton kernels"), ("tir", "int8 adapter rows on a GPU")):
+        with pytest.raises(ValueError, match=f"backend '{backend}' cannot run {why}"):
+            lora.select("sgmv", backend, CUDA, "float16", 64, 3, "int8")
+    for stage in ("single", "gather"):
+        with pytest.raises(ValueError, match="int8 adapter rows .the sgmv stage reads them"):
+            lora.select(stage, "auto", LLVM, "float32", 64, 1, "int8")
+    monkeypatch.setattr(sgmv_triton, "triton", None)
+    with pytest.raises(ValueError, match="cuda: int8 adapter rows.*tir: int8 adapter rows on a GPU"):
+        lora.select("sgmv", "auto", CUDA, "float16", 64, 3, "int8")

@@ -99,6 +99,76 @@ def test_kernels_match_references(tmp_path, variant, dtype, config):
     assert np.array_equal(got[:, 72:96], y[:, 72:96])  # the untargeted part untouched
 
 
+def _int8_case(rng, dtype, S, K, widths, mods, R, M=4):
+    """_case's tables over an arena of int8 rows (contract.ROW_FORMATS) at places of their own, NaN
+    around them; returns (arena, the model-dtype arena it reads as, base, rank, scale, a_off, b_off)."""
+    from mlc_lora.compiler_passes.ops.lora.reference import int8_rows_as_model_ref
+    from mlc_lora.contract import INT8_ROW_ALIGN
+    from mlc_lora.lora.layout import quantize_rows
+
+    eb = np.dtype(dtype).itemsize
+    lead, step = INT8_ROW_ALIGN // eb, -(-(INT8_ROW_ALIGN // eb + max(K, *widths)) // 8) * 8
+    rank = rng.integers(1, R + 1, S).astype(np.int32)
+    rank[0] = R
+    scale = rng.uniform(0.5, 2, (S, M)).astype(np.float32)
+    scale[min(1, S - 1), max(mods)] = 0
+    a_off = np.zeros((S, M, R), np.int32)  # past rank, untargeted: never read
+    b_off = np.zeros((S, M, R), np.int32)
+    wanted = [(s, m, k) for s in range(S) for m in mods if m >= 0 and scale[s, m] != 0 for k in range(rank[s])]
+    places = iter(rng.permutation(2 * len(wanted)))
+    layer_size = 2 * len(wanted) * step + step
+    L, base = 3, layer_size
+    arena = np.full(L * layer_size, np.nan, dtype)
+    raw, rows = arena.view(np.uint8), []
+    for s, m, k in wanted:
+        for offs, width in ((a_off, K), (b_off, widths[list(mods).index(m)])):
+            offs[s, m, k] = next(places) * step + lead
+            w = rng.standard_normal(width).astype(np.float32) * rng.uniform(0.1, 2)
+            q, sc = quantize_rows(w[None])
+            at = (base + int(offs[s, m, k])) * eb
+            raw[at - INT8_ROW_ALIGN:at] = 0
+            raw[at - INT8_ROW_ALIGN:at - INT8_ROW_ALIGN + 4] = sc.view(np.uint8)
+            raw[at:at + width] = q[0].view(np.uint8)
+            rows.append((base + int(offs[s, m, k]), width))
+    return arena, int8_rows_as_model_ref(arena, rows, INT8_ROW_ALIGN), base, rank, scale, a_off, b_off
+
+
+@pytest.mark.parametrize("variant", list(ST.VARIANTS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_kernels_read_int8_rows(tmp_path, variant, dtype):
+    """int8 rows: the kernels over an arena of int8 rows with their scales (NaN around them) write
+    the same v and y, bit for bit, as over the model-dtype rows they stand for, and those match
+    the references."""
+    rng = np.random.default_rng(11)
+    widths, mods, R = (72, 24, 40), (0, -1, 2), 32
+    n, K, S, cap = (90 if variant == "large" else 37), 300, 6, 9
+    arena8, model, base, rank, scale, a_off, b_off = _int8_case(rng, dtype, S, K, widths, mods, R)
+    slot = rng.integers(-1, S, n).astype(np.int32)
+    slot[:S] = np.arange(S)
+    rng.shuffle(slot)
+    x = rng.standard_normal((n, K)).astype(dtype)
+    y = rng.standard_normal((n, sum(widths))).astype(dtype)
+    order, start = ST.sort_tokens_ref(slot, S)
+    start = np.concatenate([start, np.full(cap - S, start[-1], np.int32)])
+    common = dict(variant=variant, x=x, rank=rank, scale=scale, order=order, start=start, mods=np.array(mods),
+                  widths=np.array(widths), base=base, R=R, a_off=a_off, b_off=b_off, y=y)
+    v8, y8, _ = _interpret(tmp_path, arena=arena8, rows="int8", **common)
+    vm, ym, tiles = _interpret(tmp_path, arena=model, **common)
+    np.testing.assert_array_equal(v8, vm)
+    np.testing.assert_array_equal(y8, ym)
+    cfg = ST.VARIANTS[variant]
+    C = ST.splits_for(int(tiles[0]), K, variant, ST.constants("shrink", variant, K, mods, None, R, 4, cap, 8)[0]["UNITS"])
+    chunk = -(-(-(-K // ST.step_elems(variant))) // C) * ST.step_elems(variant)
+    v_ref = ST.shrink_ref(x, model, base, order, start, rank, scale, a_off, mods, R, chunk)
+    written = ~np.isnan(v8)
+    tol = 1e-5 if dtype == np.float32 else 3e-3
+    np.testing.assert_allclose(np.where(written, v8, 0), v_ref, rtol=tol, atol=tol * np.abs(v_ref).max())
+    ref = ST.expand_ref(y, v_ref, model, base, order, start, rank, scale, b_off, mods, widths)
+    delta, delta_ref = y8.astype(np.float64) - y, ref - y
+    assert np.isfinite(y8).all() and np.linalg.norm(delta - delta_ref) / np.linalg.norm(delta_ref) < tol
+    assert np.array_equal(y8[slot < 0], y[slot < 0]) and cfg["BM"] in (16, 64)
+
+
 @pytest.mark.parametrize("bm", [16, 64])
 def test_tile_table_matches_the_reference(tmp_path, bm):
     """Slots of 0-300 tokens (several blocks of TILE_BLOCK tiles at BM 16), unused slots between
@@ -195,3 +265,13 @@ def test_every_variant_fits_a_block_at_the_largest_rank(cubin_cache):
     consts, _ = ST.constants("shrink", "large", 4096, (0,), None, ST.MAX_RANK, 7, 64, 8, big)
     with pytest.raises(ValueError, match=r"bytes of shared memory, more than the 232448 a block may take on sm_90"):
         ST._module("shrink", "float16", consts, big, "sm_90a")  # pylint: disable=protected-access
+
+
+def test_int8_row_kernels_build_to_cubin_for_sm90(cubin_cache):
+    """The int8-row kernels of every variant compile here (no GPU), fp16 and bf16, apart from the
+    model-dtype ones (their own cubins)."""
+    for dtype in ("float16", "bfloat16"):
+        before = set(cubin_cache.glob("*.cubin"))
+        ST.shrink_wrapper(4096, (0, 1, 2), 2, 64, 7, dtype, 64, 8, "sm_90a", "int8")
+        ST.expand_wrapper(4096, (4096, 1024, 1024), (0, 1, 2), 2, 64, 7, dtype, 64, 8, "sm_90a", "int8")
+        assert len(set(cubin_cache.glob("*.cubin")) - before) == 2 * len(ST.VARIANTS)

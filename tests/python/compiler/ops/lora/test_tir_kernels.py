@@ -253,3 +253,71 @@ def test_sgmv_cuda_kernels_build():
         with cuda:
             src = tvm.compile(mod, target=cuda).mod.imports[0].inspect_source()
         assert "__shfl_down_sync" in src  # the warp-level reduction made it into the kernel
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_sgmv_kernels_read_int8_rows(dtype):
+    """int8 rows (contract.ROW_FORMATS): the stage-3 TIR kernels on an arena of int8 rows with their
+    scales, NaN around them, equal the kernels on the model-dtype rows they stand for
+    (int8_rows_as_model_ref) and the references on those; what each row reads is within half a step
+    of the float rows it was made from."""
+    from mlc_lora.contract import INT8_ROW_ALIGN
+    from mlc_lora.lora.layout import quantize_rows, row_elems
+
+    rng = np.random.default_rng(21)
+    np_dt = np.dtype(dtype)
+    eb, page, pages, ranks, n, layer = np_dt.itemsize, 64, 32, [3, 8, 2], 13, 1
+    size = L * pages * page
+    arena = np.full(size, np.nan, np_dt)
+    raw = arena.view(np.uint8)
+    S = len(ranks)
+    a_off = np.full((S, M, R), -1, np.int32)
+    b_off = np.full((S, M, R), -1, np.int32)
+    ids = iter(rng.permutation(pages))
+    lead = INT8_ROW_ALIGN // eb
+    rows, floats = [], []
+    for s, r in enumerate(ranks):
+        for k in range(r):
+            for offs, width in ((a_off, IN), (b_off, OUT)):
+                room = page - lead - width  # room for the row at model length too (the reference's arena)
+                assert row_elems(width, "int8", eb) <= lead + width
+                offs[s, MOD, k] = next(ids) * page + lead + rng.integers(0, room // lead + 1) * lead
+                for l in range(L):
+                    w = rng.standard_normal(width).astype(np.float32) * rng.uniform(0.01, 3)
+                    q, sc = quantize_rows(w[None])
+                    at = (l * pages * page + int(offs[s, MOD, k])) * eb
+                    raw[at - INT8_ROW_ALIGN:at] = 0
+                    raw[at - INT8_ROW_ALIGN:at - INT8_ROW_ALIGN + 4] = sc.view(np.uint8)
+                    raw[at:at + width] = q[0].view(np.uint8)
+                    rows.append((l * pages * page + int(offs[s, MOD, k]), width))
+                    floats.append(w)
+    scale = rng.uniform(0.5, 2.0, (S, M)).astype(np.float32)
+    slot = rng.integers(-1, S, n).astype(np.int32)
+    slot[:3] = [-1, 0, 2]
+    rank = np.asarray(ranks, np.int32)
+    model = lora_ref.int8_rows_as_model_ref(arena, rows, INT8_ROW_ALIGN)
+    for (off, width), w in zip(rows, floats):
+        got = model[off:off + width].astype(np.float32)
+        assert np.abs(got - w).max() <= np.abs(w).max() / 127 * 0.51 + (0 if dtype == "float32" else 2e-3 * np.abs(w).max())
+    x = rng.standard_normal((n, IN)).astype(np_dt)
+    llvm = tvm.target.Target("llvm")
+    C = lora_ref.num_chunks(IN)
+    outs = {}
+    for fmt, ar in (("int8", arena), ("model", model)):
+        shrink = _build(G.lora_sgmv_shrink_kernel(IN, MOD, L, R, M, dtype, llvm, fmt))
+        expand = _build(G.lora_sgmv_expand_kernel(IN, OUT, MOD, L, R, M, dtype, llvm, fmt))
+        v = _t(np.full((n, C, R), 9.0, np.float32))
+        out = _t(np.full((n, OUT), 7.0, np_dt))
+        shrink["main"](_t(x), _t(ar), _t(slot), _t(rank), _t(scale), _t(a_off), layer, v)
+        expand["main"](v, _t(ar), _t(slot), _t(rank), _t(b_off), layer, out)
+        outs[fmt] = (v.numpy(), out.numpy())
+    np.testing.assert_array_equal(outs["int8"][0], outs["model"][0])
+    np.testing.assert_array_equal(outs["int8"][1], outs["model"][1])
+    rv = lora_ref.lora_sgmv_shrink_ref(x, model, layer, L, slot, rank, scale, a_off, MOD, R)
+    np.testing.assert_allclose(outs["int8"][0], rv, rtol=1e-4, atol=1e-4)
+    ref = lora_ref.lora_gather_ref(x.astype(np.float32), model.astype(np.float32), layer, L, slot, rank, scale,
+                                   a_off, b_off, MOD, OUT)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(outs["int8"][1].astype(np.float32), ref, rtol=tol, atol=tol)
+    assert np.isfinite(outs["int8"][1]).all() and np.abs(ref).max() > 0.1
+    assert not outs["int8"][1][slot == -1].any()

@@ -265,8 +265,9 @@ def run(inp: dict) -> dict:
                                                                  "GMIN") if k in inp})
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     rows = ST.grid_x(n, min(cap, int(inp.get("grid_slots", cap))), cfg["BM"])  # as launch(), or fewer blocks
-    sc, sy = ST.constants("shrink", variant, K, mods, None, R, scale.shape[1], cap, 8, cfg)
-    ec, ey = ST.constants("expand", variant, K, mods, widths, R, scale.shape[1], cap, 8, cfg)
+    fmt = str(inp.get("rows", "model"))
+    sc, sy = ST.constants("shrink", variant, K, mods, None, R, scale.shape[1], cap, 8, cfg, rows=fmt)
+    ec, ey = ST.constants("expand", variant, K, mods, widths, R, scale.shape[1], cap, 8, cfg, rows=fmt)
     tiles = torch.full((ST.tile_table_len(n),), -7, dtype=torch.int32)
     ST.lora_tiles_kernel[(ST.tiles_grid(n, cap, cfg["BM"]),)](t(start), tiles, cap,
                                                              **ST.tiles_constants(variant, cap, cfg))
