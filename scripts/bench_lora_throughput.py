@@ -73,6 +73,11 @@ CONFIGS = {  # name -> (library, [(rank, count)])
     # span at most that many adapters, so a step reads fewer adapters' rows (MAX_LORAS below)
     "lora64-max16": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
     "lora64-max8": ("lora", [(8, 16), (16, 16), (32, 16), (64, 16)]),
+    # the same on a library whose pool stores adapter rows as int8 with a scale per row
+    # (--lora-rows int8: half the rows' bytes and pages, lossy; no fused functions)
+    "lora4-int8": ("lora-int8", [(8, 4)]),
+    "lora64-int8": ("lora-int8", [(8, 16), (16, 16), (32, 16), (64, 16)]),
+    "lora0-int8": ("lora-int8", []),
 }
 MAX_LORAS = {"lora64-max16": 16, "lora64-max8": 8}
 
@@ -117,11 +122,14 @@ def compile_libs(a) -> int:
             "lora-tir": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_sgmv_backend="tir"),
             "lora-rows": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_rank_rows=True),
             "lora-cols": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_spare_columns=True),
-            "lora-pair": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_spare_columns=False)}
+            "lora-pair": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_spare_columns=False),
+            "lora-int8": CompileOptions(**lora, max_lora_rank=MAX_RANK, lora_rows="int8")}
     # by default every library the target can build (the CUDA C++ and Triton stage 3 and the rank
-    # rows and columns routes are CUDA only; without them lora-pair and lora-cols are lora)
-    names = a.libs.split(",") if a.libs else [n for n, o in libs.items() if a.target == "cuda" or (
-        o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows and o.lora_spare_columns is None)]
+    # rows and columns routes are CUDA only; without them lora-pair and lora-cols are lora), int8 rows
+    # (lossy) only when named
+    names = a.libs.split(",") if a.libs else [n for n, o in libs.items() if o.lora_rows == "model" and (
+        a.target == "cuda" or (o.lora_sgmv_backend not in ("cuda", "triton") and not o.lora_rank_rows
+                               and o.lora_spare_columns is None))]
     for name in names:
         if name not in libs:
             raise SystemExit(f"unknown library {name!r}; choose from {', '.join(libs)}")
@@ -219,7 +227,7 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
 
     from harness.torch_llama import TorchLlama  # pylint: disable=import-outside-toplevel
     from mlc_lora.contract import CONFIG_FILE, FUSED_FUNCTION_SUFFIX  # pylint: disable=import-outside-toplevel
-    from mlc_lora.lora.layout import pack_adapter  # pylint: disable=import-outside-toplevel
+    from mlc_lora.lora.layout import as_int8_rows, pack_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.models.random_model import lib_params, random_adapter  # pylint: disable=import-outside-toplevel
     from mlc_lora.runner import ModelRunner  # pylint: disable=import-outside-toplevel
 
@@ -237,6 +245,8 @@ def check_parity(lib_dir, device, tdev, weights, torch, seed, ranks=(8, 64), lib
     for i, ad in ads.items():
         p = pack_adapter(spec, ad, r.compiled.numpy_dtype)
         kv.load_packed_adapter(i, p, True)
+    if spec.rows == "int8":  # the reference serves the rows int8 rows stand for
+        ads = {i: as_int8_rows(ad) for i, ad in ads.items()}
     rng = np.random.default_rng(seed)
     # 326 tokens in the prefill (the chunk permitting): past the one-kernel linear's 64 and the decode
     # sizes' 256, so prefill takes the kernels of prefill-sized batches

@@ -57,6 +57,20 @@ def test_lora_bench_smoke_runs_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
     assert cres[2]["adapters"] == 4 and cres[2]["output_tokens"] == want_out and cres[2]["ratio_vs_base"] > 0
     assert doc["complete"] is True
 
+    # int8 rows (named, not built by default): the check serves the rows they stand for, 64 adapters run
+    assert not (tmp_path / "libs" / "lora-int8").exists()
+    assert bench.main(["compile", "--smoke", "--target", "llvm", "--out", str(tmp_path / "libs"), "--libs",
+                       "lora-int8"]) == 0
+    capsys.readouterr()
+    i8 = tmp_path / "int8.json"
+    assert bench.main(["run", "--smoke", "--device", "cpu", "--lib-dir", str(tmp_path / "libs"), "--requests",
+                       str(req), "--configs", "lora64-int8", "--max-output-len", "6", "--warmup", "1",
+                       "--out", str(i8)]) == 0
+    printed = capsys.readouterr().out
+    assert "check libs/lora-int8" in printed and float(printed.split("worst rel err ")[1].split()[0]) < 1e-4
+    r8 = json.loads(i8.read_text())["results"][0]
+    assert r8["adapters"] == 64 and r8["output_tokens"] == want_out
+
     # a call cut short after its first config keeps that config's run (marked incomplete)
     run_config = bench.run_config
     calls = []
