@@ -62,6 +62,7 @@ from bench_serving import Result, adapter_ids, arrival_gaps, summarize
 from harness import cli, offline, plot as charts
 from harness.cli import tqdm
 from harness.workload import add_prepare, adapter_set, load_requests, prepare_requests, requests_note
+from mlc_lora.contract import ROW_FORMATS
 
 SECTIONS = ("scale", "prefetch", "prefix", "fairness")
 LOAD_CONCURRENCY = 8  # adapter loads in flight while an engine is set up (before the clock)
@@ -83,8 +84,9 @@ SIZES = {
 
 
 def compile_lib(a) -> int:
-    """The LoRA library (sgmv, max rank 64, every module) at DIR/lora; the `lora` library of
-    scripts/bench_lora_throughput.py compile is the same and serves too."""
+    """The LoRA library (sgmv, max rank 64, every module; --lora-rows int8: its adapter rows as int8)
+    at DIR/lora; the `lora` (`lora-int8`) library of scripts/bench_lora_throughput.py compile is the
+    same and serves too."""
     from mlc_lora.compile import CompileOptions  # pylint: disable=import-outside-toplevel
     from mlc_lora.models import random_model  # pylint: disable=import-outside-toplevel
 
@@ -92,7 +94,7 @@ def compile_lib(a) -> int:
     opts = CompileOptions(target=a.target, dtype="float32" if a.target == "llvm" else "float16",
                           prefill_chunk_size=size["prefill_chunk_size"], max_batch_size=size["max_batch_size"],
                           gemm="cublas", cuda_graph=True, lora_pool_pages=size["pool_pages"], max_lora_rank=max(RANKS),
-                          lora_kernel="sgmv")
+                          lora_kernel="sgmv", lora_rows=a.lora_rows)
     model_cfg = random_model.TINY if a.smoke else random_model.LLAMA2_7B
     secs = random_model.build(a.out / "lora", model_cfg, opts, name=f"llama-{'tiny' if a.smoke else '2-7b'}-random")
     print(f"{a.out / 'lora'}: built in {secs:.0f} s")
@@ -625,6 +627,8 @@ def main(argv=None) -> int:
     c = cli.add_compile(sub, "build the LoRA library into DIR/lora (here)")
     c.add_argument("--target", default="cuda", choices=["cuda", "llvm"])
     c.add_argument("--smoke", action="store_true", help="the 2-layer model")
+    c.add_argument("--lora-rows", choices=ROW_FORMATS, default="model",
+                   help="how the pool stores adapter rows (int8: half the bytes, lossy; mlc_lora compile --lora-rows)")
     r = sub.add_parser("run", help="the sections, weights and adapters made on the device")
     r.add_argument("--lib-dir", required=True, help="the folder of `compile` (its lora/ library)")
     r.add_argument("--requests", required=True, help="the file of `prepare`")
