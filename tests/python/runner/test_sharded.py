@@ -219,3 +219,34 @@ def test_prefix_cache_stays_in_step_across_shards(models):
                 assert s[0].prefix_hit_tokens == 2 * 2 * 16 and s[0].cached_pages == 4
                 eng.engine.pool.check_invariants()
     assert out[2] == out[1]
+
+
+def test_sharded_int8_rows_run_near_unsharded(models, tmp_path):
+    """int8 adapter rows under tensor parallelism: each shard packs and quantizes its own slices of
+    the rows (their scales are the slices' own), so the logits are near, not equal to, those of the
+    unsharded int8 library, and nearer still to the float32 rows': every error well below the
+    adapters' effect; the pools stay in step."""
+    root, compiled = models
+    opts = dict(prefill_chunk_size=128, max_batch_size=16, lora_pool_pages=POOL_PAGES, max_lora_rank=64,
+                lora_kernel="sgmv", lora_rows="int8")
+    one = compile_model(root / "hf", tmp_path / "int8-k1", CompileOptions(**opts), progress=False)
+    two = compile_model(root / "hf", tmp_path / "int8-k2", CompileOptions(**opts, tensor_parallel_shards=2),
+                        progress=False)
+    want, _ = _unsharded(root, one)
+    full, _ = _unsharded(root, compiled[1])
+    r = ShardedModelRunner(two)
+    assert r.lora.rows == "int8"
+    pool = r.create_pool(16, (POOL_PAGES - 1) * 16, 128)
+    got = _run(r, pool, lambda aid: pool.load_adapter(aid, root / f"adapter{aid}"))
+    rel = max(float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(got, want))
+    rel_full = max(float(np.linalg.norm(g - w) / np.linalg.norm(w)) for g, w in zip(got, full))
+    base = ShardedModelRunner(two, session=r.sess)
+    base_pool = base.create_pool(16, 256, 128)
+    base_pool.add_sequence(0)
+    plain = base.prefill(base_pool, [0], [REQUESTS[0][1]]).numpy()[0]
+    effect = float(np.linalg.norm(full[0][0] - plain) / np.linalg.norm(full[0][0]))
+    print(f"K=2 int8 rows: rel err vs unsharded int8 {rel:.2e}, vs float32 rows {rel_full:.2e}; effect {effect:.2e}")
+    assert 0 < rel < effect / 20 and rel_full < effect / 20
+    stats = pool.shard_stats()
+    assert stats[0] == stats[1] and stats[0].loaded_adapters == len(ADAPTERS)
+    r.sess.shutdown()
