@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from mlc_lora.contract import INT8_ROW_ALIGN
 from mlc_lora.errors import LoraError
 from mlc_lora.lora import layout
 from mlc_lora.lora.layout import LoraModule, LoraSpec, layout_adapter, make_spec, pack_adapter
@@ -140,19 +141,21 @@ def test_pack_adapter_rounds_float32_as_numpy_does(dtype):
                                           err_msg=f"layer {l} {m} {name}")
 
 
-def reference_unpack_bits(spec, packed):
-    """Every targeted row of a packed adapter as stored (the pages' dtype, no widening)."""
-    L, n, E = packed.pages.shape
-    pages = packed.pages.reshape(L, n * E)
-    out = {}
+def _targeted_rows(spec, packed):
+    """(layer, module, "A" | "B^T", the rows' offsets, their length) of every targeted module."""
     for mi, m in enumerate(spec.modules):
         if packed.scale[mi] == 0:
             continue
-        for l in range(L):
-            for name, offs, width in (("A", packed.a_off[mi, :packed.rank], m.in_features),
-                                      ("B^T", packed.b_off[mi, :packed.rank], m.out_features)):
-                out[l, m.name, name] = np.stack([pages[l, o:o + width] for o in offs])
-    return out
+        for l in range(packed.pages.shape[0]):
+            yield l, m.name, "A", packed.a_off[mi, :packed.rank], m.in_features
+            yield l, m.name, "B^T", packed.b_off[mi, :packed.rank], m.out_features
+
+
+def reference_unpack_bits(spec, packed):
+    """Every targeted row of a packed adapter as stored (the pages' dtype, no widening)."""
+    pages = packed.pages.reshape(packed.pages.shape[0], -1)
+    return {(l, m, name): np.stack([pages[l, o:o + width] for o in offs])
+            for l, m, name, offs, width in _targeted_rows(spec, packed)}
 
 
 def test_pack_adapter_refuses_what_was_not_compiled():
@@ -205,14 +208,14 @@ def test_layout_int8_rows_leave_room_for_their_scales():
                     for i in range(int(rng.integers(1, 6)))]
             r = int(rng.integers(1, 9))
             lay = layout_adapter(E, mods, r, "int8", elem_bytes)
-            lead = 16 // elem_bytes
+            lead = INT8_ROW_ALIGN // elem_bytes
             used = np.zeros(lay.num_pages * E, int)
             for (name, ab, k), off in lay.offsets.items():
                 m = next(x for x in mods if x.name == name)
                 n = m.in_features if ab == "A" else m.out_features
-                size = (16 + -(-n // 16) * 16) // elem_bytes
+                size = (INT8_ROW_ALIGN + -(-n // INT8_ROW_ALIGN) * INT8_ROW_ALIGN) // elem_bytes
                 assert size == layout.row_elems(n, "int8", elem_bytes)
-                assert off * elem_bytes % 16 == 0
+                assert off * elem_bytes % INT8_ROW_ALIGN == 0
                 start = off - lead
                 assert start // E == (start + size - 1) // E, "a row crosses a page"
                 used[start:start + size] += 1
@@ -228,20 +231,15 @@ def test_layout_int8_rows_leave_room_for_their_scales():
 
 def read_int8_rows(spec, packed):
     """Every targeted row of an int8-row adapter: (q int8 (rank, n), s float32 (rank,)) as stored."""
-    L, n, E = packed.pages.shape
-    raw = np.ascontiguousarray(packed.pages).view(np.uint8).reshape(L, -1)
+    raw = np.ascontiguousarray(packed.pages).view(np.uint8).reshape(packed.pages.shape[0], -1)
     eb = packed.pages.dtype.itemsize
     out = {}
-    for mi, m in enumerate(spec.modules):
-        if packed.scale[mi] == 0:
-            continue
-        for l in range(L):
-            for name, offs, width in (("A", packed.a_off[mi, :packed.rank], m.in_features),
-                                      ("B^T", packed.b_off[mi, :packed.rank], m.out_features)):
-                q = np.stack([raw[l, o * eb:o * eb + width].view(np.int8) for o in offs])
-                s = np.array([raw[l, o * eb - 16:o * eb - 12].view(np.float32)[0] for o in offs], np.float32)
-                assert all((raw[l, o * eb - 12:o * eb] == 0).all() for o in offs)
-                out[l, m.name, name] = (q, s)
+    for l, m, name, offs, width in _targeted_rows(spec, packed):
+        q = np.stack([raw[l, o * eb:o * eb + width].view(np.int8) for o in offs])
+        lead = INT8_ROW_ALIGN  # the scale's bytes before the values: the float32, then zeros
+        s = np.array([raw[l, o * eb - lead:o * eb - lead + 4].view(np.float32)[0] for o in offs], np.float32)
+        assert all((raw[l, o * eb - lead + 4:o * eb] == 0).all() for o in offs)
+        out[l, m, name] = (q, s)
     return out
 
 
