@@ -12,9 +12,12 @@ the linear and every token t with s = slot[t] >= 0; other tokens keep the base o
   gather (stage 2): a per-token gather kernel per module;
   sgmv (stage 3): a shrink to fp32 partials v (per chunk of CHUNK inputs) and an expand, per module
                   (TIR) or per fused linear in place (CUDA).
-Rows stored as int8 (contract.ROW_FORMATS "int8"; their format in lora/layout.py): a kernel reads
-row value i as dtype(q_i * s) of the row's int8 values and float32 scale; `int8_rows_as_model_ref`
-turns such an arena into the model-dtype arena the references below read.
+Rows stored as int8 (contract.ROW_FORMATS "int8"; their format in lora/layout.py) stand for the
+values q_i * s of the row's int8 values and float32 scale: the kernels multiply by q and apply s
+to the product (the shrink's sums times s; the expand's h times s, rounded to the model dtype,
+then times q), which equals those values up to the rounding of the products;
+`int8_rows_as_model_ref` turns such an arena into the float32 arena of those values that the
+references below read.
 Every kernel of ops/lora/ is tested against the references below (tests/python/compiler/ops/lora/).
 """
 
@@ -30,19 +33,19 @@ def num_chunks(in_f: int) -> int:
     return -(-in_f // CHUNK)
 
 
-def int8_rows_as_model_ref(arena, rows, lead_bytes):
-    """The model-dtype arena (NaN outside the rows) that reads as `arena` (the model dtype, int8 rows
-    inside) reads with int8 rows: each (element offset, length) of `rows` dequantized in place, its
+def int8_rows_as_model_ref(arena, rows, lead_bytes, dtype=np.float32):
+    """The arena of `dtype` (NaN outside the rows) of the values that `arena` (the model dtype, int8
+    rows inside) stands for: each (element offset, length) of `rows` dequantized in place, its
     scale the float32 `lead_bytes` before its first value. The rows must not overlap at their length
     in the model dtype."""
     raw = np.ascontiguousarray(arena).view(np.uint8)
     eb = arena.dtype.itemsize
-    out = np.full(arena.shape, np.nan, arena.dtype)
+    out = np.full(arena.shape, np.nan, dtype)
     for off, n in rows:
         at = int(off) * eb
         q = raw[at:at + n].view(np.int8).astype(np.float32)
         sc = raw[at - lead_bytes:at - lead_bytes + 4].view(np.float32)[0]
-        out[off:off + n] = (q * sc).astype(arena.dtype)
+        out[off:off + n] = (q * sc).astype(dtype)
     return out
 
 

@@ -34,7 +34,8 @@ def lora_sgmv_shrink_kernel(in_f: int, m: int, num_layers: int, max_rank: int, n
 
     Semantics: v[t, c, k] = scale[s, m] * sum_{i in chunk c} x[t, i] * A[s, m][k, i] for
     s = slot[t] >= 0, k < rank[s]; 0 elsewhere (the expand sums over c). With `rows` "int8"
-    (CPU only), A[s, m][k, i] = dtype(q_i * s_k) of the row's int8 values and scale (layout.py).
+    (CPU only), A[s, m][k, i] = q_i * s_k of the row's int8 values and scale (layout.py): the sum
+    over q, then times s_k.
 
     Signature: (x (n, in_f), arena (size,), slot (n,), rank (S,), scale (S, M), a_off (S, M, R),
     layer: int64, v (n, C, R) float32 [out]).
@@ -79,12 +80,13 @@ def lora_sgmv_shrink_kernel(in_f: int, m: int, num_layers: int, max_rank: int, n
                             for j in T.serial(CHUNK):
                                 if c * CHUNK + j < in_f:
                                     if q8:
-                                        acc[0] += T.cast(x[t, c * CHUNK + j], "float32") * T.cast(T.cast(
-                                            T.cast(arena8[off * EB + c * CHUNK + j], "float32")
-                                            * arenaf[(off * EB - LEAD) // 4], dtype), "float32")
+                                        acc[0] += T.cast(x[t, c * CHUNK + j], "float32") * T.cast(
+                                            arena8[off * EB + c * CHUNK + j], "float32")
                                     else:
                                         acc[0] += T.cast(x[t, c * CHUNK + j], "float32") * T.cast(
                                             arena[off + c * CHUNK + j], "float32")
+                            if q8:  # the row's scale
+                                acc[0] = acc[0] * arenaf[(off * EB - LEAD) // 4]
                             acc[0] = acc[0] * scale[s, m]
                         v[t, c, k] = acc[0]
 
@@ -180,7 +182,7 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
     with rows for m (b_off[s, m, 0] >= 0), else 0 (the shrink already applied scale[s, m] and wrote
     0 where the module is not targeted; such a module's offsets are -1, and its "rows" would be
     whatever precedes the layer region, NaN included: 0 * NaN is NaN, so none is read). With
-    `rows` "int8" (CPU only), B^T[k, o] = dtype(q_o * s_k) of the row's int8 values and scale.
+    `rows` "int8" (CPU only), B^T[k, o] = q_o * s_k of the row's int8 values and scale.
 
     Signature: (v (n, C, R) float32, arena (size,), slot (n,), rank (S,), b_off (S, M, R),
     layer: int64, delta (n, out_f) [out]).
@@ -224,10 +226,9 @@ def lora_sgmv_expand_kernel(in_f: int, out_f: int, m: int, num_layers: int, max_
                 for o in T.serial(out_f):
                     acc[0] = T.float32(0)
                     for k in T.serial(rk[0]):
-                        if q8:
-                            acc[0] += h[k] * T.cast(T.cast(
-                                T.cast(arena8[(base + T.cast(b_off[s, m, k], "int64")) * EB + o], "float32")
-                                * arenaf[((base + T.cast(b_off[s, m, k], "int64")) * EB - LEAD) // 4], dtype), "float32")
+                        if q8:  # h times the row's scale, times its int8 values
+                            acc[0] += h[k] * arenaf[((base + T.cast(b_off[s, m, k], "int64")) * EB - LEAD) // 4] * T.cast(
+                                arena8[(base + T.cast(b_off[s, m, k], "int64")) * EB + o], "float32")
                         else:
                             acc[0] += h[k] * T.cast(arena[base + T.cast(b_off[s, m, k], "int64") + o], "float32")
                     y[t, o] = T.cast(acc[0], dtype)

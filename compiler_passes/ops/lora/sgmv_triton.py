@@ -285,9 +285,8 @@ if triton is not None:
     @triton.jit
     def _row_ptrs(arena_ptr, base, off, kmask, Q8: tl.constexpr, LEAD: tl.constexpr):
         """(pointers to the first values of the rows at element offsets `off` of the layer at `base`,
-        their scales): the model-dtype rows and scales of 1, or (Q8) int8 rows, whose values a
-        kernel reads as q * scale rounded to the model dtype, their float32 scales LEAD bytes before
-        the values (contract.INT8_ROW_ALIGN)."""
+        their scales): the model-dtype rows and scales of 1, or (Q8) int8 rows and their float32
+        scales, LEAD bytes before the values (contract.INT8_ROW_ALIGN)."""
         elem = base + off.to(tl.int64)
         if Q8:  # (a constexpr branch: one return, of either type)
             eb: tl.constexpr = arena_ptr.dtype.element_ty.primitive_bitwidth // 8
@@ -310,7 +309,8 @@ if triton is not None:
         (part, rank block rb of RS): v[tile, part, c, rank rows of rb] = scale * x[tile] @ A[those
         rows, split].T (RS = 1: every rank row at once). The batch's splits (_splits) are spread
         with its tiles over the C x grid-x blocks of each (part, rb). Q8: the rows are int8 with
-        their float32 scales LEAD bytes before them (_row_ptrs)."""
+        their float32 scales LEAD bytes before them (_row_ptrs): x[tile] @ q.T, then times the
+        rows' scales."""
         triton_build.wait_for_producers()
         RBS: tl.constexpr = RB // RS  # rank rows per block: the rank block rb of RS
         rb = tl.program_id(1) % RS
@@ -351,10 +351,12 @@ if triton is not None:
                         imask = i0 + tl.arange(0, BK) < K
                         xt = tl.load(xp + i0, mask=rmask[:, None] & imask[None, :], other=0.0)
                         at = tl.load(ap + i0, mask=kmask[None, :] & imask[:, None], other=0.0)
-                    if Q8:
-                        at = (at.to(tl.float32) * asc[None, :]).to(x_ptr.dtype.element_ty)
+                    if Q8:  # int8 -> the model dtype, exact (|q| <= 127); the rows' scales after the loop
+                        at = at.to(x_ptr.dtype.element_ty)
                     acc += tl.dot(xt, at)
                 vptr = v_ptr + ((pos[:, None].to(tl.int64) * P + part) * CMAX + c) * R + kk[None, :]
+                if Q8:
+                    acc = acc * asc[None, :]
                 tl.store(vptr, acc * sc, mask=rmask[:, None] & kmask[None, :])
 
     @triton.jit(repr=_kernel_name("expand"))
@@ -369,7 +371,8 @@ if triton is not None:
         part): h = sum_c v[tile, part, c] once, then y[tile, cols] += h @ B^T[:rank, cols] per
         output tile. gd = G, halved down to GMIN while the batch's items (total tiles x groups)
         fall short of FILL (groups_for); the items are spread over all blocks of the grid. Q8: the
-        rows are int8 with their float32 scales LEAD bytes before them (_row_ptrs)."""
+        rows are int8 with their float32 scales LEAD bytes before them (_row_ptrs): h times the
+        rows' scales, rounded, @ q."""
         triton_build.wait_for_producers()
         total = tl.load(tiles_ptr)
         cd = _splits(total, C, CMAX, STEPS, UNITS, FILL)  # the shrink's splits of this batch
@@ -401,17 +404,19 @@ if triton is not None:
                 h = tl.zeros((BM, RB), dtype=tl.float32)
                 for c in tl.static_range(CMAX):  # unrolled: the loads go out together
                     h += tl.load(vptr + c * R, mask=rmask[:, None] & kmask[None, :] & (c < cd), other=0.0)
-                hh = h.to(arena_ptr.dtype.element_ty)  # rounded once, as PEFT rounds lora_A's output
                 boff = tl.multiple_of(tl.load(boff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
                 bp, bsc = _row_ptrs(arena_ptr, base, boff, kmask, Q8, LEAD)
                 bp = bp[:, None]
+                if Q8:  # the B rows' scales on h's rank columns (then the rows' int8 values in the dot)
+                    h = h * bsc[None, :]
+                hh = h.to(arena_ptr.dtype.element_ty)  # rounded once, as PEFT rounds lora_A's output
                 yp = y_ptr + tok[:, None] * W + o_p
                 for g in range(gd):
                     cols = (grp * gd + g) * BN + tl.arange(0, BN)
                     cmask = cols < width
                     bt = tl.load(bp + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
                     if Q8:
-                        bt = (bt.to(tl.float32) * bsc[:, None]).to(hh.dtype)
+                        bt = bt.to(hh.dtype)
                     acc = tl.dot(hh, bt)
                     ymask = rmask[:, None] & cmask[None, :]
                     yv = tl.load(yp + cols[None, :], mask=ymask, other=0.0)

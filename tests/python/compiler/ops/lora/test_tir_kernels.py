@@ -258,9 +258,9 @@ def test_sgmv_cuda_kernels_build():
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_sgmv_kernels_read_int8_rows(dtype):
     """int8 rows (contract.ROW_FORMATS): the stage-3 TIR kernels on an arena of int8 rows with their
-    scales, NaN around them, equal the kernels on the model-dtype rows they stand for
-    (int8_rows_as_model_ref) and the references on those; what each row reads is within half a step
-    of the float rows it was made from."""
+    scales, NaN around them, match the references on the values they stand for
+    (int8_rows_as_model_ref) and the kernels on those values in the model dtype; each row stands
+    for values within half a step of the float rows it was made from."""
     from mlc_lora.contract import INT8_ROW_ALIGN
     from mlc_lora.lora.layout import quantize_rows, row_elems
 
@@ -297,13 +297,12 @@ def test_sgmv_kernels_read_int8_rows(dtype):
     rank = np.asarray(ranks, np.int32)
     model = lora_ref.int8_rows_as_model_ref(arena, rows, INT8_ROW_ALIGN)
     for (off, width), w in zip(rows, floats):
-        got = model[off:off + width].astype(np.float32)
-        assert np.abs(got - w).max() <= np.abs(w).max() / 127 * 0.51 + (0 if dtype == "float32" else 2e-3 * np.abs(w).max())
+        assert np.abs(model[off:off + width] - w).max() <= np.abs(w).max() / 127 * 0.5 * (1 + 1e-6)
     x = rng.standard_normal((n, IN)).astype(np_dt)
     llvm = tvm.target.Target("llvm")
     C = lora_ref.num_chunks(IN)
     outs = {}
-    for fmt, ar in (("int8", arena), ("model", model)):
+    for fmt, ar in (("int8", arena), ("model", model.astype(np_dt))):
         shrink = _build(G.lora_sgmv_shrink_kernel(IN, MOD, L, R, M, dtype, llvm, fmt))
         expand = _build(G.lora_sgmv_expand_kernel(IN, OUT, MOD, L, R, M, dtype, llvm, fmt))
         v = _t(np.full((n, C, R), 9.0, np.float32))
@@ -311,12 +310,13 @@ def test_sgmv_kernels_read_int8_rows(dtype):
         shrink["main"](_t(x), _t(ar), _t(slot), _t(rank), _t(scale), _t(a_off), layer, v)
         expand["main"](v, _t(ar), _t(slot), _t(rank), _t(b_off), layer, out)
         outs[fmt] = (v.numpy(), out.numpy())
-    np.testing.assert_array_equal(outs["int8"][0], outs["model"][0])
-    np.testing.assert_array_equal(outs["int8"][1], outs["model"][1])
+    tol = 1e-5 if dtype == "float32" else 2e-2  # (float16: the model-dtype kernels round the values)
+    np.testing.assert_allclose(outs["int8"][0], outs["model"][0], rtol=tol, atol=tol)
+    np.testing.assert_allclose(outs["int8"][1].astype(np.float32), outs["model"][1].astype(np.float32), rtol=tol,
+                               atol=tol)
     rv = lora_ref.lora_sgmv_shrink_ref(x, model, layer, L, slot, rank, scale, a_off, MOD, R)
     np.testing.assert_allclose(outs["int8"][0], rv, rtol=1e-4, atol=1e-4)
-    ref = lora_ref.lora_gather_ref(x.astype(np.float32), model.astype(np.float32), layer, L, slot, rank, scale,
-                                   a_off, b_off, MOD, OUT)
+    ref = lora_ref.lora_gather_ref(x.astype(np.float32), model, layer, L, slot, rank, scale, a_off, b_off, MOD, OUT)
     tol = 1e-4 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(outs["int8"][1].astype(np.float32), ref, rtol=tol, atol=tol)
     assert np.isfinite(outs["int8"][1]).all() and np.abs(ref).max() > 0.1
