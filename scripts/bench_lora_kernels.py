@@ -46,7 +46,7 @@ import numpy as np
 
 from harness import cli, peers as peers_mod, plot as charts
 from harness.timing import PEAK_BW, compare, copies_for
-from harness.workload import arena_tables, lora_weights, mixed_ranks, token_slots
+from harness.workload import arena_tables, int8_arena_tables, lora_weights, mixed_ranks, token_slots
 
 SHAPES = [(4096, 4096), (4096, 11008), (11008, 4096)]  # (in, out)
 TOKENS = [1, 16, 64, 256, 1024, 4096]
@@ -288,6 +288,14 @@ class Linear:
             r = p.ranks[s]
             self.ref[idx] = SCALE * (x0[idx] @ self.A[0, s, :r].double().T) @ self.B[0, s, :, :r].double().T
 
+    def int8_tables(self):
+        """(arena, a_off per copy, b_off per copy) of the same rows as int8 rows, made on first use."""
+        if not hasattr(self, "_int8"):
+            arena, a_off, b_off = int8_arena_tables(self.env.torch, [(self.A, self.B)], self.env.device,
+                                                    self.arena.dtype)
+            self._int8 = (arena, list(a_off), list(b_off))  # pylint: disable=attribute-defined-outside-init
+        return self._int8
+
     def base(self):
         t, nw = self.env.torch, self.W.shape[0]
         return lambda c: t.matmul(self.x[c % self.copies], self.W[c % nw].T)
@@ -371,11 +379,12 @@ def _sgmv_triton(pb: Linear):
     return call
 
 
-def triton_jit(cfg: dict | None):
+def triton_jit(cfg: dict | None, rows: str = "model"):
     """A backend maker: the Triton stage 3 of compiler_passes/ops/lora/sgmv_triton.py JIT-compiled
     here with tile configuration `cfg` (VARIANTS' keys; None: the variant the model runs for the
     point's token count), launched as its TIR wrapper launches it (grid_x, constants) over a
-    model-sized slot table: tile configurations timed beside the library and the peers."""
+    model-sized slot table: tile configurations timed beside the library and the peers. `rows`
+    "int8": the same adapters' rows as int8 rows (--lora-rows int8) in an arena of their own."""
 
     def make(pb: Linear):
         ST = _triton()  # pylint: disable=invalid-name
@@ -384,8 +393,9 @@ def triton_jit(cfg: dict | None):
         slots = len(start) - 1
         var = ST.variant_for(p.T, slots)
         c = cfg or ST.VARIANTS[var]
-        sc, sy = ST.constants("shrink", var, p.in_f, (0,), None, p.R, 1, TRITON_SLOTS, 8, c)
-        ec, ey = ST.constants("expand", var, p.in_f, (0,), (p.out_f,), p.R, 1, TRITON_SLOTS, 8, c)
+        sc, sy = ST.constants("shrink", var, p.in_f, (0,), None, p.R, 1, TRITON_SLOTS, 8, c, rows)
+        ec, ey = ST.constants("expand", var, p.in_f, (0,), (p.out_f,), p.R, 1, TRITON_SLOTS, 8, c, rows)
+        arena, a_off, b_off = pb.int8_tables() if rows == "int8" else (pb.arena, pb.a_off, pb.b_off)
         v = t.empty((p.T, 1, sc["CMAX"], p.R), dtype=t.float32, device=pb.env.device)
         tiles = t.empty((ST.tile_table_len(p.T),), dtype=t.int32, device=pb.env.device)  # once per batch
         ST.lora_tiles_kernel[(ST.tiles_grid(p.T, slots, c["BM"]),)](start, tiles, slots,
@@ -393,9 +403,9 @@ def triton_jit(cfg: dict | None):
         gx, kw = ST.grid_x(p.T, slots, c["BM"]), dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
 
         def call(k):
-            ST.lora_shrink_kernel[(gx, sy)](pb.x[k], pb.arena, order, tiles, pb.rank, pb.scale, pb.a_off[k], v,
+            ST.lora_shrink_kernel[(gx, sy)](pb.x[k], arena, order, tiles, pb.rank, pb.scale, a_off[k], v,
                                             p.T, 0, **sc, **kw)
-            ST.lora_expand_kernel[(gx, ey)](v, pb.arena, order, tiles, pb.rank, pb.scale, pb.b_off[k], pb.y[k],
+            ST.lora_expand_kernel[(gx, ey)](v, arena, order, tiles, pb.rank, pb.scale, b_off[k], pb.y[k],
                                             p.T, 0, **ec, **kw)
         return call
     return make
@@ -403,12 +413,12 @@ def triton_jit(cfg: dict | None):
 
 def parse_triton_jit(spec: str) -> dict:
     """--triton-jit NAME=BM/SPLITS/BN/G/WARPS/STAGES[/RSPLIT[/BK[/MIN_STEPS[/GMIN]]]],... ("model": the
-    model's variants) -> {backend: cfg}."""
+    model's variants; "int8": the model's variants over int8 rows) -> {backend: cfg}."""
     out = {}
     for item in filter(None, spec.split(",")):
         name, _, vals = item.partition("=")
-        if name == "model" and not vals:
-            out["triton-jit-model"] = None
+        if name in ("model", "int8") and not vals:
+            out[f"triton-jit-{name}"] = None
             continue
         try:
             bm, splits, bn, g, warps, stages, *rest = (int(v) for v in vals.split("/"))
@@ -826,7 +836,8 @@ def _part(points, spec: str | None):
 
 def run(a) -> int:
     for name, cfg in parse_triton_jit(a.triton_jit or "").items():
-        BACKENDS[name] = Backend("ours", triton_jit(cfg), cuda_only=not os.environ.get("TRITON_INTERPRET"))
+        BACKENDS[name] = Backend("ours", triton_jit(cfg, "int8" if name == "triton-jit-int8" else "model"),
+                                 cuda_only=not os.environ.get("TRITON_INTERPRET"))
     points, suffix = _part(_selection(a, a.dry_run), a.part)
     log = cli.Log(a.log_dir, "bench_lora_kernels" + suffix)
     env = open_env(a, log)

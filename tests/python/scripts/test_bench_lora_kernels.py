@@ -161,8 +161,8 @@ def test_run_takes_the_ranks_the_library_was_built_for(tmp_path, monkeypatch):
 
 
 def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
-    """--triton-jit: the Triton stage 3 JIT-compiled with the model's variants and with a given tile
-    configuration, here under Triton's interpreter (set before triton is imported: a process of its
+    """--triton-jit: the Triton stage 3 JIT-compiled with the model's variants, with a given tile
+    configuration and over int8 rows, here under Triton's interpreter (set before triton is imported: a process of its
     own), each checked against float64 before it is timed beside the library's kernels."""
     import os
     import subprocess
@@ -177,7 +177,7 @@ def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
             "import bench_lora_kernels as bench\n"
             f"sys.exit(bench.main(['run', '--lib', {str(dry_lib)!r}, '--dry-run', '--no-peers', '--log-dir', "
             f"{str(tmp_path)!r}, '--shapes', '64x96', '--tokens', '5,17', '--adapters', '4', '--ranks', 'mixed', "
-            "'--triton-jit', 'model,few=16/2/32/2/4/2/2']))\n")
+            "'--triton-jit', 'model,few=16/2/32/2/4/2/2,int8']))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(root / "scripts"), str(root), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
@@ -188,6 +188,8 @@ def test_triton_jit_configurations_are_checked_and_timed(dry_lib, tmp_path):
     for r in rows:
         for name in ("triton-jit-model", "triton-jit-few"):
             assert r["status"][name] == "ok" and r["err"][name] < 2e-3 and r["us"][name] > 0
+        # int8 rows: the rows' rounding (1/254 of a row's largest value a step), well inside the check
+        assert r["status"]["triton-jit-int8"] == "ok" and 1e-4 < r["err"]["triton-jit-int8"] < 2e-2
     with pytest.raises(SystemExit, match="BM/SPLITS/BN/G/WARPS/STAGES"):
         bench.parse_triton_jit("bad=16/2")
     assert bench.parse_triton_jit("a=16/8/64/4/4/3,model") == {
