@@ -298,6 +298,19 @@ if triton is not None:
             sc = tl.full(off.shape, 1.0, tl.float32)
         return rows, sc
 
+    @triton.jit
+    def _int8_values(q, dtype: tl.constexpr):
+        """int8 values q as `dtype`, exactly. float16 without an int-to-float conversion (a quarter-rate
+        instruction a value, which bounded the first int8 kernels): q + 128 (the byte with its top
+        bit flipped) in the mantissa of 1024.0 (0x6400: the float16 of 1024 + n for n < 1024), less
+        1152.0; bfloat16 (7 mantissa bits) by conversion."""
+        if dtype == tl.float16:
+            u = (q.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
+            out = u.to(tl.float16, bitcast=True) - 1152.0
+        else:
+            out = q.to(dtype)
+        return out
+
     @triton.jit(repr=_kernel_name("shrink"))
     def lora_shrink_kernel(x_ptr, arena_ptr, order_ptr, tiles_ptr, rank_ptr, scale_ptr, aoff_ptr, v_ptr,
                            n, base, M: tl.constexpr, m0: tl.constexpr, m1: tl.constexpr, m2: tl.constexpr,
@@ -352,7 +365,7 @@ if triton is not None:
                         xt = tl.load(xp + i0, mask=rmask[:, None] & imask[None, :], other=0.0)
                         at = tl.load(ap + i0, mask=kmask[None, :] & imask[:, None], other=0.0)
                     if Q8:  # int8 -> the model dtype, exact (|q| <= 127); the rows' scales after the loop
-                        at = at.to(x_ptr.dtype.element_ty)
+                        at = _int8_values(at, x_ptr.dtype.element_ty)
                     acc += tl.dot(xt, at)
                 vptr = v_ptr + ((pos[:, None].to(tl.int64) * P + part) * CMAX + c) * R + kk[None, :]
                 if Q8:
@@ -416,7 +429,7 @@ if triton is not None:
                     cmask = cols < width
                     bt = tl.load(bp + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
                     if Q8:
-                        bt = bt.to(hh.dtype)
+                        bt = _int8_values(bt, hh.dtype)
                     acc = tl.dot(hh, bt)
                     ymask = rmask[:, None] & cmask[None, :]
                     yv = tl.load(yp + cols[None, :], mask=ymask, other=0.0)
