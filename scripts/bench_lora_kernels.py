@@ -417,8 +417,11 @@ def parse_triton_jit(spec: str) -> dict:
     out = {}
     for item in filter(None, spec.split(",")):
         name, _, vals = item.partition("=")
-        if name in ("model", "int8") and not vals:
-            out[f"triton-jit-{name}"] = None
+        if name == "model" and not vals:
+            out["triton-jit-model"] = None
+            continue
+        if name == "int8" and not vals:  # the model's variants over int8 rows (triton_jit's rows)
+            out["triton-jit-int8"] = None
             continue
         try:
             bm, splits, bn, g, warps, stages, *rest = (int(v) for v in vals.split("/"))
