@@ -417,12 +417,13 @@ if triton is not None:
                 h = tl.zeros((BM, RB), dtype=tl.float32)
                 for c in tl.static_range(CMAX):  # unrolled: the loads go out together
                     h += tl.load(vptr + c * R, mask=rmask[:, None] & kmask[None, :] & (c < cd), other=0.0)
+                if not Q8:
+                    hh = h.to(arena_ptr.dtype.element_ty)  # rounded once, as PEFT rounds lora_A's output
                 boff = tl.multiple_of(tl.load(boff_ptr + (s * M + m) * R + kk, mask=kmask, other=0), ALIGN)
                 bp, bsc = _row_ptrs(arena_ptr, base, boff, kmask, Q8, LEAD)
                 bp = bp[:, None]
-                if Q8:  # the B rows' scales on h's rank columns (then the rows' int8 values in the dot)
-                    h = h * bsc[None, :]
-                hh = h.to(arena_ptr.dtype.element_ty)  # rounded once, as PEFT rounds lora_A's output
+                if Q8:  # the B rows' scales on h's rank columns, then rounded (the rows' int8 values in the dot)
+                    hh = (h * bsc[None, :]).to(arena_ptr.dtype.element_ty)
                 yp = y_ptr + tok[:, None] * W + o_p
                 for g in range(gd):
                     cols = (grp * gd + g) * BN + tl.arange(0, BN)
