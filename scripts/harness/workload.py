@@ -196,22 +196,13 @@ def lora_weights(torch, copies: int, ranks: list[int], in_f: int, out_f: int, dt
 
 
 def int8_arena_tables(torch, modules, device, dtype):
-    """arena_tables' rows as int8 rows (contract.ROW_FORMATS "int8", lora/layout.py's quantize_rows
-    rule: a float32 scale per row in the INT8_ROW_ALIGN bytes before its values, the values padded)
-    in an arena of `dtype` elements; the offsets (elements) point at the rows' first values.
-    Returns (arena, a_off, b_off) on `device`."""
+    """arena_tables' rows as int8 rows (contract.ROW_FORMATS "int8": lora/layout.py's int8_row_bytes,
+    quantized here on the host) in an arena of `dtype` elements; the offsets (elements) point at the
+    rows' first values. Returns (arena, a_off, b_off) on `device`."""
     import numpy as np  # pylint: disable=import-outside-toplevel
 
-    from mlc_lora.contract import INT8_ROW_ALIGN as AL  # pylint: disable=import-outside-toplevel
-
-    def row_bytes(w):  # (..., n) -> uint8 (rows, AL + n padded to AL): scale, zeros, int8 values
-        w = w.float().reshape(-1, w.shape[-1])
-        s = w.abs().amax(-1) / 127
-        q = torch.round(w / torch.where(s > 0, s, 1)[:, None]).clamp(-127, 127).to(torch.int8)
-        buf = torch.zeros((w.shape[0], AL + -(-w.shape[-1] // AL) * AL), dtype=torch.uint8, device=w.device)
-        buf[:, :4] = s.contiguous().view(torch.uint8).reshape(-1, 4)
-        buf[:, AL:AL + w.shape[-1]] = q.view(torch.uint8)
-        return buf
+    from mlc_lora.contract import INT8_ROW_ALIGN  # pylint: disable=import-outside-toplevel
+    from mlc_lora.lora.layout import int8_row_bytes  # pylint: disable=import-outside-toplevel
 
     eb = torch.empty((), dtype=dtype).element_size()
     parts, pos = [], 0  # bytes
@@ -221,13 +212,14 @@ def int8_arena_tables(torch, modules, device, dtype):
     rows = np.arange(copies * n * rmax).reshape(copies, n, rmax)
     for m, (a, b) in enumerate(modules):
         for key, w in (("a", a), ("b", b.transpose(-1, -2))):
-            buf = row_bytes(w)
-            offs[key][:, :, m] = (pos + rows * buf.shape[1] + AL) // eb
+            buf = int8_row_bytes(w.float().cpu().numpy())
+            offs[key][:, :, m] = (pos + rows * buf.shape[1] + INT8_ROW_ALIGN) // eb
             parts.append(buf.reshape(-1))
-            pos += buf.numel()
+            pos += buf.size
     if pos // eb >= 2 ** 31:
         raise ValueError(f"an arena of {pos // eb} elements does not fit the kernels' int32 offsets")
-    return (torch.cat(parts).view(dtype), torch.from_numpy(offs["a"].astype(np.int32)).to(device),
+    arena = torch.from_numpy(np.concatenate(parts)).to(device).view(dtype)
+    return (arena, torch.from_numpy(offs["a"].astype(np.int32)).to(device),
             torch.from_numpy(offs["b"].astype(np.int32)).to(device))
 
 

@@ -222,6 +222,18 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, s
 
 
+def int8_row_bytes(w: np.ndarray) -> np.ndarray:
+    """Rows w (..., n) as the pool stores int8 rows, byte for byte: per row its quantize_rows scale
+    (float32), zeros to INT8_ROW_ALIGN bytes, its int8 values, zeros to a multiple of INT8_ROW_ALIGN.
+    Returns uint8 (rows, row_elems(n, "int8", 1)); a row's values start INT8_ROW_ALIGN bytes in."""
+    q, s = quantize_rows(w)
+    n = q.shape[-1]
+    out = np.zeros((q.size // max(n, 1), row_elems(n, "int8", 1)), np.uint8)
+    out[:, :4] = s.reshape(-1, 1).view(np.uint8)
+    out[:, INT8_ROW_ALIGN:INT8_ROW_ALIGN + n] = q.reshape(-1, n).view(np.uint8)
+    return out
+
+
 def dequantize_rows(q: np.ndarray, s: np.ndarray, dtype) -> np.ndarray:
     """What the kernels read of int8 rows: q * s in float32, rounded to the model `dtype`."""
     return (q.astype(np.float32) * np.asarray(s, np.float32)[..., None]).astype(dtype)

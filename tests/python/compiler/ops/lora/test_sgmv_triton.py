@@ -105,7 +105,7 @@ def _int8_case(rng, dtype, S, K, widths, mods, R, M=4):
     b_off)."""
     from mlc_lora.compiler_passes.ops.lora.reference import int8_rows_as_model_ref
     from mlc_lora.contract import INT8_ROW_ALIGN
-    from mlc_lora.lora.layout import quantize_rows
+    from mlc_lora.lora.layout import int8_row_bytes
 
     eb = np.dtype(dtype).itemsize
     lead, step = INT8_ROW_ALIGN // eb, -(-(INT8_ROW_ALIGN // eb + max(K, *widths)) // 8) * 8
@@ -125,11 +125,9 @@ def _int8_case(rng, dtype, S, K, widths, mods, R, M=4):
         for offs, width in ((a_off, K), (b_off, widths[list(mods).index(m)])):
             offs[s, m, k] = next(places) * step + lead
             w = rng.standard_normal(width).astype(np.float32) * rng.uniform(0.1, 2)
-            q, sc = quantize_rows(w[None])
             at = (base + int(offs[s, m, k])) * eb
-            raw[at - INT8_ROW_ALIGN:at] = 0
-            raw[at - INT8_ROW_ALIGN:at - INT8_ROW_ALIGN + 4] = sc.view(np.uint8)
-            raw[at:at + width] = q[0].view(np.uint8)
+            row = int8_row_bytes(w[None])[0]
+            raw[at - INT8_ROW_ALIGN:at - INT8_ROW_ALIGN + row.size] = row
             rows.append((base + int(offs[s, m, k]), width))
     return arena, int8_rows_as_model_ref(arena, rows, INT8_ROW_ALIGN), base, rank, scale, a_off, b_off
 

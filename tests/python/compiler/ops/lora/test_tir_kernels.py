@@ -262,7 +262,7 @@ def test_sgmv_kernels_read_int8_rows(dtype):
     (int8_rows_as_model_ref) and the kernels on those values in the model dtype; each row stands
     for values within half a step of the float rows it was made from."""
     from mlc_lora.contract import INT8_ROW_ALIGN
-    from mlc_lora.lora.layout import quantize_rows, row_elems
+    from mlc_lora.lora.layout import int8_row_bytes, row_elems
 
     rng = np.random.default_rng(21)
     np_dt = np.dtype(dtype)
@@ -284,11 +284,9 @@ def test_sgmv_kernels_read_int8_rows(dtype):
                 offs[s, MOD, k] = next(ids) * page + lead + rng.integers(0, room // lead + 1) * lead
                 for l in range(L):
                     w = rng.standard_normal(width).astype(np.float32) * rng.uniform(0.01, 3)
-                    q, sc = quantize_rows(w[None])
                     at = (l * pages * page + int(offs[s, MOD, k])) * eb
-                    raw[at - INT8_ROW_ALIGN:at] = 0
-                    raw[at - INT8_ROW_ALIGN:at - INT8_ROW_ALIGN + 4] = sc.view(np.uint8)
-                    raw[at:at + width] = q[0].view(np.uint8)
+                    row = int8_row_bytes(w[None])[0]
+                    raw[at - INT8_ROW_ALIGN:at - INT8_ROW_ALIGN + row.size] = row
                     rows.append((l * pages * page + int(offs[s, MOD, k]), width))
                     floats.append(w)
     scale = rng.uniform(0.5, 2.0, (S, M)).astype(np.float32)
