@@ -70,17 +70,26 @@ def launch_tags(waits: bool, arch: str) -> list[str]:
     return ["blockIdx.x", "blockIdx.y", "threadIdx.x"] + pdl + ["tirx.use_dyn_shared_memory"]
 
 
+def compile_triton(fn, sig: dict, consts: dict, num_warps: int, arch: str, num_stages: int = 3):
+    """Triton's compiled kernel of `fn` (its `asm` holds the PTX and the cubin), uncached: what
+    compile_kernel builds, for inspecting the code (scripts/triton_ptx.py)."""
+    from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
+    from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
+
+    global _HAS_WAIT  # pylint: disable=global-statement  (read by wait_for_producers as Triton compiles)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
+             if sig[k].startswith("*") or k in _DIVISIBLE}
+    cap = kernel_attrs.sm_version(arch)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    _HAS_WAIT = tl.constexpr(cap >= kernel_attrs.PDL_MIN_SM)
+    return triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32),
+                                   options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, source: Path, num_stages: int = 3):
     """(kernel name, cubin, metadata) of `fn` built with `consts` (num_stages: the software
     pipeline's depth, Triton's default 3); cached on disk by the content of `source` (the file
     holding fn), the signature, the constants, the launch options, the arch and Triton's version."""
-    from triton.backends.compiler import GPUTarget  # pylint: disable=import-outside-toplevel
-    from triton.compiler import ASTSource  # pylint: disable=import-outside-toplevel
-
-    names = list(sig)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(names)
-             if sig[k].startswith("*") or k in _DIVISIBLE}
-    global _HAS_WAIT  # pylint: disable=global-statement  (read by wait_for_producers as Triton compiles)
     cap = kernel_attrs.sm_version(arch)
     key = hashlib.sha256(json.dumps([Path(source).read_text(), Path(__file__).read_text(), fn.__name__, sig,
                                      consts, num_warps, num_stages, arch, triton.__version__]).encode()).hexdigest()[:24]
@@ -89,9 +98,7 @@ def compile_kernel(fn, sig: dict, consts: dict, num_warps: int, arch: str, sourc
         meta = json.loads(out.with_suffix(".json").read_text())
         _check_shared(meta, cap, consts)
         return meta["name"], out.with_suffix(".cubin").read_bytes(), meta
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    _HAS_WAIT = tl.constexpr(cap >= kernel_attrs.PDL_MIN_SM)
-    k = triton.compiler.compile(src, target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    k = compile_triton(fn, sig, consts, num_warps, arch, num_stages)
     md = k.metadata
     if md.global_scratch_size or getattr(md, "profile_scratch_size", 0) or md.num_ctas != 1:
         raise RuntimeError(f"{md.name}: the Triton kernel needs scratch memory or clusters; unsupported")
